@@ -1,0 +1,275 @@
+"""Everything that reads device memory: limits, device facts, peaks, OOM detection, tensor accounting.
+
+Two sources of truth:
+
+- :class:`TensorLedger` counts the bytes of live tensor storages as operations create them (a
+  ``TorchDispatchMode``) and raises ``torch.OutOfMemoryError`` as soon as an operation takes the
+  count past its limit; the outputs of that operation are freed as the error unwinds. It works on
+  every device, including ``meta`` (where it gives exact estimates at no cost), and is how a memory
+  limit is enforced on CPU, where no graceful out-of-memory error exists, and how tests mock a limit.
+- On CUDA, the caching allocator's own statistics (``max_memory_reserved``) add what the tensor count
+  cannot see: block rounding, cached segments and fragmentation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import platform
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .units import format_bytes
+
+__all__ = [
+    "DeviceMemory",
+    "TensorLedger",
+    "cuda_memory_fraction",
+    "default_headroom",
+    "device_memory",
+    "is_out_of_memory",
+]
+
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes.
+CUDA_BLOCK = 512
+
+# Default headroom per device kind. CUDA: the allocator's caching and fragmentation and the
+# cuDNN/cuBLAS workspaces vary by a few to ~15 % between runs; 10 % keeps clear of them. CPU: the
+# count is exact, the headroom only absorbs inputs larger than those probed.
+_HEADROOM = {"cuda": 0.10, "cpu": 0.05}
+
+# Messages of out-of-memory errors raised as a plain RuntimeError (matched only when the type is not
+# torch.OutOfMemoryError):
+_OOM_MESSAGES = (
+    "DefaultCPUAllocator: can't allocate memory",  # CPU allocator
+    "CUDA out of memory",  # CUDA allocator, older releases
+    "CUDA error: out of memory",  # a kernel launch or the driver
+    "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS workspace
+    "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN workspace
+    "MPS backend out of memory",  # Apple MPS
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error (by type, else by a known backend message)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+
+
+def default_headroom(device: torch.device) -> float:
+    """The default fraction of the limit kept free: 0.10 on CUDA, 0.05 on CPU, else 0.10."""
+    return _HEADROOM.get(device.type, 0.10)
+
+
+class _Entry:
+    __slots__ = ("nbytes", "ref")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.ref: Any = None
+
+
+class TensorLedger(TorchDispatchMode):
+    """Counts live tensor bytes on one device type as operations allocate them.
+
+    Use it as a context manager around the code to measure; call :meth:`track` first for tensors
+    that already exist (parameters, buffers, gradients, optimizer state, the batch).
+
+    Args:
+        device_type: only storages on this device type count (``"cpu"``, ``"cuda"``, ``"meta"``).
+        limit: raise ``torch.OutOfMemoryError`` when the count passes this many bytes.
+        block: round every storage up to a multiple of this (512 to mimic the CUDA allocator).
+
+    Attributes:
+        live: bytes counted now.
+        peak: the most bytes counted at once.
+    """
+
+    def __init__(self, device_type: str, *, limit: int | None = None, block: int = 1) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.limit = limit
+        self.block = max(1, block)
+        self.live = 0
+        self.peak = 0
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def _size(self, nbytes: int) -> int:
+        return -(-nbytes // self.block) * self.block
+
+    def _add(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            return
+        size = self._size(storage.nbytes())
+        entry = self._entries.get(storage)
+        if entry is None:
+            entry = _Entry(size)
+
+            def release(_ref: Any, entry: _Entry = entry, ledger: Any = weakref.ref(self)) -> None:
+                owner = ledger()
+                if owner is not None:
+                    owner.live -= entry.nbytes
+
+            # Keep the weakref alive with the entry: its callback fires when the storage dies.
+            entry.ref = weakref.ref(storage, release)
+            self._entries[storage] = entry
+            self.live += size
+        elif entry.nbytes != size:  # resized in place (e.g. an out= argument)
+            self.live += size - entry.nbytes
+            entry.nbytes = size
+        self.peak = max(self.peak, self.live)
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors that exist already (each storage once, however many views share it)."""
+        for t in tensors:
+            self._add(t)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._add, out)
+        if self.limit is not None and self.live > self.limit:
+            live = self.live
+            del out  # free the outputs before unwinding
+            raise torch.OutOfMemoryError(
+                f"autotune memory budget exceeded: {format_bytes(live)} of tensors would be live on "
+                f"{self.device_type}, the budget is {format_bytes(self.limit)} ({func})"
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a device has.
+
+    Attributes:
+        device: e.g. ``"cuda:0"`` or ``"cpu"``.
+        name: e.g. ``"NVIDIA H200"``.
+        total: bytes of memory.
+        free: bytes free now (CUDA: the driver's view; CPU: psutil's ``available``).
+        other_processes: bytes other processes hold on the device (CUDA with NVML only), else None.
+    """
+
+    device: str
+    name: str
+    total: int
+    free: int
+    other_processes: int | None = None
+
+
+def _nvml_other_processes(index: int) -> int | None:
+    """Bytes that other processes hold on CUDA device ``index``, via NVML; None when unknown."""
+    try:
+        import pynvml  # nvidia-ml-py: imported only when a CUDA device is asked about
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            props = torch.cuda.get_device_properties(index)
+            bus_id = getattr(props, "pci_bus_id", None)
+            if bus_id is not None:
+                pci = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+                handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci)
+            else:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            me = os.getpid()
+            return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid != me)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing from the driver, no permission, a container: unknown
+        return None
+
+
+def device_memory(device: torch.device | str) -> DeviceMemory:
+    """Facts about ``device``'s memory (CUDA via torch and NVML; CPU via psutil)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(index)
+        return DeviceMemory(
+            device=f"cuda:{index}",
+            name=torch.cuda.get_device_name(index),
+            total=int(total),
+            free=int(free),
+            other_processes=_nvml_other_processes(index),
+        )
+    if device.type == "cpu":
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return DeviceMemory(
+            device="cpu",
+            name=platform.processor() or platform.machine() or "cpu",
+            total=int(vm.total),
+            free=int(vm.available),
+        )
+    raise ValueError(
+        f"Cannot read the memory of device {str(device)!r}: pass memory_limit= (e.g. '16GiB')"
+    )
+
+
+def default_limit(device: torch.device, held: int) -> int:
+    """The memory the training may use when no limit is given.
+
+    ``held`` is what the training already holds on the device (model, gradients, optimizer state),
+    which the free figure no longer includes. On CUDA the allocator's reserved cache counts as
+    available too: it is this process's memory.
+    """
+    if device.type == "cuda":
+        facts = device_memory(device)
+        return facts.free + int(torch.cuda.memory_reserved(device))
+    return device_memory(device).free + held
+
+
+@contextlib.contextmanager
+def cuda_memory_fraction(device: torch.device, limit: int | None) -> Iterator[None]:
+    """Cap this process's CUDA allocator at ``limit`` bytes, restoring the old cap afterwards."""
+    if device.type != "cuda" or limit is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    old = torch.cuda.get_per_process_memory_fraction(device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(old, device)
+
+
+def release_cached(device: torch.device) -> None:
+    """Free unreachable tensors (and, on CUDA, the allocator's cache) between trials."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: torch.device) -> int:
+    """Start a CUDA peak measurement; returns the allocator's retry count so far (0 elsewhere)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def allocator_peak(device: torch.device) -> tuple[int, int]:
+    """CUDA: (peak reserved bytes since :func:`reset_peak`, allocator retries); (0, 0) elsewhere."""
+    if device.type != "cuda":
+        return 0, 0
+    torch.cuda.synchronize(device)
+    stats = torch.cuda.memory_stats(device)
+    return int(torch.cuda.max_memory_reserved(device)), int(stats.get("num_alloc_retries", 0))

@@ -1,0 +1,272 @@
+"""``autotune.plan``: probe the device, then derive micro-batch, accumulation, LR and BN momentum."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import NothingFits
+from .memory import cuda_memory_fraction, default_headroom, default_limit
+from .plans import Plan, window_layout
+from .probe import Snapshot, Workload, probe, sample_batch
+from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, lr_scale, warmup_steps
+from .step import LossFn, default_loss, normalize_precision
+from .units import format_bytes, parse_bytes
+
+__all__ = ["plan"]
+
+
+def _check_target(target_batch: Any) -> int:
+    if isinstance(target_batch, bool) or not isinstance(target_batch, int):
+        raise TypeError(
+            f"Invalid target_batch {target_batch!r} ({type(target_batch).__name__}): "
+            "give the number of samples per optimizer step as an int, e.g. target_batch=256"
+        )
+    if target_batch < 1:
+        raise ValueError(
+            f"Invalid target_batch {target_batch!r}: it must be at least 1 sample per optimizer step"
+        )
+    return target_batch
+
+
+def _resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(
+            f"Invalid model {type(model).__name__}: it has no parameters, so there is nothing to "
+            "train; pass the module that owns the trainable weights"
+        )
+    model_device = params[0].device
+    if device is None:
+        resolved = model_device
+    else:
+        resolved = torch.device(device)
+        if resolved.type == "cuda" and resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.type == "cuda" and model_device.type == "cuda" and model_device.index is None:
+        model_device = torch.device("cuda", torch.cuda.current_device())
+    if model_device != resolved:
+        raise ValueError(
+            f"Invalid device {str(resolved)!r}: the model's parameters are on {str(model_device)!r}; "
+            f"move the model first (model.to({str(resolved)!r})) or leave device=None"
+        )
+    return resolved
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world_size) of an initialised process group, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree_min(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over all ranks (all ranks must run the same micro-batch)."""
+    dist = torch.distributed
+    backend = dist.get_backend()
+    where = device if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.long, device=where)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _bn_base_momentum(model: nn.Module) -> float | None:
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is not None:
+            return float(m.momentum)
+    return None
+
+
+def _base_lr(optimizer: torch.optim.Optimizer) -> float:
+    lr = optimizer.param_groups[0].get("lr")
+    if lr is None:
+        raise ValueError(
+            f"Invalid optimizer {type(optimizer).__name__}: its first param group has no 'lr'; "
+            "pass lr_rule='none'"
+        )
+    return float(lr)
+
+
+def _steps_per_epoch(loader: Iterable[Any], base_batch: int, effective: int) -> int | None:
+    try:
+        samples = len(loader.dataset)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        try:
+            samples = len(loader) * base_batch  # type: ignore[arg-type]
+        except TypeError:
+            return None
+    return max(1, math.ceil(samples / effective))
+
+
+def plan(
+    model: nn.Module,
+    loader: Iterable[Any],
+    *,
+    target_batch: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    device: torch.device | str | None = None,
+    memory_limit: int | str | None = None,
+    headroom: float | None = None,
+    lr_rule: str = "auto",
+    base_batch: int | None = None,
+    precision: str | None = None,
+    verify: bool = True,
+    estimate: bool = True,
+    max_probe_batches: int = 8,
+) -> Plan:
+    """Find the largest micro-batch that fits and plan training at ``target_batch`` samples per step.
+
+    The probe runs the real training step (micro-step, optimizer step, micro-step) on real samples
+    of ``loader`` resized to each candidate micro-batch, after an exact estimate on the meta device.
+    Afterwards the model's parameters, buffers and gradients, the optimizer's state and the RNG
+    states are bitwise what they were, whatever happened.
+
+    Args:
+        model: the module to train; its parameters must already be on ``device``.
+        loader: a re-iterable of batches (a ``DataLoader`` or a list): a tensor, a tuple/list or a
+            dict of tensors with the batch in dim 0. The first ``max_probe_batches`` batches are
+            looked at; the one with the most elements per sample is probed (repeated along dim 0
+            when a larger micro-batch is needed).
+        target_batch: samples per optimizer step, over all ranks. The plan reaches it exactly.
+        optimizer: the optimizer to train with (default: ``AdamW(lr=1e-3)`` over the parameters).
+        loss_fn: ``loss_fn(model, batch) -> scalar``, the batch's mean loss (default: see
+            :func:`autotune.step.default_loss`).
+        device: where to probe (default: the device of the model's parameters).
+        memory_limit: bytes (int) or a size such as ``"24GiB"``, counting everything the training
+            holds on the device. Enforced while probing (CPU and CUDA, by counting tensor bytes as
+            they are allocated; on CUDA also with ``set_per_process_memory_fraction``). Default:
+            what the device has (CUDA: free memory plus this process's cache; CPU: available
+            memory plus what the model and optimizer already hold).
+        headroom: fraction of the limit kept free (default 0.10 on CUDA, 0.05 on CPU); 0 allowed.
+        lr_rule: ``"auto"`` (by optimizer class: SGD linear, Adam family sqrt), ``"linear"``,
+            ``"sqrt"`` or ``"none"``.
+        base_batch: the batch size the optimizer's learning rate was tuned at (default: the
+            loader's batch size).
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast).
+        verify: False gives an estimate-only plan (no real step; ``plan.verified`` is False).
+        estimate: False skips the meta estimate and searches with real trials only.
+        max_probe_batches: how many batches of ``loader`` to look at for the worst case.
+
+    Returns:
+        A frozen :class:`Plan`.
+
+    Raises:
+        TypeError / ValueError: bad arguments; the message names the value and the fix.
+        NothingFits: even a micro-batch of one sample exceeds the budget.
+
+    Example:
+        >>> plan = autotune.plan(model, loader, target_batch=256, memory_limit="4GiB")  # doctest: +SKIP
+        >>> plan.micro_batch, plan.accumulation_steps  # doctest: +SKIP
+        (64, 4)
+    """
+    target_batch = _check_target(target_batch)
+    device = _resolve_device(model, device)
+    precision_name = normalize_precision(precision)
+    if lr_rule not in LR_RULES:
+        raise ValueError(f"Invalid lr_rule {lr_rule!r}: use one of {', '.join(map(repr, LR_RULES))}")
+    if headroom is None:
+        headroom = default_headroom(device)
+    if not (isinstance(headroom, (int, float)) and 0.0 <= headroom < 1.0):
+        raise ValueError(f"Invalid headroom {headroom!r}: give a fraction in [0, 1), e.g. 0.1")
+    if base_batch is not None and (isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1):
+        raise ValueError(f"Invalid base_batch {base_batch!r}: give a positive int, the batch your LR was tuned at")
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rank, world_size = _world()
+    window_layout(target_batch, 1, world_size)  # target_batch >= world_size, with a clear error
+
+    # The snapshot comes first: looking at the loader draws from the RNG (shuffling).
+    snapshot = Snapshot(model, optimizer)
+    try:
+        batch, first_size, _ = sample_batch(loader, max_batches=max_probe_batches)
+        work = Workload(
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn or default_loss,
+            batch=batch,
+            device=device,
+            precision=precision_name,
+        )
+        held = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in work.held_tensors()}.values())
+        if limit is None:
+            limit = default_limit(device, held)
+        budget = int(limit * (1.0 - headroom))
+        upper = math.ceil(target_batch / world_size)
+        with cuda_memory_fraction(device, limit if memory_limit is not None else None):
+            found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
+    finally:
+        snapshot.restore()
+
+    if found.batch_size == 0:
+        needed = max([found.peak] + [t.peak_memory for t in work.trials if t.batch_size == 1])
+        raise NothingFits(
+            f"Even micro_batch=1 needs {'at least ' if not any(t.estimate for t in work.trials) else ''}"
+            f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit "
+            f"{format_bytes(limit)} less {headroom:.0%} headroom): try precision='bf16', a smaller "
+            "model, activation checkpointing (torch.utils.checkpoint), or a larger memory_limit",
+            needed=needed,
+            budget=budget,
+            limit=limit,
+        )
+    max_micro = found.batch_size
+    notes = list(work.notes)
+    if world_size > 1:
+        agreed = _agree_min(max_micro, device)
+        if agreed < max_micro:
+            notes.append(f"another rank fits only {agreed} samples per micro-batch; all ranks use it")
+        max_micro = agreed
+
+    layout = window_layout(target_batch, max_micro, world_size)
+    micro_batches = layout[rank]
+    accumulation_steps = len(micro_batches)
+    if base_batch is None:
+        base_batch = getattr(loader, "batch_size", None) or first_size
+    rule = auto_lr_rule(c.__name__ for c in type(optimizer).__mro__) if lr_rule == "auto" else lr_rule
+    scale = lr_scale(target_batch / base_batch, rule)  # type: ignore[arg-type]
+    base_lr = _base_lr(optimizer)
+    betas = optimizer.param_groups[0].get("betas")
+    warmup = warmup_steps(
+        scale,
+        rule,  # type: ignore[arg-type]
+        beta2=float(betas[1]) if betas else None,
+        steps_per_epoch=_steps_per_epoch(loader, base_batch, target_batch),
+    )
+    bn = _bn_base_momentum(model)
+    bn_momentum = None if bn is None else adjusted_bn_momentum(bn, accumulation_steps)
+    if bn is not None and micro_batches[-1] < 16 and accumulation_steps > 1:
+        notes.append(
+            f"BatchNorm normalises over micro-batches of {micro_batches[-1]} samples (< 16): its "
+            "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs"
+        )
+    if rule != "none" and lr_rule == "auto" and scale != 1.0 and base_batch == first_size and getattr(loader, "batch_size", None) is None:
+        notes.append(f"base_batch taken from the first batch's size ({first_size}); pass base_batch= if your LR was tuned at another batch")
+    return Plan(
+        micro_batch=max(micro_batches),
+        accumulation_steps=accumulation_steps,
+        effective_batch=sum(map(sum, layout)),
+        world_size=world_size,
+        micro_batches=micro_batches,
+        max_micro_batch=max_micro,
+        lr=base_lr * scale,
+        base_lr=base_lr,
+        lr_scale=scale,
+        lr_rule=rule,
+        base_batch=base_batch,
+        warmup_steps=warmup,
+        bn_momentum=bn_momentum,
+        memory_limit=limit,
+        headroom=float(headroom),
+        peak_memory=found.peak,
+        device=str(device),
+        precision=precision_name,
+        verified=verify,
+        trials=tuple(work.trials),
+        notes=tuple(notes),
+    )

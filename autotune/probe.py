@@ -1,0 +1,350 @@
+"""Run trial training steps safely and drive the search for the largest micro-batch.
+
+A trial is the steady-state training step: micro-step, optimizer step, micro-step, without
+``zero_grad`` in between, so the last micro-step runs while gradients and optimizer state are
+live and a fresh gradient is being accumulated into them. Its peak is the peak of the whole
+sequence. Forward/backward alone under-counts.
+
+Estimates run the same step on ``meta`` copies of the model and optimizer (no data, no compute,
+exact tensor bytes); real trials run it on the device under the memory budget. Every real trial
+starts from, and every probe ends with, the model, optimizer and RNG states exactly as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import batches as B
+from .memory import (
+    CUDA_BLOCK,
+    TensorLedger,
+    allocator_peak,
+    is_out_of_memory,
+    release_cached,
+    reset_peak,
+)
+from .plans import Trial
+from .search import Measurement, SearchResult, largest_fitting
+from .step import LossFn, Precision, forward_backward
+
+__all__ = ["Snapshot", "Workload", "probe", "sample_batch"]
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+class Snapshot:
+    """Exactly what a trial can change, copied to CPU, and put back bitwise by :meth:`restore`.
+
+    Covers parameter values, buffers, ``.grad`` (None stays None; an existing gradient keeps its
+    tensor object), the optimizer's per-parameter state (same tensor objects, values restored;
+    entries the trial added are removed), its param-group settings, the modules' train/eval flags,
+    and the CPU and CUDA RNG states.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.params = _unique(
+            [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+        )
+        with torch.no_grad():
+            self.values = [p.detach().to("cpu", copy=True) for p in self.params]
+            self.grads = [
+                None if p.grad is None else (p.grad, p.grad.detach().to("cpu", copy=True))
+                for p in self.params
+            ]
+            self.buffers = [(b, b.detach().to("cpu", copy=True)) for b in _unique(model.buffers())]
+            self.state = {
+                p: {k: self._save(v) for k, v in s.items()} for p, s in optimizer.state.items()
+            }
+        self.groups = [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ]
+        self.opt_called = optimizer.__dict__.get("_opt_called", _MISSING)
+        self.training = [(m, m.training) for m in model.modules()]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    @staticmethod
+    def _save(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (value, value.detach().to("cpu", copy=True))
+        return copy.deepcopy(value)
+
+    def restore(self) -> None:
+        """Put everything back as it was when the snapshot was taken."""
+        opt = self.optimizer
+        with torch.no_grad():
+            for p, v in zip(self.params, self.values):
+                p.copy_(v)
+            for p, g in zip(self.params, self.grads):
+                if g is None:
+                    p.grad = None
+                else:
+                    original, value = g
+                    original.copy_(value)
+                    p.grad = original
+            for b, v in self.buffers:
+                b.copy_(v)
+            for p in [p for p in opt.state if p not in self.state]:
+                del opt.state[p]
+            for p, saved in self.state.items():
+                restored = {}
+                for k, v in saved.items():
+                    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], torch.Tensor):
+                        restored[k] = v[0].copy_(v[1])
+                    else:
+                        restored[k] = copy.deepcopy(v)
+                opt.state[p] = restored
+        for group, saved_group in zip(opt.param_groups, self.groups):
+            params = group["params"]
+            group.clear()
+            group.update(copy.deepcopy(saved_group))
+            group["params"] = params
+        # LR schedulers mark the optimizer when it steps; the trial's steps must not count.
+        if self.opt_called is _MISSING:
+            opt.__dict__.pop("_opt_called", None)
+        else:
+            opt.__dict__["_opt_called"] = self.opt_called
+        for m, training in self.training:
+            m.training = training
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+_MISSING = object()
+
+
+def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, int, int]:
+    """Look at the first batches of ``loader`` and keep the worst case.
+
+    Returns:
+        ``(batch, first_batch_size, batches_seen)`` where ``batch`` is the batch with the most
+        elements per sample (the longest sequences when lengths vary).
+
+    Raises:
+        TypeError: ``loader`` is a one-shot iterator (probing would consume its samples).
+        ValueError: ``loader`` yields no batch, or a batch is malformed.
+    """
+    if iter(loader) is loader:
+        raise TypeError(
+            f"Invalid loader of type {type(loader).__name__}: it is a one-shot iterator, and probing "
+            "would consume samples of your epoch; pass a re-iterable such as a list of batches or "
+            "a torch.utils.data.DataLoader"
+        )
+    worst, worst_numel, first_size, seen = None, -1, 0, 0
+    for batch in loader:
+        size = B.batch_size(batch)
+        numel = B.per_sample_numel(batch)
+        if seen == 0:
+            first_size = size
+        if numel > worst_numel:
+            worst, worst_numel = batch, numel
+        seen += 1
+        if seen >= max_batches:
+            break
+    if seen == 0:
+        raise ValueError(
+            "Invalid loader: it yielded no batches; check the dataset is not empty and, with "
+            "drop_last=True, that it holds at least one full batch"
+        )
+    return worst, first_size, seen
+
+
+@dataclass
+class Workload:
+    """What a trial runs: the model, its optimizer, the loss and one worst-case batch."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    batch: Any
+    device: torch.device
+    precision: Precision = "fp32"
+    trials: list[Trial] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def held_tensors(self) -> Iterator[torch.Tensor]:
+        """Tensors the training holds between steps: parameters, buffers, grads, optimizer state."""
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                yield p.grad
+        for s in self.optimizer.state.values():
+            yield from (v for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def _trial_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    batch: Any,
+    device_type: str,
+    precision: Precision,
+) -> None:
+    model.train()
+    forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+    optimizer.step()
+    forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+
+
+class _MetaEstimator:
+    """Peak bytes of the trial step at any batch size, measured on meta copies (constant time)."""
+
+    def __init__(self, work: Workload) -> None:
+        self.work = work
+        memo: dict[int, Any] = {}
+        for p in work.model.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in work.model.buffers():
+            memo[id(b)] = torch.empty_like(b, device="meta")
+        self.model = copy.deepcopy(work.model, memo)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
+            for g in work.optimizer.param_groups
+        ]
+        self.optimizer = type(work.optimizer)(groups)
+        self.initial_state = {
+            memo[id(p)]: {
+                k: (torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) and v.device == p.device else copy.deepcopy(v))
+                for k, v in s.items()
+            }
+            for p, s in work.optimizer.state.items()
+        }
+        self.block = CUDA_BLOCK if work.device.type == "cuda" else 1
+        self.params = list(self.model.parameters())
+
+    def __call__(self, b: int) -> int:
+        work = self.work
+        batch = B.map_tensors(B.repeat_to(work.batch, b), lambda t: torch.empty_like(t, device="meta"))
+        for p in self.params:
+            p.grad = None
+        self.optimizer.state = defaultdict(dict, {p: dict(s) for p, s in self.initial_state.items()})
+        ledger = TensorLedger("meta", block=self.block)
+        ledger.track(self.model.parameters())
+        ledger.track(self.model.buffers())
+        ledger.track(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        ledger.track(_leaves(batch))
+        with ledger:
+            _trial_step(self.model, self.optimizer, work.loss_fn, batch, work.device.type, "fp32")
+        return ledger.peak
+
+
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    B.map_tensors(batch, found.append)
+    return found
+
+
+def probe(
+    work: Workload,
+    *,
+    upper: int,
+    budget: int,
+    snapshot: Snapshot,
+    verify: bool = True,
+    estimate: bool = True,
+    max_real: int = 8,
+) -> SearchResult:
+    """Find the largest micro-batch whose trial step fits ``budget`` bytes.
+
+    Args:
+        work: the workload; its ``trials`` and ``notes`` lists receive what happens.
+        upper: the largest size to try (the per-device target batch).
+        budget: bytes the step may use (the limit less the headroom).
+        snapshot: restores the workload's state after every real trial.
+        verify: run real trials (False: an estimate-only answer from the meta device).
+        estimate: use meta estimates (False: real trials only).
+        max_real: a bound on real trials.
+
+    Returns:
+        The search result; ``batch_size == 0`` when one sample does not fit.
+    """
+    estimator: Callable[[int], int] | None = None
+    if estimate:
+        try:
+            meta = _MetaEstimator(work)
+            start = time.perf_counter()
+            first = meta(1)  # fail here, not inside the search, if the model cannot run on meta
+            seconds = time.perf_counter() - start
+        except Exception as exc:  # ops without meta kernels, data-dependent shapes, custom optimizers
+            work.notes.append(
+                f"meta estimate unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
+                "real trials only"
+            )
+        else:
+            cache = {1: first}
+            work.trials.append(Trial(1, first, first <= budget, seconds, estimate=True))
+
+            def estimator(b: int) -> int:
+                if b not in cache:
+                    start = time.perf_counter()
+                    cache[b] = meta(b)
+                    work.trials.append(
+                        Trial(b, cache[b], cache[b] <= budget, time.perf_counter() - start, estimate=True)
+                    )
+                return cache[b]
+
+    if not verify:
+        if estimator is None:
+            raise RuntimeError("cannot estimate on the meta device; run with verify=True")
+        from .search import estimated_max
+
+        size, points = estimated_max(estimator, budget, upper)
+        return SearchResult(size, points.get(size, points.get(1, 0)), None, size)
+
+    def real(b: int) -> Measurement:
+        return _real_trial(work, b, budget, snapshot)
+
+    return largest_fitting(real, upper=upper, budget=budget, estimate=estimator, max_real=max_real)
+
+
+def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Measurement:
+    device = work.device
+    release_cached(device)
+    batch = B.to_device(B.repeat_to(work.batch, b), device)
+    ledger = TensorLedger(device.type, limit=budget, block=CUDA_BLOCK if device.type == "cuda" else 1)
+    ledger.track(work.held_tensors())
+    ledger.track(_leaves(batch))
+    retries = reset_peak(device)
+    start = time.perf_counter()
+    fits = True
+    try:
+        with ledger:
+            _trial_step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        fits = False
+        exc.__traceback__ = None  # drop the frames that hold the step's tensors
+    finally:
+        seconds = time.perf_counter() - start
+        del batch
+        snapshot.restore()
+        release_cached(device)
+    peak = ledger.peak
+    reserved, retries_after = allocator_peak(device)
+    peak = max(peak, reserved)
+    if device.type == "cuda" and fits:
+        # Fitting only after the allocator freed its cache and retried is fitting by luck.
+        fits = peak <= budget and retries_after == retries
+    work.trials.append(Trial(b, peak, fits, seconds, estimate=False))
+    return Measurement(fits, peak)

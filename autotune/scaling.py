@@ -1,0 +1,129 @@
+"""Learning-rate scaling rules, warm-up lengths and the BatchNorm momentum correction (pure).
+
+Notation: ``kappa = effective_batch / base_batch``, where ``base_batch`` is the batch the learning
+rate was tuned at.
+
+- ``"linear"``: ``lr * kappa`` (Goyal et al. 2017, *Accurate, Large Minibatch SGD*), for SGD.
+- ``"sqrt"``: ``lr * sqrt(kappa)`` (Malladi et al. 2022, *On the SDEs and Scaling Rules for Adaptive
+  Gradient Algorithms*), for Adam-family optimizers.
+- ``"none"``: keep the learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+__all__ = [
+    "LRRule",
+    "adjusted_bn_momentum",
+    "auto_lr_rule",
+    "lr_scale",
+    "warmup_steps",
+]
+
+LRRule = Literal["linear", "sqrt", "none"]
+LR_RULES: tuple[str, ...] = ("auto", "linear", "sqrt", "none")
+
+# Class names, lower case, matched against the optimizer's class and its bases.
+_LINEAR = {"sgd", "asgd"}
+_SQRT = {
+    "adam",
+    "adamw",
+    "adamax",
+    "nadam",
+    "radam",
+    "sparseadam",
+    "adagrad",
+    "adadelta",
+    "adafactor",
+    "rmsprop",
+}
+# Layer-wise trust-ratio optimizers normalise the update themselves; they rely on warm-up alone.
+_NONE = {"lars", "lamb", "lbfgs"}
+
+
+def auto_lr_rule(class_names: Iterable[str]) -> LRRule:
+    """Pick a scaling rule from an optimizer's class names (its own first, then its bases).
+
+    SGD-like optimizers get ``"linear"``, Adam-family and other adaptive ones ``"sqrt"``, LARS, LAMB
+    and L-BFGS ``"none"``; an optimizer autotune does not know also gets ``"none"``: we do not change
+    what we do not understand.
+
+    Example:
+        >>> auto_lr_rule(["AdamW", "Adam", "Optimizer", "object"])
+        'sqrt'
+    """
+    for name in class_names:
+        key = name.lower()
+        if key in _LINEAR:
+            return "linear"
+        if key in _SQRT:
+            return "sqrt"
+        if key in _NONE:
+            return "none"
+    return "none"
+
+
+def lr_scale(kappa: float, rule: LRRule) -> float:
+    """The factor to multiply every param group's learning rate by.
+
+    Args:
+        kappa: ``effective_batch / base_batch``; must be positive.
+        rule: ``"linear"``, ``"sqrt"`` or ``"none"``.
+
+    Example:
+        >>> lr_scale(4.0, "sqrt")
+        2.0
+    """
+    if not kappa > 0:
+        raise ValueError(f"Invalid kappa {kappa!r}: effective_batch / base_batch must be positive")
+    if rule == "linear":
+        return kappa
+    if rule == "sqrt":
+        return math.sqrt(kappa)
+    if rule == "none":
+        return 1.0
+    raise ValueError(f"Invalid lr_rule {rule!r}: use one of {', '.join(LR_RULES)}")
+
+
+def warmup_steps(
+    scale: float,
+    rule: LRRule,
+    *,
+    beta2: float | None = None,
+    steps_per_epoch: int | None = None,
+) -> int | None:
+    """Recommended linear warm-up length in optimizer steps, or ``None`` when none is needed.
+
+    Warm-up is recommended whenever the learning rate grows (``scale > 1``):
+
+    - ``"linear"`` (SGD): 5 epochs (Goyal et al. 2017); ``None`` if the epoch length is unknown.
+    - ``"sqrt"`` (Adam family): ``2 / (1 - beta2)`` steps (Ma and Yarats 2021), 2000 for
+      ``beta2=0.999``.
+    """
+    if scale <= 1.0:
+        return None
+    if rule == "linear":
+        return 5 * steps_per_epoch if steps_per_epoch else None
+    if rule == "sqrt":
+        return math.ceil(2.0 / (1.0 - (0.999 if beta2 is None else beta2)))
+    return None
+
+
+def adjusted_bn_momentum(momentum: float, accumulation_steps: int) -> float:
+    """BatchNorm momentum that keeps the per-optimizer-step decay of one big batch.
+
+    With ``k`` micro-batch forwards per optimizer step the running statistics decay by
+    ``(1 - m_k) ** k``; choosing ``m_k = 1 - (1 - m) ** (1 / k)`` makes that exactly ``1 - m``.
+
+    Example:
+        >>> round(adjusted_bn_momentum(0.1, 4), 6)
+        0.025996
+    """
+    if not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"Invalid BatchNorm momentum {momentum!r}: it must lie in [0, 1]")
+    if accumulation_steps < 1:
+        raise ValueError(f"Invalid accumulation_steps {accumulation_steps!r}: it must be at least 1")
+    return 1.0 - (1.0 - momentum) ** (1.0 / accumulation_steps)

@@ -1,0 +1,220 @@
+"""Find the largest micro-batch whose training step fits a memory budget (pure).
+
+Peak memory of a training step is close to a line in the batch size for fixed per-sample shapes:
+``peak(b) = fixed + b * per_sample``. The search uses that in two phases:
+
+1. **Estimates** (cheap, e.g. on the meta device): two estimates give the line, the line gives a
+   candidate, a few more estimates confirm the boundary (bisection where the line is off).
+2. **Real steps** (costly): the candidate is run for real. The real peak rescales the estimated
+   curve (``real(b) ~ ratio * estimate(b)``); with two real fits their own line is used. Each new
+   candidate is the largest batch the current model predicts to fit, kept strictly between the
+   largest real fit and the smallest real failure, so the bracket always shrinks. The search ends
+   when the model predicts nothing larger, when the bracket closes, or after ``max_real`` steps.
+
+Only a size that fitted in a real step is ever returned. Without estimates, the real phase starts
+from one sample and a second, larger size to get a line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Measurement", "SearchResult", "estimated_max", "largest_fitting"]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The outcome of running (or estimating) one step at one batch size.
+
+    Attributes:
+        fits: the step stayed within the budget.
+        peak: peak bytes; for a step that did not fit, the bytes seen when it stopped (a lower bound).
+    """
+
+    fits: bool
+    peak: int
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The answer of :func:`largest_fitting`.
+
+    Attributes:
+        batch_size: the largest size that fitted in a real step (0 when even 1 did not).
+        peak: its real peak bytes (for 0: the bytes seen when one sample failed).
+        smallest_failure: the smallest size seen to fail for real (None if none failed).
+        estimated: the size the estimates pointed to (None without estimates).
+    """
+
+    batch_size: int
+    peak: int
+    smallest_failure: int | None
+    estimated: int | None
+
+
+class _Curve:
+    """Piecewise-linear interpolation through known (batch, bytes) points; linear beyond them."""
+
+    def __init__(self, points: dict[int, int]) -> None:
+        self.xs = sorted(points)
+        self.points = points
+
+    def __call__(self, b: int) -> float:
+        pts, xs = self.points, self.xs
+        if b in pts:
+            return float(pts[b])
+        if len(xs) == 1:
+            return float(pts[xs[0]]) * b / xs[0]
+        below = [x for x in xs if x < b]
+        above = [x for x in xs if x > b]
+        if below and above:
+            x0, x1 = below[-1], above[0]
+        elif below:  # extrapolate with the widest span, less sensitive to small-batch noise
+            x0, x1 = xs[0], xs[-1]
+        else:
+            x0, x1 = xs[0], xs[1]
+        y0, y1 = pts[x0], pts[x1]
+        return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+
+
+def _largest_below(model: Callable[[int], float], budget: int, lo: int, hi: int) -> int:
+    """Largest b in [lo, hi] with model(b) <= budget, assuming model grows with b (lo if none)."""
+    if model(hi) <= budget:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if model(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def estimated_max(
+    estimate: Callable[[int], int], budget: int, upper: int, *, max_estimates: int = 24
+) -> tuple[int, dict[int, int]]:
+    """Largest ``b`` in ``[1, upper]`` whose estimated peak is within ``budget``.
+
+    Args:
+        estimate: peak bytes of one step at batch ``b`` (assumed to grow with ``b``).
+        budget: bytes available.
+        upper: the largest size worth considering.
+        max_estimates: a bound on calls to ``estimate``.
+
+    Returns:
+        ``(b, points)``: the size (0 if even one sample is over budget) and every estimate made.
+    """
+    points: dict[int, int] = {}
+
+    def est(b: int) -> int:
+        if b not in points:
+            points[b] = estimate(b)
+        return points[b]
+
+    if est(1) > budget:
+        return 0, points
+    if upper == 1:
+        return 1, points
+    lo, hi = 1, upper + 1  # est(lo) fits; hi is the smallest known failure (or past upper)
+    probe = min(upper, 16)
+    prev_width = None
+    while len(points) < max_estimates:
+        if est(probe) <= budget:
+            lo = probe
+        else:
+            hi = probe
+        width = hi - lo
+        if width <= 1:
+            break
+        guess = _largest_below(_Curve(points), budget, lo, hi - 1)
+        if guess == lo:
+            probe = lo + 1  # the line puts the boundary at lo: confirm with the neighbour
+        elif prev_width is not None and width > prev_width // 2:
+            probe = (lo + hi) // 2  # the line converges slowly here: bisect instead
+        else:
+            probe = guess
+        prev_width = width
+    return lo, points
+
+
+def largest_fitting(
+    real: Callable[[int], Measurement],
+    *,
+    upper: int,
+    budget: int,
+    estimate: Callable[[int], int] | None = None,
+    max_real: int = 8,
+) -> SearchResult:
+    """Largest batch size in ``[1, upper]`` whose real step fits ``budget``.
+
+    Args:
+        real: runs the real step at a batch size and says whether it fitted.
+        upper: never try more than this (e.g. the per-device target batch).
+        budget: bytes the step may use.
+        estimate: optional cheap peak estimate (bytes) for a batch size.
+        max_real: a bound on real steps.
+
+    Returns:
+        A :class:`SearchResult`; ``batch_size == 0`` means one sample did not fit.
+    """
+    if upper < 1:
+        raise ValueError(f"Invalid upper {upper!r}: it must be at least 1")
+    estimated: int | None = None
+    est_points: dict[int, int] = {}
+    if estimate is not None:
+        estimated, est_points = estimated_max(estimate, budget, upper)
+    fits_at: dict[int, int] = {}  # real fits: batch -> peak
+    lo, hi = 0, upper + 1  # lo: largest real fit; hi: smallest real failure (or past upper)
+    lo_fail_peak = 0
+    candidate = max(estimated or 1, 1)
+    for _ in range(max_real):
+        m = real(candidate)
+        if m.fits:
+            lo = candidate
+            fits_at[candidate] = m.peak
+        else:
+            hi = candidate
+            if candidate == 1:
+                lo_fail_peak = m.peak
+        if hi - lo <= 1:
+            break
+        nxt = _next_candidate(fits_at, est_points, budget, lo, hi, upper)
+        if nxt is None:
+            break
+        candidate = nxt
+    return SearchResult(
+        batch_size=lo,
+        peak=fits_at.get(lo, lo_fail_peak),
+        smallest_failure=hi if hi <= upper else None,
+        estimated=estimated,
+    )
+
+
+def _next_candidate(
+    fits_at: dict[int, int],
+    est_points: dict[int, int],
+    budget: int,
+    lo: int,
+    hi: int,
+    upper: int,
+) -> int | None:
+    """The next size to run for real, strictly between lo and hi, or None to stop."""
+    if not fits_at:
+        # Nothing fitted yet: the estimates were optimistic. Back off by a margin comparable to
+        # allocator overhead; a fit then calibrates the model.
+        return max(1, min(hi - 1, math.floor(hi * 0.85)))
+    if len(fits_at) >= 2:
+        model: Callable[[int], float] = _Curve(fits_at)
+    elif est_points:
+        b1 = next(iter(fits_at))
+        curve = _Curve(est_points)
+        ratio = fits_at[b1] / max(curve(b1), 1.0)
+        model = lambda b: ratio * curve(b)  # noqa: E731
+    else:
+        # One real point and no estimates: a second, larger point gives the line.
+        second = max(lo + 1, math.ceil(upper / 8), 2 * lo)
+        return min(second, hi - 1)
+    pred = _largest_below(model, budget, lo, hi - 1)
+    return pred if pred > lo else None
