@@ -85,7 +85,8 @@ class TensorLedger(TorchDispatchMode):
     that already exist (parameters, buffers, gradients, optimizer state, the batch).
 
     Args:
-        device_type: only storages on this device type count (``"cpu"``, ``"cuda"``, ``"meta"``).
+        device_type: only storages on this device type count (``"cpu"``, ``"cuda"``, ``"meta"``),
+            or on any of several, e.g. ``("meta", "cpu")``.
         limit: raise ``torch.OutOfMemoryError`` when the count passes this many bytes.
         block: round every storage up to a multiple of this (512 to mimic the CUDA allocator).
 
@@ -94,9 +95,11 @@ class TensorLedger(TorchDispatchMode):
         peak: the most bytes counted at once.
     """
 
-    def __init__(self, device_type: str, *, limit: int | None = None, block: int = 1) -> None:
+    def __init__(
+        self, device_type: str | tuple[str, ...], *, limit: int | None = None, block: int = 1
+    ) -> None:
         super().__init__()
-        self.device_type = device_type
+        self.device_types = (device_type,) if isinstance(device_type, str) else tuple(device_type)
         self.limit = limit
         self.block = max(1, block)
         self.live = 0
@@ -107,7 +110,7 @@ class TensorLedger(TorchDispatchMode):
         return -(-nbytes // self.block) * self.block
 
     def _add(self, t: torch.Tensor) -> None:
-        if t.device.type != self.device_type:
+        if t.device.type not in self.device_types:
             return
         try:
             storage = t.untyped_storage()
@@ -145,7 +148,7 @@ class TensorLedger(TorchDispatchMode):
             del out  # free the outputs before unwinding
             raise torch.OutOfMemoryError(
                 f"autotune memory budget exceeded: {format_bytes(live)} of tensors would be live on "
-                f"{self.device_type}, the budget is {format_bytes(self.limit)} ({func})"
+                f"{'/'.join(self.device_types)}, the budget is {format_bytes(self.limit)} ({func})"
             )
         return out
 

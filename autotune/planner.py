@@ -248,12 +248,11 @@ def plan(
     if rule != "none" and lr_rule == "auto" and scale != 1.0 and base_batch == first_size and getattr(loader, "batch_size", None) is None:
         notes.append(f"base_batch taken from the first batch's size ({first_size}); pass base_batch= if your LR was tuned at another batch")
     return Plan(
-        micro_batch=max(micro_batches),
+        micro_batch=max_micro,
         accumulation_steps=accumulation_steps,
         effective_batch=sum(map(sum, layout)),
         world_size=world_size,
         micro_batches=micro_batches,
-        max_micro_batch=max_micro,
         lr=base_lr * scale,
         base_lr=base_lr,
         lr_scale=scale,

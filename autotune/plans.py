@@ -47,12 +47,13 @@ class Plan:
     """How to train ``effective_batch`` samples per optimizer step on this device.
 
     Attributes:
-        micro_batch: the largest micro-batch the plan uses (``max(micro_batches)``).
-        accumulation_steps: micro-batches per optimizer step on each rank.
+        micro_batch: the largest micro-batch verified to fit; no micro-batch of the plan is larger.
+        accumulation_steps: micro-batches per optimizer step on each rank
+            (``ceil(per-rank share / micro_batch)``).
         effective_batch: samples per optimizer step over all ranks; always equals the target batch.
         world_size: number of data-parallel ranks.
-        micro_batches: the micro-batch sizes of one window on rank 0, e.g. ``(63, 63, 62, 62)``.
-        max_micro_batch: the largest micro-batch verified to fit (``>= micro_batch``).
+        micro_batches: the micro-batch sizes of one window on this rank, as even as possible,
+            e.g. ``(63, 63, 62, 62)`` for 250 samples with ``micro_batch=64``.
         lr: the learning rate to train with (``base_lr * lr_scale``; first param group).
         base_lr: the optimizer's learning rate before scaling (first param group).
         lr_scale: the factor applied to every param group's learning rate.
@@ -63,8 +64,8 @@ class Plan:
             the model has no BatchNorm with a numeric momentum.
         memory_limit: the limit in bytes.
         headroom: the fraction of the limit kept free.
-        peak_memory: peak bytes of a training step at ``max_micro_batch`` (real measurement unless
-            ``verified`` is False); an upper bound for ``micro_batch``.
+        peak_memory: peak bytes of a training step at ``micro_batch`` (a real measurement unless
+            ``verified`` is False).
         device: the device probed, e.g. ``"cuda:0"``.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         verified: False only for an estimate-only plan (``verify=False``): no step ran on the device.
@@ -77,7 +78,6 @@ class Plan:
     effective_batch: int
     world_size: int
     micro_batches: tuple[int, ...]
-    max_micro_batch: int
     lr: float
     base_lr: float
     lr_scale: float
@@ -117,7 +117,7 @@ class Plan:
             f"rule {self.lr_rule}, x{self.lr_scale:.4g})"
             + (f", warm-up {self.warmup_steps} steps" if self.warmup_steps else ""),
             f"bn_momentum={self.bn_momentum if self.bn_momentum is None else f'{self.bn_momentum:.6g}'}",
-            f"memory: peak {format_bytes(self.peak_memory)} at micro-batch {self.max_micro_batch}, "
+            f"memory: peak {format_bytes(self.peak_memory)} at micro-batch {self.micro_batch}, "
             f"limit {format_bytes(self.memory_limit)}, headroom {self.headroom:.0%} "
             f"on {self.device} ({self.precision})",
             f"trials: {sum(not t.estimate for t in self.trials)} real, "

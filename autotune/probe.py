@@ -223,11 +223,7 @@ class _MetaEstimator:
         ]
         self.optimizer = type(work.optimizer)(groups)
         self.initial_state = {
-            memo[id(p)]: {
-                k: (torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) and v.device == p.device else copy.deepcopy(v))
-                for k, v in s.items()
-            }
-            for p, s in work.optimizer.state.items()
+            memo[id(p)]: {k: _meta_state(v) for k, v in s.items()} for p, s in work.optimizer.state.items()
         }
         self.block = CUDA_BLOCK if work.device.type == "cuda" else 1
         self.params = list(self.model.parameters())
@@ -238,7 +234,9 @@ class _MetaEstimator:
         for p in self.params:
             p.grad = None
         self.optimizer.state = defaultdict(dict, {p: dict(s) for p, s in self.initial_state.items()})
-        ledger = TensorLedger("meta", block=self.block)
+        # Optimizers keep small state (Adam's step count) on the CPU whatever the device: it is
+        # device memory when the target is the CPU.
+        ledger = TensorLedger(("meta", "cpu") if work.device.type == "cpu" else "meta", block=self.block)
         ledger.track(self.model.parameters())
         ledger.track(self.model.buffers())
         ledger.track(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
@@ -246,6 +244,15 @@ class _MetaEstimator:
         with ledger:
             _trial_step(self.model, self.optimizer, work.loss_fn, batch, work.device.type, "fp32")
         return ledger.peak
+
+
+def _meta_state(value: Any) -> Any:
+    """An optimizer state entry for the meta copy: tensors on meta, scalars (step counts) on CPU."""
+    if not isinstance(value, torch.Tensor):
+        return copy.deepcopy(value)
+    if value.dim() == 0:  # optimizers read step counts with .item(), which meta cannot answer
+        return value.detach().to("cpu", copy=True)
+    return torch.empty_like(value, device="meta")
 
 
 def _leaves(batch: Any) -> list[torch.Tensor]:

@@ -146,6 +146,7 @@ def largest_fitting(
     budget: int,
     estimate: Callable[[int], int] | None = None,
     max_real: int = 8,
+    tolerance: float = 0.03,
 ) -> SearchResult:
     """Largest batch size in ``[1, upper]`` whose real step fits ``budget``.
 
@@ -155,6 +156,7 @@ def largest_fitting(
         budget: bytes the step may use.
         estimate: optional cheap peak estimate (bytes) for a batch size.
         max_real: a bound on real steps.
+        tolerance: stop once the largest fit is within this fraction of the smallest failure.
 
     Returns:
         A :class:`SearchResult`; ``batch_size == 0`` means one sample did not fit.
@@ -163,8 +165,14 @@ def largest_fitting(
         raise ValueError(f"Invalid upper {upper!r}: it must be at least 1")
     estimated: int | None = None
     est_points: dict[int, int] = {}
+    cached: Callable[[int], int] | None = None
     if estimate is not None:
         estimated, est_points = estimated_max(estimate, budget, upper)
+
+        def cached(b: int) -> int:
+            if b not in est_points:
+                est_points[b] = estimate(b)
+            return est_points[b]
     fits_at: dict[int, int] = {}  # real fits: batch -> peak
     lo, hi = 0, upper + 1  # lo: largest real fit; hi: smallest real failure (or past upper)
     lo_fail_peak = 0
@@ -178,9 +186,18 @@ def largest_fitting(
             hi = candidate
             if candidate == 1:
                 lo_fail_peak = m.peak
-        if hi - lo <= 1:
+        if hi - lo <= 1 or (lo and hi <= upper and hi - 1 - lo <= tolerance * lo):
             break
-        nxt = _next_candidate(fits_at, est_points, budget, lo, hi, upper)
+        if not fits_at:
+            # Nothing fitted yet: the estimates were optimistic. Back off once by a margin like
+            # allocator overhead, then halve.
+            candidate = max(1, math.floor(hi * 0.85) if hi == estimated else hi // 2)
+            continue
+        if not m.fits:
+            # The model overshot; its line is not to be trusted between lo and hi: bisect.
+            candidate = (lo + hi) // 2
+            continue
+        nxt = _predicted(fits_at, cached, budget, lo, hi, upper)
         if nxt is None:
             break
         candidate = nxt
@@ -192,29 +209,37 @@ def largest_fitting(
     )
 
 
-def _next_candidate(
+def _predicted(
     fits_at: dict[int, int],
-    est_points: dict[int, int],
+    estimate: Callable[[int], int] | None,
     budget: int,
     lo: int,
     hi: int,
     upper: int,
 ) -> int | None:
-    """The next size to run for real, strictly between lo and hi, or None to stop."""
-    if not fits_at:
-        # Nothing fitted yet: the estimates were optimistic. Back off by a margin comparable to
-        # allocator overhead; a fit then calibrates the model.
-        return max(1, min(hi - 1, math.floor(hi * 0.85)))
-    if len(fits_at) >= 2:
-        model: Callable[[int], float] = _Curve(fits_at)
-    elif est_points:
-        b1 = next(iter(fits_at))
-        curve = _Curve(est_points)
-        ratio = fits_at[b1] / max(curve(b1), 1.0)
-        model = lambda b: ratio * curve(b)  # noqa: E731
+    """The largest size the measurements predict to fit, strictly between lo and hi, or None.
+
+    With estimates, the real peak is modelled as an affine function of the estimate through the two
+    largest real fits (``real = a * estimate + c``: allocator overhead that grows with the batch
+    and overhead that does not), or as a ratio with one real fit. Without estimates, the two
+    largest real fits give a line in the batch size.
+    """
+    sizes = sorted(fits_at)[-2:]
+    model: Callable[[int], float]
+    if estimate is not None:
+        if len(sizes) == 2 and estimate(sizes[1]) > estimate(sizes[0]):
+            (b1, b2), (e1, e2) = sizes, (estimate(sizes[0]), estimate(sizes[1]))
+            a = (fits_at[b2] - fits_at[b1]) / (e2 - e1)
+            c = fits_at[b2] - a * e2
+            model = lambda b: a * estimate(b) + c  # noqa: E731
+        else:
+            b1 = sizes[-1]
+            ratio = fits_at[b1] / max(estimate(b1), 1)
+            model = lambda b: ratio * estimate(b)  # noqa: E731
+    elif len(sizes) == 2:
+        model = _Curve({b: fits_at[b] for b in sizes})
     else:
         # One real point and no estimates: a second, larger point gives the line.
-        second = max(lo + 1, math.ceil(upper / 8), 2 * lo)
-        return min(second, hi - 1)
+        return min(max(lo + 1, math.ceil(upper / 8), 2 * lo), hi - 1)
     pred = _largest_below(model, budget, lo, hi - 1)
     return pred if pred > lo else None

@@ -1,0 +1,108 @@
+"""Small models, data and an independent reference for the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from autotune.memory import TensorLedger
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def cnn_bn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(128, 10),
+    )
+
+
+class TinyTransformer(nn.Module):
+    """A two-layer causal-free token model returning logits of shape (batch, length, vocab)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def transformer() -> nn.Module:
+    return TinyTransformer()
+
+
+def data_for(name: str, *, batches: int = 4, batch: int = 32, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(batches):
+        if name == "mlp":
+            out.append((torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)))
+        elif name == "cnn":
+            out.append((torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)))
+        else:
+            tokens = torch.randint(0, 64, (batch, 24), generator=g)
+            out.append((tokens, torch.randint(0, 64, (batch, 24), generator=g)))
+    return out
+
+
+MODELS = {"mlp": mlp, "cnn": cnn_bn, "transformer": transformer}
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+}
+
+
+def reference_fits(model: nn.Module, make_opt, batch, size: int, budget: int) -> bool:
+    """Does one steady-state step at ``size`` stay within ``budget``? Written without autotune's probe.
+
+    Fresh copies of the model and optimizer; the step is micro-step, optimizer step, micro-step,
+    each micro-step a plain forward, cross-entropy and backward.
+    """
+    model = copy.deepcopy(model)
+    model.train()
+    opt = make_opt(model.parameters())
+    x, y = batch
+    index = torch.arange(size) % x.shape[0]
+    x, y = x[index], y[index]
+    ledger = TensorLedger("cpu", limit=budget)
+    ledger.track(list(model.parameters()) + list(model.buffers()) + [x, y])
+
+    def micro() -> None:
+        # One expression: the logits are not kept alive through backward (a loop that keeps them
+        # holds more memory than the step autotune runs).
+        loss = nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten())
+        loss.backward()
+
+    try:
+        with ledger:
+            micro()
+            opt.step()
+            micro()
+    except torch.OutOfMemoryError:
+        return False
+    return True
+
+
+def true_max(model: nn.Module, make_opt, batch, budget: int, upper: int) -> int:
+    """The largest size in [1, upper] that fits, by trying every size from 1 upwards."""
+    best = 0
+    for size in range(1, upper + 1):
+        if not reference_fits(model, make_opt, batch, size, budget):
+            break
+        best = size
+    return best
