@@ -35,7 +35,7 @@ from .plans import Trial
 from .search import Measurement, SearchResult, largest_fitting
 from .step import LossFn, Precision, forward_backward
 
-__all__ = ["Snapshot", "Workload", "probe", "sample_batch"]
+__all__ = ["Snapshot", "Workload", "estimate_peak", "probe", "sample_batch"]
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -259,6 +259,15 @@ def _leaves(batch: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     B.map_tensors(batch, found.append)
     return found
+
+
+def estimate_peak(work: Workload, batch_size: int) -> int:
+    """Peak bytes of one steady-state training step at ``batch_size``, estimated on the meta device.
+
+    Raises whatever the model raises on meta tensors (ops without meta kernels, data-dependent
+    shapes).
+    """
+    return _MetaEstimator(work)(batch_size)
 
 
 def probe(

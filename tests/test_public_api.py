@@ -1,0 +1,30 @@
+import subprocess
+import sys
+
+import autotune
+
+
+def test_all_is_sorted_and_complete():
+    assert autotune.__all__ == sorted(autotune.__all__)
+    for name in autotune.__all__:
+        assert hasattr(autotune, name), name
+    public = {n for n in vars(autotune) if not n.startswith("_") and callable(getattr(autotune, n))}
+    assert public <= set(autotune.__all__)
+
+
+def test_public_functions_have_docstrings():
+    for name in autotune.__all__:
+        obj = getattr(autotune, name)
+        if callable(obj):
+            assert obj.__doc__ and obj.__doc__.strip(), name
+
+
+def test_import_is_light():
+    # What `import autotune` loads beyond torch itself (which may load some of these on its own).
+    code = (
+        "import sys, torch; before = set(sys.modules); import autotune; "
+        "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in "
+        "('optuna', 'pynvml', 'psutil', 'tqdm', 'matplotlib', 'sqlalchemy')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
