@@ -6,19 +6,28 @@
 
 from __future__ import annotations
 
+from .accumulate import Micro, Window, accumulate
 from .errors import AutotuneError, NothingFits
-from .plans import Plan, Trial
+from .training import AutotuneWarning, FitResult, StepRecord, fit
 from .planner import plan
+from .plans import Plan, Trial
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutotuneError",
+    "AutotuneWarning",
+    "FitResult",
+    "Micro",
     "NothingFits",
     "Plan",
+    "StepRecord",
     "Trial",
+    "Window",
     "__version__",
+    "accumulate",
+    "fit",
     "format_bytes",
     "parse_bytes",
     "plan",

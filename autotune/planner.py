@@ -205,9 +205,10 @@ def plan(
         snapshot.restore()
 
     if found.batch_size == 0:
-        needed = max([found.peak] + [t.peak_memory for t in work.trials if t.batch_size == 1])
+        smallest = min(t.batch_size for t in work.trials)
+        needed = max([found.peak] + [t.peak_memory for t in work.trials if t.batch_size == smallest])
         raise NothingFits(
-            f"Even micro_batch=1 needs {'at least ' if not any(t.estimate for t in work.trials) else ''}"
+            f"Even micro_batch={smallest} needs {'at least ' if not any(t.estimate for t in work.trials) else ''}"
             f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit "
             f"{format_bytes(limit)} less {headroom:.0%} headroom): try precision='bf16', a smaller "
             "model, activation checkpointing (torch.utils.checkpoint), or a larger memory_limit",

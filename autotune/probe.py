@@ -32,10 +32,11 @@ from .memory import (
     reset_peak,
 )
 from .plans import Trial
-from .search import Measurement, SearchResult, largest_fitting
+from .errors import AutotuneError
+from .search import Measurement, SearchResult, estimated_max, largest_fitting
 from .step import LossFn, Precision, forward_backward
 
-__all__ = ["Snapshot", "Workload", "estimate_peak", "probe", "sample_batch"]
+__all__ = ["Snapshot", "Workload", "estimate_peak", "min_micro_batch", "probe", "sample_batch"]
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -261,6 +262,15 @@ def _leaves(batch: Any) -> list[torch.Tensor]:
     return found
 
 
+def min_micro_batch(model: nn.Module) -> int:
+    """The smallest micro-batch that can train: 2 when the model has BatchNorm, else 1.
+
+    BatchNorm in training mode cannot normalise a single value per channel (``BatchNorm1d`` on a
+    ``(1, C)`` input raises ``ValueError``), so models with it start at two samples.
+    """
+    return 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
+
+
 def estimate_peak(work: Workload, batch_size: int) -> int:
     """Peak bytes of one steady-state training step at ``batch_size``, estimated on the meta device.
 
@@ -295,20 +305,20 @@ def probe(
         The search result; ``batch_size == 0`` when one sample does not fit.
     """
     estimator: Callable[[int], int] | None = None
+    lower = min(min_micro_batch(work.model), upper)
+    reason = "estimate=False"
     if estimate:
         try:
             meta = _MetaEstimator(work)
             start = time.perf_counter()
-            first = meta(1)  # fail here, not inside the search, if the model cannot run on meta
+            first = meta(lower)  # fail here, not inside the search, if the model cannot run on meta
             seconds = time.perf_counter() - start
         except Exception as exc:  # ops without meta kernels, data-dependent shapes, custom optimizers
-            work.notes.append(
-                f"meta estimate unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
-                "real trials only"
-            )
+            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            work.notes.append(f"meta estimate unavailable ({reason}); real trials only")
         else:
-            cache = {1: first}
-            work.trials.append(Trial(1, first, first <= budget, seconds, estimate=True))
+            cache = {lower: first}
+            work.trials.append(Trial(lower, first, first <= budget, seconds, estimate=True))
 
             def estimator(b: int) -> int:
                 if b not in cache:
@@ -321,16 +331,17 @@ def probe(
 
     if not verify:
         if estimator is None:
-            raise RuntimeError("cannot estimate on the meta device; run with verify=True")
-        from .search import estimated_max
-
-        size, points = estimated_max(estimator, budget, upper)
-        return SearchResult(size, points.get(size, points.get(1, 0)), None, size)
+            raise AutotuneError(
+                f"Cannot estimate this model on the meta device ({reason}); run with verify=True "
+                "for real trials"
+            )
+        size, points = estimated_max(estimator, budget, upper, lower=lower)
+        return SearchResult(size, points.get(size, points[lower]), None, size)
 
     def real(b: int) -> Measurement:
         return _real_trial(work, b, budget, snapshot)
 
-    return largest_fitting(real, upper=upper, budget=budget, estimate=estimator, max_real=max_real)
+    return largest_fitting(real, upper=upper, budget=budget, estimate=estimator, lower=lower, max_real=max_real)
 
 
 def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Measurement:

@@ -93,18 +93,24 @@ def _largest_below(model: Callable[[int], float], budget: int, lo: int, hi: int)
 
 
 def estimated_max(
-    estimate: Callable[[int], int], budget: int, upper: int, *, max_estimates: int = 24
+    estimate: Callable[[int], int],
+    budget: int,
+    upper: int,
+    *,
+    lower: int = 1,
+    max_estimates: int = 24,
 ) -> tuple[int, dict[int, int]]:
-    """Largest ``b`` in ``[1, upper]`` whose estimated peak is within ``budget``.
+    """Largest ``b`` in ``[lower, upper]`` whose estimated peak is within ``budget``.
 
     Args:
         estimate: peak bytes of one step at batch ``b`` (assumed to grow with ``b``).
         budget: bytes available.
         upper: the largest size worth considering.
+        lower: the smallest size that can train (2 for models whose BatchNorm needs two samples).
         max_estimates: a bound on calls to ``estimate``.
 
     Returns:
-        ``(b, points)``: the size (0 if even one sample is over budget) and every estimate made.
+        ``(b, points)``: the size (0 if even ``lower`` is over budget) and every estimate made.
     """
     points: dict[int, int] = {}
 
@@ -113,12 +119,12 @@ def estimated_max(
             points[b] = estimate(b)
         return points[b]
 
-    if est(1) > budget:
+    if est(lower) > budget:
         return 0, points
-    if upper == 1:
-        return 1, points
-    lo, hi = 1, upper + 1  # est(lo) fits; hi is the smallest known failure (or past upper)
-    probe = min(upper, 16)
+    if upper == lower:
+        return lower, points
+    lo, hi = lower, upper + 1  # est(lo) fits; hi is the smallest known failure (or past upper)
+    probe = min(upper, max(16, lower + 1))
     prev_width = None
     while len(points) < max_estimates:
         if est(probe) <= budget:
@@ -145,38 +151,41 @@ def largest_fitting(
     upper: int,
     budget: int,
     estimate: Callable[[int], int] | None = None,
+    lower: int = 1,
     max_real: int = 8,
     tolerance: float = 0.03,
 ) -> SearchResult:
-    """Largest batch size in ``[1, upper]`` whose real step fits ``budget``.
+    """Largest batch size in ``[lower, upper]`` whose real step fits ``budget``.
 
     Args:
         real: runs the real step at a batch size and says whether it fitted.
         upper: never try more than this (e.g. the per-device target batch).
         budget: bytes the step may use.
         estimate: optional cheap peak estimate (bytes) for a batch size.
+        lower: the smallest size that can train (1, or 2 for BatchNorm on 2-d inputs).
         max_real: a bound on real steps.
         tolerance: stop once the largest fit is within this fraction of the smallest failure.
 
     Returns:
-        A :class:`SearchResult`; ``batch_size == 0`` means one sample did not fit.
+        A :class:`SearchResult`; ``batch_size == 0`` means even ``lower`` samples did not fit.
     """
     if upper < 1:
         raise ValueError(f"Invalid upper {upper!r}: it must be at least 1")
+    lower = min(max(1, lower), upper)
     estimated: int | None = None
     est_points: dict[int, int] = {}
     cached: Callable[[int], int] | None = None
     if estimate is not None:
-        estimated, est_points = estimated_max(estimate, budget, upper)
+        estimated, est_points = estimated_max(estimate, budget, upper, lower=lower)
 
         def cached(b: int) -> int:
             if b not in est_points:
                 est_points[b] = estimate(b)
             return est_points[b]
     fits_at: dict[int, int] = {}  # real fits: batch -> peak
-    lo, hi = 0, upper + 1  # lo: largest real fit; hi: smallest real failure (or past upper)
+    lo, hi = lower - 1, upper + 1  # lo: largest real fit (lower - 1: none); hi: smallest failure
     lo_fail_peak = 0
-    candidate = max(estimated or 1, 1)
+    candidate = max(estimated or lower, lower)
     for _ in range(max_real):
         m = real(candidate)
         if m.fits:
@@ -184,14 +193,14 @@ def largest_fitting(
             fits_at[candidate] = m.peak
         else:
             hi = candidate
-            if candidate == 1:
+            if candidate == lower:
                 lo_fail_peak = m.peak
-        if hi - lo <= 1 or (lo and hi <= upper and hi - 1 - lo <= tolerance * lo):
+        if hi - lo <= 1 or (fits_at and hi <= upper and hi - 1 - lo <= tolerance * lo):
             break
         if not fits_at:
             # Nothing fitted yet: the estimates were optimistic. Back off once by a margin like
             # allocator overhead, then halve.
-            candidate = max(1, math.floor(hi * 0.85) if hi == estimated else hi // 2)
+            candidate = max(lower, math.floor(hi * 0.85) if hi == estimated else (lo + hi) // 2)
             continue
         if not m.fits:
             # The model overshot; its line is not to be trusted between lo and hi: bisect.
@@ -202,7 +211,7 @@ def largest_fitting(
             break
         candidate = nxt
     return SearchResult(
-        batch_size=lo,
+        batch_size=lo if fits_at else 0,
         peak=fits_at.get(lo, lo_fail_peak),
         smallest_failure=hi if hi <= upper else None,
         estimated=estimated,

@@ -1,0 +1,405 @@
+"""``autotune.fit``: probe, plan, then train with exact gradient accumulation.
+
+The loop, top to bottom: for each window of ``target_batch`` samples, run its micro-batches
+(forward, weighted backward), then clip, step the optimizer (and the scheduler) once, and zero the
+gradients. Everything else here is setting up the plan and putting things back afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import batches as B
+from .accumulate import Count, Window, accumulate
+from .errors import NothingFits
+from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
+from .planner import _resolve_device, plan as make_plan
+from .probe import min_micro_batch
+from .plans import Plan, split_evenly
+from .scaling import adjusted_bn_momentum
+from .step import LossFn, autocast, default_loss, normalize_precision
+from .units import parse_bytes
+
+__all__ = ["AutotuneWarning", "FitResult", "StepRecord", "fit"]
+
+
+class AutotuneWarning(UserWarning):
+    """Something autotune changed while training (e.g. a smaller micro-batch after an OOM)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step.
+
+    Attributes:
+        step: 1-based optimizer step over the whole run.
+        epoch: 0-based epoch.
+        samples: samples in the window.
+        items: loss items in the window (samples, or what ``count`` returned).
+        loss: the exact mean loss over the window's items.
+        lr: the first param group's learning rate used for this step.
+        micro_batch: the largest micro-batch used for this window.
+        seconds: wall time of the step.
+    """
+
+    step: int
+    epoch: int
+    samples: int
+    items: int
+    loss: float
+    lr: float
+    micro_batch: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What :func:`fit` did.
+
+    Attributes:
+        plan: the plan trained with (its micro-batch is the final one, after any OOM retry).
+        history: one :class:`StepRecord` per optimizer step.
+    """
+
+    plan: Plan
+    history: tuple[StepRecord, ...]
+
+    @property
+    def samples(self) -> int:
+        """Samples trained on, over all steps."""
+        return sum(r.samples for r in self.history)
+
+
+@contextmanager
+def _scaled_lr(optimizer: torch.optim.Optimizer, scheduler: Any, scale: float) -> Iterator[None]:
+    """Multiply every param group's LR (and a scheduler's base LRs) by ``scale``; put them back."""
+    keys = ("lr", "initial_lr")
+    saved = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
+    base_lrs = list(getattr(scheduler, "base_lrs", []) or [])
+    for group in optimizer.param_groups:
+        for k in keys:
+            if k in group:
+                group[k] = group[k] * scale
+    if base_lrs:
+        scheduler.base_lrs = [lr * scale for lr in base_lrs]
+    try:
+        yield
+    finally:
+        for group, values in zip(optimizer.param_groups, saved):
+            group.update(values)
+        if base_lrs:
+            scheduler.base_lrs = base_lrs
+
+
+def _batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+@contextmanager
+def _bn_momentum(model: nn.Module, accumulation_steps: int, mode: str | None) -> Iterator[None]:
+    """Set each BatchNorm's momentum for ``accumulation_steps`` forwards per step; put them back."""
+    modules = _batchnorms(model)
+    saved = [m.momentum for m in modules]
+    if mode == "adjust":
+        for m in modules:
+            if m.momentum is not None:
+                m.momentum = adjusted_bn_momentum(float(m.momentum), accumulation_steps)
+    elif mode is not None:
+        raise ValueError(f"Invalid bn {mode!r}: use 'adjust' or None")
+    try:
+        yield
+    finally:
+        for m, momentum in zip(modules, saved):
+            m.momentum = momentum
+
+
+def _fit_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        resolved = torch.device(device)
+    else:
+        first = next(model.parameters(), None)
+        if first is not None and first.device.type != "cpu":
+            resolved = first.device
+        else:
+            resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _replan(plan: Plan, micro_batch: int) -> Plan:
+    share = sum(plan.micro_batches)
+    sizes = split_evenly(share, math.ceil(share / micro_batch))
+    return dataclasses.replace(
+        plan,
+        micro_batch=micro_batch,
+        accumulation_steps=len(sizes),
+        micro_batches=sizes,
+        notes=plan.notes + (f"out of memory while training: micro-batch lowered to {micro_batch}",),
+    )
+
+
+def fit(
+    model: nn.Module,
+    loader: Iterable[Any],
+    target_batch: int | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    epochs: int = 1,
+    max_steps: int | None = None,
+    device: torch.device | str | None = None,
+    memory_limit: int | str | None = None,
+    headroom: float | None = None,
+    precision: str | None = None,
+    clip_grad_norm: float | None = None,
+    lr_rule: str = "auto",
+    base_batch: int | None = None,
+    count: Count | None = None,
+    drop_last: bool = False,
+    scheduler: Any = None,
+    bn: str | None = "adjust",
+    progress: bool = True,
+    plan: Plan | None = None,
+    callback: Callable[[StepRecord], Any] | None = None,
+) -> FitResult:
+    """Probe the device, plan, and train ``target_batch`` samples per optimizer step, exactly.
+
+    Each optimizer step sees exactly ``target_batch`` samples (the last window of an epoch: what is
+    left, or nothing with ``drop_last=True``), cut into micro-batches that fit; micro-batch ``i``'s
+    mean loss is weighted by ``n_i / N`` (items in it over items in the window), so the gradient is
+    that of one big batch. The optimizer's learning rates are scaled by the plan for the run and put
+    back afterwards, and so are the BatchNorm momenta.
+
+    Args:
+        model: the module to train; it is moved to ``device``.
+        loader: a re-iterable of batches (as for :func:`autotune.plan`); one pass is one epoch.
+        target_batch: samples per optimizer step (required unless ``plan`` is given).
+        optimizer: default ``AdamW(lr=1e-3)`` over the model's parameters.
+        loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss over the batch's items
+            (default: see :func:`autotune.step.default_loss`). With ``count``, the mean over exactly
+            the items ``count`` counts.
+        epochs: passes over ``loader``.
+        max_steps: stop after this many optimizer steps.
+        device: default: the model's device if it is not the CPU, else CUDA when available.
+        memory_limit: as for :func:`autotune.plan`; also enforced while training (CUDA: the
+            allocator's cap; CPU: counting tensor bytes, which costs some speed).
+        headroom: as for :func:`autotune.plan`.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast; fp16 adds a
+            ``GradScaler``, unscaled once per window before clipping).
+        clip_grad_norm: clip the accumulated gradient's norm to this, once per window.
+        lr_rule: as for :func:`autotune.plan`.
+        base_batch: as for :func:`autotune.plan`.
+        count: ``count(batch) -> int``, loss items in a batch (e.g. non-padding tokens); default:
+            samples.
+        drop_last: drop each epoch's short last window.
+        scheduler: any torch LR scheduler; stepped once per optimizer step. Its base LRs are
+            scaled with the optimizer's for the run.
+        bn: ``"adjust"`` (default): BatchNorm momentum ``1 - (1 - m) ** (1 / k)`` for ``k``
+            micro-batches per step, so running statistics decay per step as with one big batch;
+            ``None``: leave BatchNorm alone.
+        progress: show a tqdm bar (samples/s, loss) when training takes more than a moment.
+        plan: use this plan instead of probing.
+        callback: called with each :class:`StepRecord`.
+
+    Returns:
+        A :class:`FitResult` with the plan (final micro-batch) and the per-step history.
+
+    Raises:
+        TypeError / ValueError: bad arguments.
+        NothingFits: not even one sample fits (while probing, or while training after OOMs).
+
+    Example:
+        >>> result = autotune.fit(model, loader, target_batch=256)  # doctest: +SKIP
+        >>> result.plan.accumulation_steps, result.history[-1].loss  # doctest: +SKIP
+    """
+    if plan is None and target_batch is None:
+        raise TypeError("fit() needs target_batch= (samples per optimizer step), or plan=")
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"Invalid epochs {epochs!r}: give a whole number >= 1")
+    if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
+        raise ValueError(f"Invalid max_steps {max_steps!r}: give a whole number >= 1, or None")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"Invalid clip_grad_norm {clip_grad_norm!r}: give a positive norm, or None")
+    if bn not in ("adjust", None):
+        raise ValueError(f"Invalid bn {bn!r}: use 'adjust' or None")
+    device = _fit_device(model, device)
+    precision_name = normalize_precision(precision)
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    model.to(device)
+    _resolve_device(model, device)  # the model has parameters, all on the device
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = loss_fn or default_loss
+    if plan is None:
+        plan = make_plan(
+            model, loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn,  # type: ignore[arg-type]
+            device=device, memory_limit=limit, headroom=headroom, lr_rule=lr_rule,
+            base_batch=base_batch, precision=precision_name,
+        )
+    elif target_batch is not None and target_batch != plan.effective_batch:
+        raise ValueError(
+            f"Invalid target_batch {target_batch!r}: the plan given trains {plan.effective_batch} "
+            "samples per step; leave target_batch out or make a new plan"
+        )
+
+    scaler = torch.amp.GradScaler(device.type) if precision_name == "fp16" else None
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    bns = _batchnorms(model)
+    history: list[StepRecord] = []
+    ledger = TensorLedger(device.type, limit=limit) if (limit is not None and device.type != "cuda") else None
+
+    from tqdm.auto import tqdm  # imported here: `import autotune` stays light
+
+    total_windows = None
+    try:
+        total_windows = epochs * math.ceil(len(loader.dataset) / plan.effective_batch)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+    if max_steps is not None:
+        total_windows = min(total_windows or max_steps, max_steps)
+    bar = tqdm(total=total_windows, unit="step", disable=not progress, delay=2.0, dynamic_ncols=True)
+
+    with ExitStack() as stack:
+        stack.enter_context(_scaled_lr(optimizer, scheduler, plan.lr_scale))
+        stack.enter_context(_bn_momentum(model, plan.accumulation_steps, bn))
+        stack.enter_context(cuda_memory_fraction(device, limit))
+        stack.callback(bar.close)
+        was_training = model.training
+        stack.callback(model.train, was_training)
+        if ledger is not None:
+            ledger.track(model.parameters())
+            ledger.track(model.buffers())
+            ledger.track(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        step = 0
+        for epoch in range(epochs):
+            if max_steps is not None and step >= max_steps:
+                break
+            for window in accumulate(loader, plan, count=count, drop_last=drop_last):
+                if max_steps is not None and step >= max_steps:
+                    break
+                if window.micro_batch > plan.micro_batch:  # lowered after an OOM earlier on
+                    window = window.with_micro_batch(plan.micro_batch)
+                start = time.perf_counter()
+                # The ledger (CPU with a limit) counts the window's tensors and the optimizer step.
+                with ledger if ledger is not None else _nothing():
+                    loss, window, plan = _run_window_with_retry(
+                        model, loss_fn, window, device, precision_name, scaler, optimizer, bns, plan
+                    )
+                    if scaler is not None:
+                        scaler.unscale_(optimizer)  # once per window, before clipping
+                    if clip_grad_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+                    lr = float(optimizer.param_groups[0]["lr"])
+                    if scaler is not None:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    if scheduler is not None:
+                        scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                step += 1
+                record = StepRecord(
+                    step=step, epoch=epoch, samples=window.samples, items=window.items,
+                    loss=float(loss), lr=lr, micro_batch=window.micro_batch,
+                    seconds=time.perf_counter() - start,
+                )
+                history.append(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record.loss:.4g}", samples_s=f"{record.samples / max(record.seconds, 1e-9):.0f}", refresh=False)
+                if callback is not None:
+                    callback(record)
+    return FitResult(plan=plan, history=tuple(history))
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _run_window_with_retry(
+    model: nn.Module,
+    loss_fn: LossFn,
+    window: Window,
+    device: torch.device,
+    precision: str,
+    scaler: torch.amp.GradScaler | None,
+    optimizer: torch.optim.Optimizer,
+    bns: list[nn.modules.batchnorm._BatchNorm],
+    plan: Plan,
+) -> tuple[torch.Tensor, Window, Plan]:
+    """Run a window; on out-of-memory, undo the attempt, halve the micro-batch and redo it.
+
+    Returns the window's mean loss, the window as finally cut, and the plan (updated if the
+    micro-batch was lowered). The GradScaler needs no undo: its scale only changes in ``update()``,
+    once per window, after this returns.
+    """
+    # BN buffers, to undo a failed attempt; they are small.
+    bn_saved = [[b.detach().clone() for b in m.buffers()] for m in bns]
+    while True:
+        try:
+            return _run_window(model, loss_fn, window, device, precision, scaler), window, plan
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            exc.__traceback__ = None  # drop the frames that hold the attempt's tensors
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, saved in zip(bns, bn_saved):
+                for b, value in zip(m.buffers(), saved):
+                    b.copy_(value)
+        release_cached(device)
+        floor = min_micro_batch(model)
+        if window.micro_batch <= floor:
+            raise NothingFits(
+                f"Out of memory while training at micro_batch={window.micro_batch}: a batch of the loader is larger "
+                "than anything the memory allows; shorten the longest samples, use "
+                "precision='bf16', or raise memory_limit",
+                needed=0,
+                budget=plan.budget,
+                limit=plan.memory_limit,
+            )
+        smaller = max(floor, window.micro_batch // 2)
+        warnings.warn(
+            f"Out of memory at micro_batch={window.micro_batch}; retrying the window with "
+            f"micro_batch={smaller}",
+            AutotuneWarning,
+            stacklevel=3,
+        )
+        plan = _replan(plan, smaller)
+        window = window.with_micro_batch(smaller)
+
+
+def _run_window(
+    model: nn.Module,
+    loss_fn: LossFn,
+    window: Window,
+    device: torch.device,
+    precision: str,
+    scaler: torch.amp.GradScaler | None,
+) -> torch.Tensor:
+    """Forward and backward every micro-batch of ``window``; returns the window's exact mean loss."""
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    for micro in window:
+        batch = B.to_device(micro.batch, device)
+        with autocast(device.type, precision):  # type: ignore[arg-type]
+            loss = loss_fn(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn returned {type(loss).__name__}: it must return the batch's mean loss as a scalar tensor")
+        weighted = loss * micro.weight
+        (scaler.scale(weighted) if scaler is not None else weighted).backward()
+        total += weighted.detach().to(torch.float64).reshape(())  # no sync: read once per step
+    return total
