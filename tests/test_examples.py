@@ -1,0 +1,29 @@
+"""The examples run as a user runs them, in a fresh process."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+pytest.importorskip("sklearn")
+
+
+def run(name):
+    return subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, check=True, timeout=300).stdout
+
+
+def test_quickstart_accumulates_and_learns():
+    out = run("quickstart.py")
+    steps = int(re.search(r"accumulation_steps=(\d+)", out).group(1))
+    assert steps > 1
+    assert "effective_batch=256" in out
+    assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.9
+
+
+def test_multitask_example_learns_both_heads():
+    out = run("multitask.py")
+    digit, parity = map(float, re.search(r"digit ([\d.]+), parity ([\d.]+)", out).groups())
+    assert digit > 0.85 and parity > 0.85
