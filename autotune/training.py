@@ -12,7 +12,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from .planner import _resolve_device, plan as make_plan
 from .probe import min_micro_batch
 from .plans import Plan, split_evenly
 from .scaling import adjusted_bn_momentum
-from .step import LossFn, autocast, default_loss, normalize_precision
+from .step import LossFn, Precision, default_loss, forward_backward, normalize_precision
 from .units import parse_bytes
 
 __all__ = ["AutotuneWarning", "FitResult", "StepRecord", "fit"]
@@ -294,7 +294,7 @@ def fit(
                     window = window.with_micro_batch(plan.micro_batch)
                 start = time.perf_counter()
                 # The ledger (CPU with a limit) counts the window's tensors and the optimizer step.
-                with ledger if ledger is not None else _nothing():
+                with ledger if ledger is not None else nullcontext():
                     loss, window, plan = _run_window_with_retry(
                         model, loss_fn, window, device, precision_name, scaler, optimizer, bns, plan
                     )
@@ -325,17 +325,12 @@ def fit(
     return FitResult(plan=plan, history=tuple(history))
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
 def _run_window_with_retry(
     model: nn.Module,
     loss_fn: LossFn,
     window: Window,
     device: torch.device,
-    precision: str,
+    precision: Precision,
     scaler: torch.amp.GradScaler | None,
     optimizer: torch.optim.Optimizer,
     bns: list[nn.modules.batchnorm._BatchNorm],
@@ -388,18 +383,15 @@ def _run_window(
     loss_fn: LossFn,
     window: Window,
     device: torch.device,
-    precision: str,
+    precision: Precision,
     scaler: torch.amp.GradScaler | None,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch of ``window``; returns the window's exact mean loss."""
     total = torch.zeros((), device=device, dtype=torch.float64)
     for micro in window:
         batch = B.to_device(micro.batch, device)
-        with autocast(device.type, precision):  # type: ignore[arg-type]
-            loss = loss_fn(model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn returned {type(loss).__name__}: it must return the batch's mean loss as a scalar tensor")
-        weighted = loss * micro.weight
-        (scaler.scale(weighted) if scaler is not None else weighted).backward()
-        total += weighted.detach().to(torch.float64).reshape(())  # no sync: read once per step
+        loss = forward_backward(
+            model, loss_fn, batch, weight=micro.weight, device_type=device.type, precision=precision, scaler=scaler
+        )
+        total += loss.to(torch.float64) * micro.weight  # no sync: read once per step
     return total

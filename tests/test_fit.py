@@ -13,12 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import autotune
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def mlp(seed=0):
