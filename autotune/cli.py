@@ -1,11 +1,368 @@
-"""The ``autotune`` command line: ``main(argv) -> int``."""
+"""The ``autotune`` command line: ``autotune report ...`` prints the recommended settings.
+
+``main(argv) -> int`` returns the exit code: 0 success, 1 nothing fits (with the numbers), 2 a usage
+error (with a one-line reason).
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import importlib.util
+import json
 import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "long", "int", "bool")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    print("autotune: the report command is not available yet", file=sys.stderr)
-    return 2
+class UsageError(Exception):
+    """A mistake on the command line: reported in one line, exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotune", description="Find the largest micro-batch that fits and plan gradient accumulation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser(
+        "report",
+        help="probe a model and print the recommended settings",
+        description="Probe MODEL on a device and print the micro-batch, accumulation steps, learning rate, "
+        "BatchNorm momentum, memory breakdown and trials, and the same settings for Lightning, "
+        "Accelerate, Transformers, DeepSpeed and Keras.",
+    )
+    r.add_argument("model", nargs="?", help="module:callable or path/file.py:callable returning an nn.Module (called with no arguments)")
+    r.add_argument("--demo", action="store_true", help="use the built-in demo model (a small CNN) and settings")
+    r.add_argument("--input-shape", action="append", metavar="SHAPE", help="per-sample input shape, e.g. 3,224,224; repeat for several inputs")
+    r.add_argument("--input-dtype", action="append", metavar="DTYPE", choices=_DTYPES, help="dtype of each input (default float32); long inputs are token ids")
+    r.add_argument("--vocab-size", type=int, default=2, metavar="N", help="long inputs are drawn from [0, N) (default 2)")
+    r.add_argument("--num-classes", type=int, metavar="C", help="class targets in [0, C) for cross-entropy (default: the model output's last dimension)")
+    r.add_argument("--regression", action="store_true", help="float targets shaped like the output, for mean squared error")
+    r.add_argument("--loader", metavar="SPEC", help="module:callable returning an iterable of real batches, instead of synthetic inputs")
+    r.add_argument("--target-batch", type=int, metavar="N", help="samples per optimizer step")
+    r.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu)")
+    r.add_argument("--memory-limit", metavar="SIZE", help="e.g. 24GiB (default: what the device has)")
+    r.add_argument("--headroom", type=float, metavar="FRACTION", help="fraction of the limit kept free (default 0.10 on CUDA, 0.05 on CPU)")
+    r.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adamw")
+    r.add_argument("--lr", type=float, default=None, help="the learning rate tuned at --base-batch (default 1e-3; 0.1 for sgd)")
+    r.add_argument("--base-batch", type=int, metavar="N", help="batch size --lr was tuned at (default 32)")
+    r.add_argument("--lr-rule", choices=("auto", "linear", "sqrt", "none"), default="auto")
+    r.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    out = r.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the plan, device facts and memory breakdown as JSON")
+    out.add_argument("--format", choices=("lightning", "accelerate", "hf", "deepspeed", "keras"), help="print only that framework's config")
+    r.add_argument("--plot", metavar="PNG", type=Path, help="plot peak memory against batch size (needs matplotlib)")
+    r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
+    return parser
+
+
+def _load_callable(spec: str, what: str) -> Callable[..., Any]:
+    if ":" not in spec:
+        raise UsageError(f"Invalid {what} {spec!r}: write module:callable or path/file.py:callable")
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py") or "/" in target:
+            path = Path(target)
+            if not path.exists():
+                raise UsageError(f"Invalid {what} {spec!r}: no file {target}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.path.insert(0, str(path.resolve().parent))
+            try:
+                module_spec.loader.exec_module(module)
+            finally:
+                sys.path.pop(0)
+        else:
+            module = importlib.import_module(target)
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise UsageError(f"Invalid {what} {spec!r}: importing {target} failed ({type(exc).__name__}: {exc})") from None
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        raise UsageError(f"Invalid {what} {spec!r}: {target} has no callable {name!r}")
+    return obj
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise UsageError(f"Invalid --input-shape {text!r}: give positive sizes separated by commas, e.g. 3,224,224")
+    return shape
+
+
+def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, list[Any], Callable[[Any, Any], Any] | None, dict[str, Any]]:
+    """Build (model, loader, loss_fn, description for the cache key) from the arguments."""
+    import torch
+    from torch import nn
+
+    from .step import _output_loss
+
+    if args.demo and not args.model:
+        from .demo import demo_model
+
+        model = demo_model()
+    elif args.model:
+        model = _load_callable(args.model, "MODEL")()
+    else:
+        raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"Invalid MODEL {args.model!r}: it returned {type(model).__name__}, not a torch.nn.Module")
+
+    if args.loader:
+        loader = list(_load_callable(args.loader, "--loader")())
+        if not loader:
+            raise UsageError(f"Invalid --loader {args.loader!r}: it yielded no batches")
+        return model, loader, None, {"loader": args.loader, "first": _describe(loader[0])}
+
+    shapes = [_shape(s) for s in (args.input_shape or [])]
+    if not shapes:
+        raise UsageError("Missing --input-shape: give the per-sample input shape (e.g. 3,224,224), or --loader")
+    dtypes = args.input_dtype or ["float32"]
+    if len(dtypes) == 1:
+        dtypes = dtypes * len(shapes)
+    if len(dtypes) != len(shapes):
+        raise UsageError(f"Invalid --input-dtype: {len(dtypes)} given for {len(shapes)} --input-shape; give one, or one per input")
+    g = torch.Generator().manual_seed(0)
+    inputs = []
+    for shape, name in zip(shapes, dtypes):
+        dtype = {"long": torch.long, "int": torch.int32}.get(name) or getattr(torch, name)
+        if dtype in (torch.long, torch.int32):
+            inputs.append(torch.randint(0, max(1, args.vocab_size), (base_batch, *shape), generator=g, dtype=dtype))
+        elif dtype == torch.bool:
+            inputs.append(torch.rand((base_batch, *shape), generator=g) > 0.5)
+        else:
+            inputs.append(torch.randn((base_batch, *shape), generator=g).to(dtype))
+
+    # One forward on a copy of the first sample tells what the output is and so which targets to make.
+    with torch.no_grad():
+        was_training = model.training
+        model.eval()
+        try:
+            out = model(*[t[:2] for t in inputs])
+        except Exception as exc:
+            raise UsageError(f"The model failed on inputs of shape {[tuple(t.shape[1:]) for t in inputs]} ({type(exc).__name__}: {exc}); check --input-shape and --input-dtype") from None
+        finally:
+            model.train(was_training)
+    describe = {"inputs": [[list(s), d] for s, d in zip(shapes, dtypes)], "vocab": args.vocab_size}
+    try:
+        _output_loss(out)
+        own_loss = not (isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2 and out.numel() > 1)
+    except TypeError:
+        own_loss = False
+    if own_loss and args.num_classes is None and not args.regression:
+        def loss_fn(model: Any, batch: Any) -> Any:
+            return _output_loss(model(*batch))
+
+        return model, [tuple(inputs)], loss_fn, {**describe, "targets": "own loss"}
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        raise UsageError("The model's output is neither a loss nor logits with a batch dimension: pass --loader with real batches")
+    if args.regression:
+        targets = torch.randn((base_batch, *out.shape[1:]), generator=g)
+
+        def loss_fn(model: Any, batch: Any) -> Any:
+            return nn.functional.mse_loss(model(*batch[:-1]), batch[-1])
+    else:
+        classes = args.num_classes or out.shape[-1]
+        if out.shape[-1] != classes:
+            raise UsageError(f"Invalid --num-classes {classes}: the model's output has {out.shape[-1]} logits in its last dimension")
+        targets = torch.randint(0, classes, (base_batch, *out.shape[1:-1]), generator=g)
+
+        def loss_fn(model: Any, batch: Any) -> Any:
+            logits = model(*batch[:-1])
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[-1].reshape(-1))
+
+    return model, [(*inputs, targets)], loss_fn, {**describe, "targets": [list(targets.shape[1:]), str(targets.dtype)]}
+
+
+def _describe(batch: Any) -> Any:
+    from . import batches as B
+
+    shapes: list[Any] = []
+    B.map_tensors(batch, lambda t: shapes.append([list(t.shape), str(t.dtype)]))
+    return shapes
+
+
+def _report(args: argparse.Namespace) -> int:
+    import torch
+
+    import autotune
+
+    from . import cache
+    from .demo import DEMO
+    from .memory import device_memory
+    from .probe import Workload, optimizer_state_bytes
+    from .report import MemoryBreakdown, framework_configs, render_json, render_text
+    from .units import parse_bytes
+
+    if not args.model and not args.demo:
+        raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
+    if args.demo:
+        defaults = {**DEMO, "input_shape": [DEMO["input_shape"]], "device": "cpu"}
+        for name, value in defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    if args.target_batch is None:
+        raise UsageError("Missing --target-batch: give the samples per optimizer step, e.g. --target-batch 256")
+    if args.target_batch < 1:
+        raise UsageError(f"Invalid --target-batch {args.target_batch}: it must be at least 1")
+    if args.headroom is not None and not 0 <= args.headroom < 1:
+        raise UsageError(f"Invalid --headroom {args.headroom}: give a fraction in [0, 1), e.g. 0.1")
+    if args.memory_limit is not None:
+        try:
+            parse_bytes(args.memory_limit)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+    base_batch = args.base_batch or 32
+    if base_batch < 1:
+        raise UsageError(f"Invalid --base-batch {base_batch}: it must be at least 1")
+    try:
+        device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError:
+        raise UsageError(f"Invalid --device {args.device!r}: use cpu, cuda or cuda:N") from None
+    on_device = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+    if device.type == "cuda" and not on_device and args.memory_limit is None:
+        raise UsageError("No CUDA device here: to plan for one, give its memory with --memory-limit (e.g. 80GiB)")
+
+    model, loader, loss_fn, described = _workload(args, base_batch)
+    from .planner import _resolve_device
+
+    _resolve_device(model, None)  # a model without parameters is a usage error, said plainly
+    lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
+    if on_device:
+        model.to(device)
+    opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
+    optimizer = opt_class(model.parameters(), lr=lr)
+
+    facts = None
+    if on_device:
+        d = device_memory(device)
+        facts = {"device": d.device, "name": d.name, "total": d.total, "free": d.free, "other_processes": d.other_processes}
+    else:
+        facts = {"device": str(device), "name": "not on this machine", "total": None, "free": None, "other_processes": None}
+
+    key = cache.cache_key({
+        "model": repr(model),
+        "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()],
+        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
+        "workload": described,
+        "optimizer": [args.optimizer, lr],
+        "precision": args.precision,
+        "device": [facts["device"], facts["name"], facts["total"]],
+        "limit": args.memory_limit,
+        "headroom": args.headroom,
+        "target": args.target_batch,
+        "lr_rule": args.lr_rule,
+        "base_batch": base_batch,
+        "torch": torch.__version__,
+        "autotune": autotune.__version__,
+    })
+    entry = None if args.no_cache else cache.load(key)
+    cached = entry is not None
+    if entry is not None:
+        plan = autotune.Plan.from_dict(entry["plan"])
+        breakdown = MemoryBreakdown(**entry["memory"]) if entry.get("memory") else None
+    else:
+        started = time.perf_counter()
+
+        def progress(trial: autotune.Trial) -> None:
+            # Only once the probe takes more than a moment; real steps are the slow part.
+            if not trial.estimate or time.perf_counter() - started > 1.0:
+                kind = "estimate" if trial.estimate else "real step"
+                verdict = "fits" if trial.fits else "does not fit"
+                print(f"autotune: {kind} at micro-batch {trial.batch_size}: {verdict} ({autotune.format_bytes(trial.peak_memory)})", file=sys.stderr)
+
+        plan = autotune.plan(
+            model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn,
+            device=device, memory_limit=args.memory_limit, headroom=args.headroom, lr_rule=args.lr_rule,
+            base_batch=base_batch, precision=args.precision, verify=on_device, on_trial=progress,
+        )
+        work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=loader[0], device=device)
+        params = {id(p.untyped_storage()): p.untyped_storage().nbytes() for p in model.parameters()}
+        buffers = {id(b.untyped_storage()): b.untyped_storage().nbytes() for b in model.buffers()}
+        breakdown = MemoryBreakdown.from_plan(
+            plan,
+            parameters=sum(params.values()),
+            buffers=sum(buffers.values()),
+            gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+            optimizer_state=optimizer_state_bytes(work),
+        )
+        if not args.no_cache:
+            cache.store(key, render_json(plan, device=facts, breakdown=breakdown))
+
+    if args.plot:
+        _plot(plan, args.plot)
+    if args.json:
+        print(json.dumps(render_json(plan, device=facts, breakdown=breakdown, cached=cached), indent=2))
+    elif args.format:
+        print(framework_configs(plan)[args.format])
+    else:
+        print(render_text(plan, device=facts, breakdown=breakdown, cached=cached))
+    return 0
+
+
+def _plot(plan: Any, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'torch-autotune[plot]'") from None
+    from .report import fitted_line
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mib = 2**20
+    for estimate, marker, label in ((True, "o", "estimate (meta)"), (False, "s", "real step")):
+        pts = [t for t in plan.trials if t.estimate is estimate]
+        if pts:
+            ax.scatter([t.batch_size for t in pts], [t.peak_memory / mib for t in pts], marker=marker, label=label, alpha=0.8, facecolors="none" if estimate else None, edgecolors="C0" if estimate else None, color=None if estimate else "C1")
+    line = fitted_line(plan)
+    top = max(t.batch_size for t in plan.trials)
+    if line:
+        fixed, slope = line
+        ax.plot([0, top * 1.1], [fixed / mib, (fixed + slope * top * 1.1) / mib], "--", color="gray", label=f"line: {slope / 1024:.1f} KiB per sample")
+    ax.axhline(plan.memory_limit / mib, color="C3", label="limit")
+    ax.axhline(plan.budget / mib, color="C3", linestyle=":", label=f"budget ({plan.headroom:.0%} headroom)")
+    ax.axvline(plan.micro_batch, color="C2", label=f"micro-batch {plan.micro_batch}")
+    ax.set_xlabel("micro-batch size")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(f"Peak memory of a training step on {plan.device}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed its usage error
+        return int(exc.code or 0)
+    from .errors import NothingFits
+
+    try:
+        return _report(args)
+    except UsageError as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return 2
+    except NothingFits as exc:
+        print(f"autotune: nothing fits: {exc}", file=sys.stderr)
+        return 1
+    except (TypeError, ValueError) as exc:  # bad input caught by autotune.plan, with its reason
+        print(f"autotune: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

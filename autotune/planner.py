@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -11,13 +11,17 @@ from torch import nn
 
 from .errors import NothingFits
 from .memory import cuda_memory_fraction, default_headroom, default_limit
-from .plans import Plan, window_layout
+from .plans import Plan, Trial, window_layout
 from .probe import Snapshot, Workload, probe, sample_batch
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, lr_scale, warmup_steps
 from .step import LossFn, default_loss, normalize_precision
 from .units import format_bytes, parse_bytes
 
-__all__ = ["plan"]
+__all__ = ["CUDA_CONTEXT_ALLOWANCE", "plan"]
+
+# What an estimate-only plan for CUDA sets aside for the CUDA context (outside torch's tensors):
+# a few hundred MiB on current GPUs with lazy module loading.
+CUDA_CONTEXT_ALLOWANCE = 512 * 2**20
 
 
 def _check_target(target_batch: Any) -> int:
@@ -119,6 +123,7 @@ def plan(
     verify: bool = True,
     estimate: bool = True,
     max_probe_batches: int = 8,
+    on_trial: Callable[[Trial], Any] | None = None,
 ) -> Plan:
     """Find the largest micro-batch that fits and plan training at ``target_batch`` samples per step.
 
@@ -149,9 +154,13 @@ def plan(
         base_batch: the batch size the optimizer's learning rate was tuned at (default: the
             loader's batch size).
         precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast).
-        verify: False gives an estimate-only plan (no real step; ``plan.verified`` is False).
+        verify: False gives an estimate-only plan (no real step; ``plan.verified`` is False). The
+            model may then stay where it is, and ``device`` may be one this machine lacks (e.g.
+            ``"cuda"`` with ``memory_limit="80GiB"``): for CUDA, 512 MiB of the limit are set
+            aside for the CUDA context before the headroom is taken for the allocator.
         estimate: False skips the meta estimate and searches with real trials only.
         max_probe_batches: how many batches of ``loader`` to look at for the worst case.
+        on_trial: called with each :class:`Trial` as it is made (e.g. to show progress).
 
     Returns:
         A frozen :class:`Plan`.
@@ -166,7 +175,11 @@ def plan(
         (64, 4)
     """
     target_batch = _check_target(target_batch)
-    device = _resolve_device(model, device)
+    if verify or device is None:
+        device = _resolve_device(model, device)
+    else:  # estimate only: nothing runs on the device, so it need not hold the model, or exist
+        _resolve_device(model, None)
+        device = torch.device(device)
     precision_name = normalize_precision(precision)
     if lr_rule not in LR_RULES:
         raise ValueError(f"Invalid lr_rule {lr_rule!r}: use one of {', '.join(map(repr, LR_RULES))}")
@@ -193,13 +206,27 @@ def plan(
             batch=batch,
             device=device,
             precision=precision_name,
+            on_trial=on_trial,
         )
         held = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in work.held_tensors()}.values())
         if limit is None:
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(
+                    "Cannot read the memory of a CUDA device on a machine without one: pass "
+                    "memory_limit= (e.g. '80GiB') to plan for it"
+                )
             limit = default_limit(device, held)
-        budget = int(limit * (1.0 - headroom))
+        reserve = 0
+        if device.type == "cuda" and not verify:
+            # An estimate counts tensors only; the CUDA context lives outside them.
+            reserve = CUDA_CONTEXT_ALLOWANCE
+            work.notes.append(
+                f"estimate for {device} without running on it: {format_bytes(reserve)} set aside for the "
+                f"CUDA context and {headroom:.0%} headroom for the allocator; not verified on a device"
+            )
+        budget = int(max(0, limit - reserve) * (1.0 - headroom))
         upper = math.ceil(target_batch / world_size)
-        with cuda_memory_fraction(device, limit if memory_limit is not None else None):
+        with cuda_memory_fraction(device, limit if (memory_limit is not None and verify) else None):
             found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
     finally:
         snapshot.restore()
@@ -227,6 +254,7 @@ def plan(
     layout = window_layout(target_batch, max_micro, world_size)
     micro_batches = layout[rank]
     accumulation_steps = len(micro_batches)
+    base_batch_given = base_batch is not None
     if base_batch is None:
         base_batch = getattr(loader, "batch_size", None) or first_size
     rule = auto_lr_rule(c.__name__ for c in type(optimizer).__mro__) if lr_rule == "auto" else lr_rule
@@ -246,7 +274,7 @@ def plan(
             f"BatchNorm normalises over micro-batches of {micro_batches[-1]} samples (< 16): its "
             "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs"
         )
-    if rule != "none" and lr_rule == "auto" and scale != 1.0 and base_batch == first_size and getattr(loader, "batch_size", None) is None:
+    if rule != "none" and scale != 1.0 and not base_batch_given and getattr(loader, "batch_size", None) is None:
         notes.append(f"base_batch taken from the first batch's size ({first_size}); pass base_batch= if your LR was tuned at another batch")
     return Plan(
         micro_batch=max_micro,
@@ -267,6 +295,7 @@ def plan(
         device=str(device),
         precision=precision_name,
         verified=verify,
+        optimizer=type(optimizer).__name__,
         trials=tuple(work.trials),
         notes=tuple(notes),
     )

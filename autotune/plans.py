@@ -69,6 +69,7 @@ class Plan:
         device: the device probed, e.g. ``"cuda:0"``.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         verified: False only for an estimate-only plan (``verify=False``): no step ran on the device.
+        optimizer: the optimizer's class name, e.g. ``"AdamW"``.
         trials: every measurement, in the order made.
         notes: what a user should know about how the plan was made.
     """
@@ -91,6 +92,7 @@ class Plan:
     device: str
     precision: str
     verified: bool = True
+    optimizer: str = ""
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -98,6 +100,16 @@ class Plan:
     def budget(self) -> int:
         """Bytes the training step may use: the limit less the headroom."""
         return int(self.memory_limit * (1.0 - self.headroom))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan back from :meth:`to_dict`'s output (unknown keys are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values["micro_batches"] = tuple(values["micro_batches"])
+        values["trials"] = tuple(Trial(**t) for t in values.get("trials", ()))
+        values["notes"] = tuple(values.get("notes", ()))
+        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as a JSON-ready dict (trials as a list of dicts)."""

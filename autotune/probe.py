@@ -36,7 +36,7 @@ from .errors import AutotuneError
 from .search import Measurement, SearchResult, estimated_max, largest_fitting
 from .step import LossFn, Precision, forward_backward
 
-__all__ = ["Snapshot", "Workload", "estimate_peak", "min_micro_batch", "probe", "sample_batch"]
+__all__ = ["Snapshot", "Workload", "estimate_peak", "min_micro_batch", "optimizer_state_bytes", "probe", "sample_batch"]
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -181,6 +181,13 @@ class Workload:
     precision: Precision = "fp32"
     trials: list[Trial] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    on_trial: Callable[[Trial], Any] | None = None
+
+    def record(self, trial: Trial) -> None:
+        """Keep a trial and tell the ``on_trial`` callback, if any."""
+        self.trials.append(trial)
+        if self.on_trial is not None:
+            self.on_trial(trial)
 
     def held_tensors(self) -> Iterator[torch.Tensor]:
         """Tensors the training holds between steps: parameters, buffers, grads, optimizer state."""
@@ -271,6 +278,21 @@ def min_micro_batch(model: nn.Module) -> int:
     return 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
 
 
+def optimizer_state_bytes(work: Workload) -> int | None:
+    """Bytes of optimizer state after one step (on the meta device); None if meta cannot run it."""
+    try:
+        meta = _MetaEstimator(work)
+        meta(min_micro_batch(work.model))
+    except Exception:
+        return None
+    seen: dict[int, int] = {}
+    for state in meta.optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.device.type == "meta":
+                seen[id(v.untyped_storage())] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def estimate_peak(work: Workload, batch_size: int) -> int:
     """Peak bytes of one steady-state training step at ``batch_size``, estimated on the meta device.
 
@@ -318,15 +340,13 @@ def probe(
             work.notes.append(f"meta estimate unavailable ({reason}); real trials only")
         else:
             cache = {lower: first}
-            work.trials.append(Trial(lower, first, first <= budget, seconds, estimate=True))
+            work.record(Trial(lower, first, first <= budget, seconds, estimate=True))
 
             def estimator(b: int) -> int:
                 if b not in cache:
                     start = time.perf_counter()
                     cache[b] = meta(b)
-                    work.trials.append(
-                        Trial(b, cache[b], cache[b] <= budget, time.perf_counter() - start, estimate=True)
-                    )
+                    work.record(Trial(b, cache[b], cache[b] <= budget, time.perf_counter() - start, estimate=True))
                 return cache[b]
 
     if not verify:
@@ -373,5 +393,5 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Meas
     if device.type == "cuda" and fits:
         # Fitting only after the allocator freed its cache and retried is fitting by luck.
         fits = peak <= budget and retries_after == retries
-    work.trials.append(Trial(b, peak, fits, seconds, estimate=False))
+    work.record(Trial(b, peak, fits, seconds, estimate=False))
     return Measurement(fits, peak)

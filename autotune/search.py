@@ -250,5 +250,7 @@ def _predicted(
     else:
         # One real point and no estimates: a second, larger point gives the line.
         return min(max(lo + 1, math.ceil(upper / 8), 2 * lo), hi - 1)
-    pred = _largest_below(model, budget, lo, hi - 1)
+    if model(lo + 1) > budget:  # the usual answer, and often already estimated: stop here
+        return None
+    pred = _largest_below(model, budget, lo + 1, hi - 1)
     return pred if pred > lo else None

@@ -1,0 +1,58 @@
+"""Probe results stored on disk, keyed by everything that changes the answer.
+
+Files live in ``$XDG_CACHE_HOME/autotune`` (default ``~/.cache/autotune``), one JSON file per key.
+A file that cannot be read is ignored with a warning, never fatal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cache_dir", "cache_key", "load", "store"]
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/autotune``, or ``~/.cache/autotune``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "autotune"
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """A stable hash of ``parts`` (JSON with sorted keys; other values by ``str``)."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def load(key: str) -> dict[str, Any] | None:
+    """The entry stored under ``key``, or None (missing, or unreadable: then with a warning)."""
+    path = cache_dir() / f"{key}.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return data
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"Ignoring the unreadable cache file {path} ({exc}); probing again", stacklevel=2)
+        return None
+
+
+def store(key: str, data: dict[str, Any]) -> Path | None:
+    """Write ``data`` under ``key`` (atomically); a cache that cannot be written is skipped."""
+    directory = cache_dir()
+    path = directory / f"{key}.json"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as exc:
+        warnings.warn(f"Could not write the cache file {path} ({exc})", stacklevel=2)
+        return None
+    return path

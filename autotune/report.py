@@ -1,0 +1,251 @@
+"""A plan as text, JSON and ready-to-paste framework configs (pure).
+
+Lightning, Accelerate, the Transformers Trainer, DeepSpeed and Keras accumulate over micro-batches of
+one fixed size, so their settings must satisfy ``per_device_batch * accumulation_steps *
+world_size == target_batch`` exactly. :func:`equal_split` finds the largest per-device batch that
+does, within the micro-batch that fits, or says plainly why none does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .plans import Plan
+from .units import format_bytes
+
+__all__ = ["FORMATS", "EqualSplit", "MemoryBreakdown", "equal_split", "framework_configs", "render_json", "render_text"]
+
+FORMATS = ("lightning", "accelerate", "hf", "deepspeed", "keras")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Where the memory of a training step at the plan's micro-batch goes (bytes).
+
+    ``optimizer_state`` and ``activations`` are None when they could not be measured;
+    ``activations`` is the rest of the peak (activations and temporaries of the step).
+    """
+
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_state: int | None
+    activations: int | None
+    per_sample: float | None
+
+    @classmethod
+    def from_plan(cls, plan: Plan, *, parameters: int, buffers: int, gradients: int, optimizer_state: int | None) -> MemoryBreakdown:
+        """Split ``plan.peak_memory``; the per-sample slope comes from the plan's trials."""
+        activations = None
+        if optimizer_state is not None:
+            activations = max(0, plan.peak_memory - parameters - buffers - gradients - optimizer_state)
+        return cls(parameters, buffers, gradients, optimizer_state, activations, per_sample_bytes(plan))
+
+
+def per_sample_bytes(plan: Plan) -> float | None:
+    """Bytes each extra sample adds to the peak: the slope between the two largest fitting trials
+    of one kind (estimates first, as they are exact tensor counts)."""
+    for estimate in (True, False):
+        fits = sorted({t.batch_size: t.peak_memory for t in plan.trials if t.fits and t.estimate is estimate}.items())
+        if len(fits) >= 2:
+            (b1, p1), (b2, p2) = fits[-2], fits[-1]
+            return (p2 - p1) / (b2 - b1)
+    return None
+
+
+@dataclass(frozen=True)
+class EqualSplit:
+    """Equal micro-batches for frameworks that need them.
+
+    Attributes:
+        per_device: samples per micro-batch on each device (None when no exact split exists).
+        steps: accumulation steps.
+        note: why the split is less efficient than the plan, or why none exists.
+    """
+
+    per_device: int | None
+    steps: int | None
+    note: str | None
+
+
+def equal_split(plan: Plan) -> EqualSplit:
+    """The largest equal per-device micro-batch ``<= plan.micro_batch`` that gives exactly the target.
+
+    Example:
+        250 samples on one device with at most 64 per micro-batch: 50 x 5 (the plan itself uses
+        63, 63, 62, 62, which these frameworks cannot express).
+    """
+    target, world = plan.effective_batch, plan.world_size
+    if target % world:
+        return EqualSplit(
+            None,
+            None,
+            f"cannot: {target} samples per step do not divide evenly over {world} devices, and these "
+            f"frameworks need the same batch on every device; use a target that is a multiple of "
+            f"{world} (e.g. {target - target % world} or {target - target % world + world}), or "
+            "autotune.fit, which handles uneven shares",
+        )
+    share = target // world
+    per_device = max(d for d in range(1, min(share, plan.micro_batch) + 1) if share % d == 0)
+    steps = share // per_device
+    note = None
+    if per_device < plan.micro_batch and steps > plan.accumulation_steps:
+        note = (
+            f"exact, but {steps} accumulation steps instead of {plan.accumulation_steps}: {share} has "
+            f"no divisor between {per_device} and {plan.micro_batch}; a target of "
+            f"{plan.micro_batch * plan.accumulation_steps * world} would allow micro-batches of "
+            f"{plan.micro_batch}"
+        )
+    return EqualSplit(per_device, steps, note)
+
+
+_KERAS_OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "adagrad": "Adagrad", "adamax": "Adamax", "nadam": "Nadam"}
+
+
+def framework_configs(plan: Plan) -> dict[str, str]:
+    """Ready-to-paste settings for each framework in :data:`FORMATS`, as text."""
+    split = equal_split(plan)
+    lr = f"{plan.lr:.6g}"
+    lr_note = (
+        f"# learning rate {lr}: {plan.lr_rule} rule, x{plan.lr_scale:.4g} from {plan.base_lr:.6g} at batch {plan.base_batch}"
+        + (f"; warm up over {plan.warmup_steps} steps" if plan.warmup_steps else "")
+    )
+    if split.per_device is None:
+        reason = f"# {split.note}"
+        return {name: reason for name in FORMATS}
+    m, k, world, target = split.per_device, split.steps, plan.world_size, plan.effective_batch
+    head = f"# {m} per device x {k} accumulation steps x {world} device(s) = {target} samples per optimizer step"
+    if split.note:
+        head += f"\n# {split.note}"
+    short = "drop_last=True: these loops divide every window by the same count, so a short last window would be mis-weighted"
+    keras_opt = _KERAS_OPTIMIZERS.get(plan.optimizer.lower(), "AdamW")
+    configs = {
+        "lightning": "\n".join([
+            head, lr_note,
+            f"trainer = lightning.Trainer(accumulate_grad_batches={k}, devices={world})",
+            f"train_loader = DataLoader(dataset, batch_size={m}, shuffle=True, drop_last=True)  # {short}",
+        ]),
+        "accelerate": "\n".join([
+            head, lr_note,
+            f"accelerator = Accelerator(gradient_accumulation_steps={k})",
+            f"train_loader = DataLoader(dataset, batch_size={m}, shuffle=True, drop_last=True)  # {short}",
+            f"optimizer = torch.optim.{plan.optimizer or 'AdamW'}(model.parameters(), lr={lr})",
+        ]),
+        "hf": "\n".join([
+            head,
+            "training_args = TrainingArguments(",
+            f"    per_device_train_batch_size={m},",
+            f"    gradient_accumulation_steps={k},",
+            f"    learning_rate={lr},",
+            *([f"    warmup_steps={plan.warmup_steps},"] if plan.warmup_steps else []),
+            "    dataloader_drop_last=True,",
+            "    ...,",
+            ")",
+        ]),
+        "deepspeed": json.dumps(
+            {"train_batch_size": target, "train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k},
+            indent=2,
+        ),
+        "keras": "\n".join([
+            head, lr_note,
+            f"optimizer = keras.optimizers.{keras_opt}(learning_rate={lr}, gradient_accumulation_steps={k})",
+            f"model.fit(x, y, batch_size={m}, ...)",
+        ]),
+    }
+    return configs
+
+
+def _row(label: str, value: str) -> str:
+    return f"  {label:<22}{value}"
+
+
+def render_text(
+    plan: Plan,
+    *,
+    device: Mapping[str, Any] | None = None,
+    breakdown: MemoryBreakdown | None = None,
+    cached: bool = False,
+) -> str:
+    """The full report: device, plan, memory breakdown, trials and framework configs."""
+    lines: list[str] = []
+    if cached:
+        lines.append("(answered from the cache; run with --no-cache to probe again)")
+        lines.append("")
+    lines.append("Device")
+    if device:
+        lines.append(_row("device", f"{device.get('device')} ({device.get('name')})"))
+        if device.get("total"):
+            lines.append(_row("memory", f"{format_bytes(device['total'])} total, {format_bytes(device['free'])} free"))
+        if device.get("other_processes") is not None:
+            lines.append(_row("other processes", format_bytes(device["other_processes"])))
+    else:
+        lines.append(_row("device", plan.device))
+    lines.append(_row("limit", f"{format_bytes(plan.memory_limit)}, headroom {plan.headroom:.0%}, budget {format_bytes(plan.budget)}"))
+    lines.append("")
+    lines.append("Plan" + ("" if plan.verified else " (estimate, not verified on a device)"))
+    lines.append(_row("micro-batch", f"{plan.micro_batch} (largest that fits{'' if plan.verified else ', estimated'})"))
+    lines.append(_row("accumulation steps", f"{plan.accumulation_steps}: micro-batches of {', '.join(map(str, plan.micro_batches))}"))
+    lines.append(_row("effective batch", f"{plan.effective_batch} ({plan.world_size} device{'s' if plan.world_size > 1 else ''})"))
+    lines.append(_row("learning rate", f"{plan.lr:.6g} ({plan.lr_rule} rule, x{plan.lr_scale:.4g} from {plan.base_lr:.6g} at batch {plan.base_batch}; {plan.optimizer or 'optimizer'})"))
+    lines.append(_row("warm-up", f"{plan.warmup_steps} steps" if plan.warmup_steps else "none needed"))
+    lines.append(_row("BatchNorm momentum", "no BatchNorm" if plan.bn_momentum is None else f"{plan.bn_momentum:.6g} per micro-batch"))
+    lines.append(_row("precision", plan.precision))
+    lines.append("")
+    lines.append(f"Memory at micro-batch {plan.micro_batch}")
+    lines.append(_row("peak", format_bytes(plan.peak_memory) + ("" if plan.verified else " (estimate)")))
+    if breakdown is not None:
+        lines.append(_row("parameters", format_bytes(breakdown.parameters)))
+        if breakdown.buffers:
+            lines.append(_row("buffers", format_bytes(breakdown.buffers)))
+        lines.append(_row("gradients", format_bytes(breakdown.gradients)))
+        lines.append(_row("optimizer state", "unknown" if breakdown.optimizer_state is None else format_bytes(breakdown.optimizer_state)))
+        lines.append(_row("activations + temp.", "unknown" if breakdown.activations is None else format_bytes(breakdown.activations)))
+        if breakdown.per_sample is not None:
+            lines.append(_row("per sample", format_bytes(breakdown.per_sample)))
+    lines.append("")
+    lines.append("Trials")
+    lines.append(f"  {'batch':>7} {'peak':>12} {'fits':>5}  {'kind':<9}{'seconds':>8}")
+    for t in plan.trials:
+        lines.append(f"  {t.batch_size:>7} {format_bytes(t.peak_memory):>12} {'yes' if t.fits else 'no':>5}  {'estimate' if t.estimate else 'real':<9}{t.seconds:>8.3f}")
+    if plan.notes:
+        lines.append("")
+        lines.append("Notes")
+        lines.extend(f"  - {n}" for n in plan.notes)
+    configs = framework_configs(plan)
+    titles = {"lightning": "PyTorch Lightning", "accelerate": "Accelerate", "hf": "Transformers TrainingArguments", "deepspeed": "DeepSpeed config", "keras": "Keras 3"}
+    for name in FORMATS:
+        lines.append("")
+        lines.append(f"{titles[name]} (--format {name})")
+        lines.extend("  " + line for line in configs[name].splitlines())
+    return "\n".join(lines)
+
+
+def render_json(
+    plan: Plan,
+    *,
+    device: Mapping[str, Any] | None = None,
+    breakdown: MemoryBreakdown | None = None,
+    cached: bool = False,
+) -> dict[str, Any]:
+    """The plan's ``to_dict()`` with the device facts, the memory breakdown and the equal split."""
+    split = equal_split(plan)
+    return {
+        "plan": plan.to_dict(),
+        "device": dict(device) if device else None,
+        "memory": asdict(breakdown) if breakdown else None,
+        "equal_split": asdict(split),
+        "cached": cached,
+    }
+
+
+def fitted_line(plan: Plan) -> tuple[float, float] | None:
+    """``(fixed, per_sample)`` of the peak-memory line through the plan's fitting trials."""
+    slope = per_sample_bytes(plan)
+    if slope is None:
+        return None
+    top = max((t for t in plan.trials if t.fits), key=lambda t: (t.estimate, t.batch_size))
+    return top.peak_memory - slope * top.batch_size, slope
+

@@ -1,0 +1,226 @@
+"""The command line, run in-process through main(argv), and once as the installed script."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autotune import Plan
+from autotune.cli import main
+from autotune.report import equal_split
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "autotune"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_demo_text_report(capsys):
+    code, out, err = run(capsys, "report", "--demo")
+    assert code == 0
+    for section in ["Device", "Plan", "Memory at micro-batch", "Trials", "PyTorch Lightning", "Accelerate", "TrainingArguments", "DeepSpeed", "Keras 3"]:
+        assert section in out
+    steps = int(re.search(r"accumulation steps\s+(\d+)", out).group(1))
+    assert steps > 1  # the demo shows accumulation at work
+    assert "effective batch       256" in out
+    for part in ["parameters", "gradients", "optimizer state", "activations", "per sample"]:
+        assert part in out
+    assert "real step at micro-batch" in err  # progress goes to stderr
+
+
+def test_json_report_is_the_plan_plus_device_and_memory(capsys):
+    code, out, _ = run(capsys, "report", "--demo", "--json")
+    assert code == 0
+    data = json.loads(out)
+    plan = Plan.from_dict(data["plan"])
+    assert plan.effective_batch == 256 and sum(plan.micro_batches) == 256
+    assert data["device"]["device"] == "cpu" and data["device"]["total"] > 0
+    mem = data["memory"]
+    assert mem["parameters"] > 0 and mem["gradients"] == mem["parameters"]
+    assert mem["optimizer_state"] == 2 * mem["parameters"]  # AdamW: two tensors per parameter
+    assert data["cached"] is False
+
+
+@pytest.mark.parametrize(
+    "fmt, pattern",
+    [
+        ("lightning", r"accumulate_grad_batches=(\d+).*\n.*batch_size=(\d+)"),
+        ("accelerate", r"gradient_accumulation_steps=(\d+)\)\n.*batch_size=(\d+)"),
+        ("hf", r"per_device_train_batch_size=(\d+),\n\s+gradient_accumulation_steps=(\d+)"),
+        ("keras", r"gradient_accumulation_steps=(\d+)\)\n.*batch_size=(\d+)"),
+    ],
+)
+def test_each_format_gives_exactly_the_target(capsys, fmt, pattern):
+    code, out, _ = run(capsys, "report", "--demo", "--format", fmt)
+    assert code == 0
+    a, b = map(int, re.search(pattern, out).groups())
+    assert a * b == 256
+    assert "Device" not in out  # just the config
+
+
+def test_deepspeed_format_is_valid_json(capsys):
+    code, out, _ = run(capsys, "report", "--demo", "--format", "deepspeed", "--target-batch", "250")
+    assert code == 0
+    cfg = json.loads(out)
+    assert cfg["train_batch_size"] == 250
+    assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] == 250
+
+
+def make_plan(target, micro, world=1):
+    return Plan(
+        micro_batch=micro, accumulation_steps=-(-target // world // micro), effective_batch=target, world_size=world,
+        micro_batches=(micro,), lr=1.0, base_lr=1.0, lr_scale=1.0, lr_rule="none", base_batch=target,
+        warmup_steps=None, bn_momentum=None, memory_limit=1, headroom=0.0, peak_memory=1, device="cpu", precision="fp32",
+    )
+
+
+def test_equal_split_is_exact_or_says_why():
+    assert equal_split(make_plan(256, 64)) == (64, 4, None) or equal_split(make_plan(256, 64)).per_device == 64
+    split = equal_split(make_plan(250, 64))
+    assert (split.per_device, split.steps) == (50, 5)
+    prime = equal_split(make_plan(251, 64))
+    assert (prime.per_device, prime.steps) == (1, 251)
+    assert "251 has no divisor between 1 and 64" in prime.note
+    uneven = equal_split(make_plan(250, 64, world=4))
+    assert uneven.per_device is None and "do not divide evenly over 4 devices" in uneven.note
+
+
+def test_cache_answers_a_second_identical_run(capsys, cache_home):
+    code, first, err1 = run(capsys, "report", "--demo")
+    assert code == 0 and "real step" in err1
+    code, second, err2 = run(capsys, "report", "--demo")
+    assert code == 0
+    assert "answered from the cache" in second and "real step" not in err2
+    assert second.split("Plan", 1)[1] == first.split("Plan", 1)[1]
+    code, third, err3 = run(capsys, "report", "--demo", "--no-cache")
+    assert "answered from the cache" not in third and "real step" in err3
+    # a different question is a different key
+    code, other, err4 = run(capsys, "report", "--demo", "--target-batch", "128")
+    assert "answered from the cache" not in other
+
+
+def test_corrupt_cache_is_ignored_with_a_warning(capsys, cache_home):
+    run(capsys, "report", "--demo")
+    (entry,) = cache_home.glob("*.json")
+    entry.write_text("{not json")
+    with pytest.warns(UserWarning, match="Ignoring the unreadable cache file"):
+        code, out, err = run(capsys, "report", "--demo")
+    assert code == 0 and "answered from the cache" not in out and "real step" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["report", "nosuchmodule:build", "--input-shape", "4", "--target-batch", "8"], "importing nosuchmodule failed"),
+        (["report", "torch.nn:Nope", "--input-shape", "4", "--target-batch", "8"], "has no callable 'Nope'"),
+        (["report", "no-colon", "--input-shape", "4", "--target-batch", "8"], "write module:callable"),
+        (["report", "--demo", "--input-shape", "3,a,2"], "Invalid --input-shape"),
+        (["report", "--demo", "--input-shape", "2,32,32"], "The model failed on inputs of shape [(2, 32, 32)]"),
+        (["report", "--demo", "--memory-limit", "lots"], "Invalid memory size 'lots'"),
+        (["report", "--demo", "--target-batch", "0"], "Invalid --target-batch 0"),
+        (["report", "--demo", "--headroom", "2"], "Invalid --headroom 2"),
+        (["report", "torch.nn:Identity", "--input-shape", "4", "--target-batch", "8"], "no parameters"),
+        (["report", "--demo", "--optimizer", "lion"], "invalid choice: 'lion'"),
+        (["report"], "Missing MODEL"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    if "invalid choice" not in message:
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_nothing_fits_exits_1_with_the_numbers(capsys):
+    code, _, err = run(capsys, "report", "--demo", "--memory-limit", "1MiB")
+    assert code == 1
+    assert re.search(r"needs [\d.]+ MiB, the budget is [\d.]+ KiB", err)
+
+
+def test_model_from_a_file_and_a_model_with_its_own_loss(capsys, tmp_path):
+    (tmp_path / "my_model.py").write_text(
+        "import torch\n"
+        "class LM(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(50, 16)\n"
+        "        self.out = torch.nn.Linear(16, 50)\n"
+        "    def forward(self, tokens):\n"
+        "        return self.out(self.emb(tokens))\n"
+        "class WithLoss(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(8, 1)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x).pow(2).mean()\n"
+        "def make_lm():\n    return LM()\n"
+        "def make_with_loss():\n    return WithLoss()\n"
+    )
+    code, out, _ = run(capsys, "report", f"{tmp_path}/my_model.py:make_lm", "--input-shape", "128", "--input-dtype", "long", "--vocab-size", "50", "--target-batch", "512", "--memory-limit", "8MiB", "--json")
+    assert code == 0
+    assert json.loads(out)["plan"]["effective_batch"] == 512
+    code, out, _ = run(capsys, "report", f"{tmp_path}/my_model.py:make_with_loss", "--input-shape", "8", "--target-batch", "64", "--memory-limit", "1GiB", "--json")
+    assert code == 0 and json.loads(out)["plan"]["micro_batch"] == 64
+
+
+def test_loader_spec(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_data.py").write_text(
+        "import torch\n"
+        "def batches():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(2)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, _ = run(capsys, "report", "autotune.demo:demo_model", "--loader", "my_data:batches", "--target-batch", "256", "--memory-limit", "64MiB", "--device", "cpu", "--json")
+    assert code == 0
+    assert json.loads(out)["plan"]["accumulation_steps"] > 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_planning_for_a_gpu_this_machine_lacks(capsys):
+    code, out, _ = run(capsys, "report", "--demo", "--device", "cuda", "--memory-limit", "80GiB", "--target-batch", "4096")
+    assert code == 0
+    assert "estimate, not verified on a device" in out
+    assert "set aside for the CUDA context" in out
+    assert "real" not in out.split("Trials", 1)[1].split("Notes", 1)[0]
+    code, _, err = run(capsys, "report", "--demo", "--device", "cuda", "--memory-limit", "")
+    assert code == 2
+
+
+def test_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.png"
+    code, _, _ = run(capsys, "report", "--demo", "--plot", str(path), "--format", "hf")
+    assert code == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_gives_the_install_hint(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, _, err = run(capsys, "report", "--demo", "--plot", str(tmp_path / "m.png"))
+    assert code == 2
+    assert "pip install 'torch-autotune[plot]'" in err
+
+
+def test_installed_script(tmp_path):
+    script = shutil.which("autotune")
+    if script is None:
+        pytest.skip("the autotune script is not installed (pip install -e .)")
+    env = {"XDG_CACHE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([script, "report", "--demo", "--format", "deepspeed"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["train_batch_size"] == 256
+    bad = subprocess.run([script, "report", "--demo", "--target-batch", "-3"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "Invalid --target-batch -3" in bad.stderr
