@@ -9,6 +9,7 @@ from __future__ import annotations
 from .accumulate import Micro, Window, accumulate
 from .errors import AutotuneError, NothingFits
 from .training import AutotuneWarning, FitResult, StepRecord, fit
+from .tune import BNTuning, tune_bn_momentum
 from .planner import plan
 from .plans import Plan, Trial
 from .units import format_bytes, parse_bytes
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutotuneError",
     "AutotuneWarning",
+    "BNTuning",
     "FitResult",
     "Micro",
     "NothingFits",
@@ -31,4 +33,5 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "plan",
+    "tune_bn_momentum",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bn import batchnorms
 from .errors import NothingFits
 from .memory import cuda_memory_fraction, default_headroom, default_limit
 from .plans import Plan, Trial, window_layout
@@ -296,6 +297,7 @@ def plan(
         precision=precision_name,
         verified=verify,
         optimizer=type(optimizer).__name__,
+        bn_mode="adjust" if batchnorms(model) else None,
         trials=tuple(work.trials),
         notes=tuple(notes),
     )

@@ -62,6 +62,8 @@ class Plan:
         warmup_steps: recommended linear warm-up in optimizer steps (None: none needed or unknown).
         bn_momentum: BatchNorm momentum for ``accumulation_steps`` forwards per step, or None when
             the model has no BatchNorm with a numeric momentum.
+        bn_mode: how BatchNorm statistics are kept in training (``"adjust"``, ``"pooled"``,
+            ``"precise"``, ``"optuna"``), None without BatchNorm or when left alone.
         memory_limit: the limit in bytes.
         headroom: the fraction of the limit kept free.
         peak_memory: peak bytes of a training step at ``micro_batch`` (a real measurement unless
@@ -93,6 +95,7 @@ class Plan:
     precision: str
     verified: bool = True
     optimizer: str = ""
+    bn_mode: str | None = None
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -128,7 +131,8 @@ class Plan:
             f"lr={self.lr:.6g} (base {self.base_lr:.6g} at batch {self.base_batch}, "
             f"rule {self.lr_rule}, x{self.lr_scale:.4g})"
             + (f", warm-up {self.warmup_steps} steps" if self.warmup_steps else ""),
-            f"bn_momentum={self.bn_momentum if self.bn_momentum is None else f'{self.bn_momentum:.6g}'}",
+            f"bn_momentum={self.bn_momentum if self.bn_momentum is None else f'{self.bn_momentum:.6g}'}"
+            + (f" (bn={self.bn_mode})" if self.bn_mode else ""),
             f"memory: peak {format_bytes(self.peak_memory)} at micro-batch {self.micro_batch}, "
             f"limit {format_bytes(self.memory_limit)}, headroom {self.headroom:.0%} "
             f"on {self.device} ({self.precision})",

@@ -191,7 +191,10 @@ def render_text(
     lines.append(_row("effective batch", f"{plan.effective_batch} ({plan.world_size} device{'s' if plan.world_size > 1 else ''})"))
     lines.append(_row("learning rate", f"{plan.lr:.6g} ({plan.lr_rule} rule, x{plan.lr_scale:.4g} from {plan.base_lr:.6g} at batch {plan.base_batch}; {plan.optimizer or 'optimizer'})"))
     lines.append(_row("warm-up", f"{plan.warmup_steps} steps" if plan.warmup_steps else "none needed"))
-    lines.append(_row("BatchNorm momentum", "no BatchNorm" if plan.bn_momentum is None else f"{plan.bn_momentum:.6g} per micro-batch"))
+    bn = "no BatchNorm" if plan.bn_mode is None else (
+        f"{plan.bn_mode}" if plan.bn_momentum is None else f"{plan.bn_momentum:.6g} per micro-batch (bn={plan.bn_mode})"
+    )
+    lines.append(_row("BatchNorm", bn))
     lines.append(_row("precision", plan.precision))
     lines.append("")
     lines.append(f"Memory at micro-batch {plan.micro_batch}")

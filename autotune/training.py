@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,9 +26,12 @@ from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, releas
 from .planner import _resolve_device, plan as make_plan
 from .probe import min_micro_batch
 from .plans import Plan, split_evenly
-from .scaling import adjusted_bn_momentum
-from .step import LossFn, Precision, default_loss, forward_backward, normalize_precision
+from .bn import BN_MODES, BNController, batchnorms, precise_bn
+from .step import LossFn, Precision, autocast, default_loss, forward_backward, normalize_precision
 from .units import parse_bytes
+
+if TYPE_CHECKING:
+    from .tune import BNTuning
 
 __all__ = ["AutotuneWarning", "FitResult", "StepRecord", "fit"]
 
@@ -69,10 +72,12 @@ class FitResult:
     Attributes:
         plan: the plan trained with (its micro-batch is the final one, after any OOM retry).
         history: one :class:`StepRecord` per optimizer step.
+        bn_tuning: the momentum study of ``bn="optuna"`` (else None).
     """
 
     plan: Plan
     history: tuple[StepRecord, ...]
+    bn_tuning: BNTuning | None = None
 
     @property
     def samples(self) -> int:
@@ -99,28 +104,6 @@ def _scaled_lr(optimizer: torch.optim.Optimizer, scheduler: Any, scale: float) -
             group.update(values)
         if base_lrs:
             scheduler.base_lrs = base_lrs
-
-
-def _batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-
-
-@contextmanager
-def _bn_momentum(model: nn.Module, accumulation_steps: int, mode: str | None) -> Iterator[None]:
-    """Set each BatchNorm's momentum for ``accumulation_steps`` forwards per step; put them back."""
-    modules = _batchnorms(model)
-    saved = [m.momentum for m in modules]
-    if mode == "adjust":
-        for m in modules:
-            if m.momentum is not None:
-                m.momentum = adjusted_bn_momentum(float(m.momentum), accumulation_steps)
-    elif mode is not None:
-        raise ValueError(f"Invalid bn {mode!r}: use 'adjust' or None")
-    try:
-        yield
-    finally:
-        for m, momentum in zip(modules, saved):
-            m.momentum = momentum
 
 
 def _fit_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -169,6 +152,12 @@ def fit(
     drop_last: bool = False,
     scheduler: Any = None,
     bn: str | None = "adjust",
+    bn_samples: int = 4096,
+    val_loader: Iterable[Any] | None = None,
+    n_trials: int = 20,
+    storage: str | None = None,
+    study_name: str | None = None,
+    seed: int | None = None,
     progress: bool = True,
     plan: Plan | None = None,
     callback: Callable[[StepRecord], Any] | None = None,
@@ -205,9 +194,18 @@ def fit(
         drop_last: drop each epoch's short last window.
         scheduler: any torch LR scheduler; stepped once per optimizer step. Its base LRs are
             scaled with the optimizer's for the run.
-        bn: ``"adjust"`` (default): BatchNorm momentum ``1 - (1 - m) ** (1 / k)`` for ``k``
-            micro-batches per step, so running statistics decay per step as with one big batch;
-            ``None``: leave BatchNorm alone.
+        bn: how BatchNorm running statistics are kept (see :mod:`autotune.bn`): ``"adjust"``
+            (default): momentum ``1 - (1 - m) ** (n_i / N)`` per micro-batch, so they decay per
+            step as with one big batch; ``"pooled"``: one update per step from statistics pooled
+            over the window, exactly as one big-batch forward; ``"precise"``: recomputed after
+            training over ``bn_samples`` samples with the weights frozen; ``"optuna"``: momentum
+            tuned on ``val_loader`` by replaying recorded statistics (``n_trials``, ``storage``,
+            ``study_name``, ``seed``); ``None``: leave BatchNorm alone. The modules' ``momentum``
+            attributes are put back when ``fit`` returns.
+        bn_samples: samples for ``bn="precise"``.
+        val_loader: validation batches, needed by ``bn="optuna"``.
+        n_trials, storage, study_name, seed: the Optuna study of ``bn="optuna"`` (``storage`` is
+            any Optuna storage URL, e.g. ``"sqlite:///bn.db"``, so a study can be resumed).
         progress: show a tqdm bar (samples/s, loss) when training takes more than a moment.
         plan: use this plan instead of probing.
         callback: called with each :class:`StepRecord`.
@@ -231,8 +229,10 @@ def fit(
         raise ValueError(f"Invalid max_steps {max_steps!r}: give a whole number >= 1, or None")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"Invalid clip_grad_norm {clip_grad_norm!r}: give a positive norm, or None")
-    if bn not in ("adjust", None):
-        raise ValueError(f"Invalid bn {bn!r}: use 'adjust' or None")
+    if bn not in BN_MODES:
+        raise ValueError(f"Invalid bn {bn!r}: use 'adjust', 'pooled', 'precise', 'optuna' or None")
+    if bn == "optuna" and val_loader is None:
+        raise ValueError("bn='optuna' tunes BatchNorm momentum on validation data: pass val_loader=")
     device = _fit_device(model, device)
     precision_name = normalize_precision(precision)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
@@ -253,9 +253,18 @@ def fit(
             "samples per step; leave target_batch out or make a new plan"
         )
 
+    plan = dataclasses.replace(plan, bn_mode=bn if batchnorms(model) else None)
+    if batchnorms(model) and bn is not None and min(plan.micro_batches) < 16 and plan.accumulation_steps > 1:
+        warnings.warn(
+            f"BatchNorm normalises over micro-batches of {min(plan.micro_batches)} samples (< 16), so its "
+            "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs",
+            AutotuneWarning,
+            stacklevel=2,
+        )
     scaler = torch.amp.GradScaler(device.type) if precision_name == "fp16" else None
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    bns = _batchnorms(model)
+    bns = batchnorms(model)
+    bnc = BNController(model, bn, record=bn == "optuna")
     history: list[StepRecord] = []
     ledger = TensorLedger(device.type, limit=limit) if (limit is not None and device.type != "cuda") else None
 
@@ -272,7 +281,7 @@ def fit(
 
     with ExitStack() as stack:
         stack.enter_context(_scaled_lr(optimizer, scheduler, plan.lr_scale))
-        stack.enter_context(_bn_momentum(model, plan.accumulation_steps, bn))
+        stack.enter_context(bnc)
         stack.enter_context(cuda_memory_fraction(device, limit))
         stack.callback(bar.close)
         was_training = model.training
@@ -296,7 +305,7 @@ def fit(
                 # The ledger (CPU with a limit) counts the window's tensors and the optimizer step.
                 with ledger if ledger is not None else nullcontext():
                     loss, window, plan = _run_window_with_retry(
-                        model, loss_fn, window, device, precision_name, scaler, optimizer, bns, plan
+                        model, loss_fn, window, device, precision_name, scaler, optimizer, bns, bnc, plan
                     )
                     if scaler is not None:
                         scaler.unscale_(optimizer)  # once per window, before clipping
@@ -322,7 +331,23 @@ def fit(
                 bar.set_postfix(loss=f"{record.loss:.4g}", samples_s=f"{record.samples / max(record.seconds, 1e-9):.0f}", refresh=False)
                 if callback is not None:
                     callback(record)
-    return FitResult(plan=plan, history=tuple(history))
+    tuning = None
+    if bn == "precise":
+        batches = (micro.batch for w in accumulate(loader, plan) for micro in w)
+        precise_bn(model, batches, lambda m, b: _forward(m, loss_fn, b, device, precision_name), samples=bn_samples)
+    elif bn == "optuna" and bnc.recording is not None:
+        from .tune import run_study
+
+        tuning = run_study(
+            model, bnc.recording, val_loader, loss_fn, device,  # type: ignore[arg-type]
+            n_trials=n_trials, storage=storage, study_name=study_name, seed=seed,
+        )
+    return FitResult(plan=plan, history=tuple(history), bn_tuning=tuning)
+
+
+def _forward(model: nn.Module, loss_fn: LossFn, batch: Any, device: torch.device, precision: Precision) -> Any:
+    with autocast(device.type, precision):
+        return loss_fn(model, B.to_device(batch, device))
 
 
 def _run_window_with_retry(
@@ -334,6 +359,7 @@ def _run_window_with_retry(
     scaler: torch.amp.GradScaler | None,
     optimizer: torch.optim.Optimizer,
     bns: list[nn.modules.batchnorm._BatchNorm],
+    bnc: BNController,
     plan: Plan,
 ) -> tuple[torch.Tensor, Window, Plan]:
     """Run a window; on out-of-memory, undo the attempt, halve the micro-batch and redo it.
@@ -346,7 +372,7 @@ def _run_window_with_retry(
     bn_saved = [[b.detach().clone() for b in m.buffers()] for m in bns]
     while True:
         try:
-            return _run_window(model, loss_fn, window, device, precision, scaler), window, plan
+            return _run_window(model, loss_fn, window, device, precision, scaler, bnc), window, plan
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -385,13 +411,17 @@ def _run_window(
     device: torch.device,
     precision: Precision,
     scaler: torch.amp.GradScaler | None,
+    bnc: BNController,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch of ``window``; returns the window's exact mean loss."""
     total = torch.zeros((), device=device, dtype=torch.float64)
+    bnc.start_window(window.samples)
     for micro in window:
+        bnc.before_micro(micro.samples)
         batch = B.to_device(micro.batch, device)
         loss = forward_backward(
             model, loss_fn, batch, weight=micro.weight, device_type=device.type, precision=precision, scaler=scaler
         )
         total += loss.to(torch.float64) * micro.weight  # no sync: read once per step
+    bnc.end_window()
     return total

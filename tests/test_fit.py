@@ -215,7 +215,7 @@ def test_max_steps_epochs_drop_last_and_plan_reuse():
     assert [r.samples for r in result.history] == [32] * 9
     assert [r.epoch for r in result.history] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     again = autotune.fit(model, loader, plan=result.plan, max_steps=2, progress=False)
-    assert len(again.history) == 2 and again.plan is result.plan
+    assert len(again.history) == 2 and again.plan == result.plan
     with pytest.raises(ValueError, match="the plan given trains 32 samples per step"):
         autotune.fit(model, loader, 64, plan=result.plan)
 

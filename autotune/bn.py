@@ -1,0 +1,266 @@
+"""BatchNorm under gradient accumulation: adjusted, pooled and precise statistics, and replay.
+
+With ``k`` micro-batches per optimizer step every BatchNorm forward updates the running statistics,
+so they decay ``k`` times per step and come from smaller, noisier batches. The modes:
+
+- ``"adjust"``: before micro-batch ``i`` of a window, momentum ``1 - (1 - m) ** (n_i / N)`` (``n_i``
+  its samples, ``N`` the window's), so one optimizer step decays the statistics by exactly
+  ``1 - m``, as one big-batch forward would, even for uneven micro-batches. Modules with
+  ``momentum=None`` (a cumulative average) are left alone.
+- ``"pooled"``: the running statistics are not touched by the micro-batch forwards; per-channel
+  count, mean and squared deviations are pooled over the window and applied once per step with the
+  module's momentum and the unbiased variance, which is exactly what one forward of the big batch
+  writes. Normalisation in training still uses each micro-batch's own statistics.
+- ``"precise"``: after training, population statistics are recomputed with the weights frozen
+  (PreciseBN, Wu and Johnson 2021), pooling per-sample statistics over a number of samples.
+- ``"optuna"``: the momentum is tuned by replaying recorded statistics (see :mod:`autotune.tune`).
+
+In every mode the modules' ``momentum`` attributes are put back when training ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BN_MODES", "BNController", "Recording", "batchnorms", "precise_bn", "replay", "set_running_stats"]
+
+BN_MODES = ("adjust", "pooled", "precise", "optuna", None)
+BatchNorm = nn.modules.batchnorm._BatchNorm
+
+
+def batchnorms(model: nn.Module) -> list[BatchNorm]:
+    """The model's BatchNorm modules that keep running statistics."""
+    return [m for m in model.modules() if isinstance(m, BatchNorm) and m.track_running_stats]
+
+
+def _input_stats(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(values per channel, mean, biased variance) of a BatchNorm input, in float64."""
+    x = x.detach().to(torch.float64)
+    dims = [0, *range(2, x.dim())]
+    n = x.numel() // x.shape[1]
+    var, mean = torch.var_mean(x, dim=dims, correction=0)
+    return n, mean, var
+
+
+class _Pool:
+    """Per-channel count, mean and sum of squared deviations, merged batch by batch (Chan et al.)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean: torch.Tensor | None = None
+        self.m2: torch.Tensor | None = None
+
+    def add(self, n: int, mean: torch.Tensor, var: torch.Tensor) -> None:
+        m2 = var * n
+        if self.mean is None or self.m2 is None:
+            self.n, self.mean, self.m2 = n, mean, m2
+            return
+        total = self.n + n
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (n / total)
+        self.m2 = self.m2 + m2 + delta * delta * (self.n * n / total)
+        self.n = total
+
+    def unbiased_var(self) -> torch.Tensor:
+        assert self.m2 is not None
+        return self.m2 / max(self.n - 1, 1)
+
+
+@dataclass
+class Recording:
+    """Per-micro-batch statistics of every BatchNorm module over a training run, for replay.
+
+    Attributes:
+        start: each module's ``(running_mean, running_var, num_batches_tracked)`` when recording began.
+        steps: per optimizer step, per micro-batch: ``(samples, per-module (n, mean, unbiased var))``.
+        window_samples: samples of each recorded step.
+    """
+
+    start: list[tuple[torch.Tensor, torch.Tensor, int]]
+    steps: list[list[tuple[int, list[tuple[int, torch.Tensor, torch.Tensor]]]]] = field(default_factory=list)
+    window_samples: list[int] = field(default_factory=list)
+
+
+def replay(recording: Recording, momentum: float | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Running (mean, var) per module as a run with per-step ``momentum`` in ``"adjust"`` mode writes them.
+
+    ``momentum=None`` replays PyTorch's cumulative average (one count per micro-batch forward).
+    """
+    state = [(rm.clone(), rv.clone(), nbt) for rm, rv, nbt in recording.start]
+    for micros, total in zip(recording.steps, recording.window_samples):
+        for samples, per_module in micros:
+            for j, (_, mean, var) in enumerate(per_module):
+                rm, rv, nbt = state[j]
+                nbt += 1
+                factor = 1.0 / nbt if momentum is None else 1.0 - (1.0 - momentum) ** (samples / total)
+                rm = rm * (1.0 - factor) + mean.to(rm.dtype) * factor
+                rv = rv * (1.0 - factor) + var.to(rv.dtype) * factor
+                state[j] = (rm, rv, nbt)
+    return [(rm, rv) for rm, rv, _ in state]
+
+
+class BNController:
+    """Applies a BatchNorm mode while ``fit`` trains, and puts the modules back afterwards.
+
+    Use as a context manager; call :meth:`start_window` before a window's micro-batches (again on a
+    retry), :meth:`before_micro` before each micro-batch forward, :meth:`end_window` after them.
+    """
+
+    def __init__(self, model: nn.Module, mode: str | None, *, record: bool = False) -> None:
+        if mode not in BN_MODES:
+            raise ValueError(f"Invalid bn {mode!r}: use 'adjust', 'pooled', 'precise', 'optuna' or None")
+        self.mode = mode
+        self.modules = batchnorms(model) if mode is not None else []
+        self.record = record and bool(self.modules)
+        self.recording: Recording | None = None
+        self._saved = [(m.momentum, m.track_running_stats) for m in self.modules]
+        self._hooks: list[Any] = []
+        self._pools: list[_Pool] = []
+        self._micro_stats: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._current: list[tuple[int, list[tuple[int, torch.Tensor, torch.Tensor]]]] = []
+        self._window_samples = 0
+        self._micro_samples = 0
+
+    def __enter__(self) -> BNController:
+        needs_stats = self.mode == "pooled" or self.record
+        if needs_stats:
+            for j, module in enumerate(self.modules):
+                self._hooks.append(module.register_forward_pre_hook(self._hook(j)))
+        if self.record:
+            self.recording = Recording(
+                start=[(m.running_mean.detach().double().clone(), m.running_var.detach().double().clone(), int(m.num_batches_tracked)) for m in self.modules]  # type: ignore[union-attr]
+            )
+        if self.mode == "pooled":
+            for m in self.modules:
+                m.track_running_stats = False  # micro-batch forwards leave the buffers alone
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+        for m, (momentum, track) in zip(self.modules, self._saved):
+            m.momentum = momentum
+            m.track_running_stats = track
+
+    def _hook(self, j: int) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            if module.training:
+                n, mean, var = _input_stats(inputs[0])
+                if self.mode == "pooled":
+                    self._pools[j].add(n, mean, var)
+                if self.record:
+                    self._micro_stats.append((n, mean, var * n / max(n - 1, 1)))
+
+        return hook
+
+    def start_window(self, window_samples: int) -> None:
+        """A window (or a retry of it) begins: forget what an earlier attempt pooled or recorded."""
+        self._window_samples = window_samples
+        self._pools = [_Pool() for _ in self.modules]
+        self._current = []
+        self._micro_stats = []
+
+    def before_micro(self, samples: int) -> None:
+        """Set each module's momentum for a micro-batch of ``samples`` (``"adjust"``, ``"optuna"``)."""
+        self._flush_micro()
+        self._micro_samples = samples
+        if self.mode in ("adjust", "optuna"):
+            for m, (momentum, _) in zip(self.modules, self._saved):
+                if momentum is not None:
+                    m.momentum = 1.0 - (1.0 - momentum) ** (samples / self._window_samples)
+
+    def _flush_micro(self) -> None:
+        if self.record and self._micro_stats:
+            self._current.append((self._micro_samples, self._micro_stats))
+            self._micro_stats = []
+
+    def end_window(self) -> None:
+        """The window's micro-batches are done: apply the pooled update or keep the recording."""
+        self._flush_micro()
+        if self.mode == "pooled":
+            with torch.no_grad():
+                for m, pool, (momentum, _) in zip(self.modules, self._pools, self._saved):
+                    if pool.mean is None:
+                        continue
+                    m.num_batches_tracked.add_(1)  # type: ignore[union-attr,operator]
+                    factor = 1.0 / float(m.num_batches_tracked) if momentum is None else momentum  # type: ignore[arg-type]
+                    m.running_mean.mul_(1 - factor).add_(pool.mean.to(m.running_mean.dtype), alpha=factor)  # type: ignore[union-attr]
+                    m.running_var.mul_(1 - factor).add_(pool.unbiased_var().to(m.running_var.dtype), alpha=factor)  # type: ignore[union-attr]
+        if self.record and self.recording is not None and self._current:
+            self.recording.steps.append(self._current)
+            self.recording.window_samples.append(self._window_samples)
+            self._current = []
+
+
+def precise_bn(model: nn.Module, batches: Iterable[Any], forward: Callable[[nn.Module, Any], Any], *, samples: int = 4096) -> int:
+    """Recompute BatchNorm running statistics with the weights frozen (PreciseBN).
+
+    Runs train-mode forwards without gradients over up to ``samples`` samples of ``batches`` and sets
+    each module's running mean and (unbiased) variance to the population statistics pooled over all
+    the values it saw, so small batches do not bias them (as fvcore's population estimator). Weights,
+    momenta and ``num_batches_tracked`` are left alone.
+
+    Args:
+        model: the model.
+        batches: an iterable of batches (e.g. the training loader).
+        forward: ``forward(model, batch)``, e.g. the loss function (its result is ignored).
+        samples: how many samples to use (Wu and Johnson found 10^3 to 10^4 enough).
+
+    Returns:
+        The number of samples used.
+    """
+    from . import batches as B
+
+    modules = batchnorms(model)
+    if not modules:
+        return 0
+    pools = [_Pool() for _ in modules]
+    saved = [(m.track_running_stats, m.training) for m in modules]
+    was_training = model.training
+
+    def hook_for(j: int) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            pools[j].add(*_input_stats(inputs[0]))
+
+        return hook
+
+    hooks = [m.register_forward_pre_hook(hook_for(j)) for j, m in enumerate(modules)]
+    used = 0
+    try:
+        model.train()
+        for m in modules:
+            m.track_running_stats = False  # normalise with batch statistics, leave the buffers alone
+        with torch.no_grad():
+            for batch in batches:
+                if used >= samples:
+                    break
+                n = B.batch_size(batch)
+                if used + n > samples:
+                    batch, n = B.slice_batch(batch, 0, samples - used), samples - used
+                forward(model, batch)
+                used += n
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, (track, training) in zip(modules, saved):
+            m.track_running_stats = track
+        model.train(was_training)
+    with torch.no_grad():
+        for m, pool in zip(modules, pools):
+            if pool.mean is not None:
+                m.running_mean.copy_(pool.mean)  # type: ignore[union-attr]
+                m.running_var.copy_(pool.unbiased_var())  # type: ignore[union-attr]
+    return used
+
+
+def set_running_stats(modules: Sequence[BatchNorm], stats: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write ``(running_mean, running_var)`` into each module."""
+    with torch.no_grad():
+        for m, (rm, rv) in zip(modules, stats):
+            m.running_mean.copy_(rm)  # type: ignore[union-attr]
+            m.running_var.copy_(rv)  # type: ignore[union-attr]
