@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import batches as B
+from .distributed import is_distributed, sum_over_ranks, world
 from .plans import Plan, split_evenly
 
 __all__ = ["Micro", "Window", "accumulate"]
@@ -72,14 +73,29 @@ class Window(Sequence[Micro]):
 
     Attributes:
         index: the window's position in the epoch (0-based).
-        samples: samples in the window.
-        items: loss items in the window (the ``N`` of the weights).
+        samples: samples in the window (on this rank).
+        items: loss items in the window over all ranks (the ``N`` of the weights).
+        total_samples: samples in the window over all ranks.
         micro_batch: the largest micro-batch size used to cut it.
+
+    Under ``torch.distributed`` (``distributed=True``) the item count is summed over all ranks and
+    each weight is multiplied by the world size, because DDP averages gradients over ranks: the
+    synchronised gradient is then exactly the global mean.
     """
 
-    def __init__(self, pieces: list[Any], *, index: int, micro_batch: int, sizes: Sequence[int] | None = None, count: Count | None = None) -> None:
+    def __init__(
+        self,
+        pieces: list[Any],
+        *,
+        index: int,
+        micro_batch: int,
+        sizes: Sequence[int] | None = None,
+        count: Count | None = None,
+        distributed: bool = False,
+    ) -> None:
         self._pieces = pieces
         self._count = count
+        self._distributed = distributed
         self.index = index
         self.micro_batch = micro_batch
         self.samples = sum(B.batch_size(p) for p in pieces)
@@ -91,15 +107,22 @@ class Window(Sequence[Micro]):
             if c < 0 or int(c) != c:
                 raise ValueError(f"Invalid item count {c!r} from count(): it must be a whole number >= 0")
         self.items = int(sum(counts))
+        self.total_samples = self.samples
+        scale = 1.0
+        if distributed:
+            rank_count = world()[1]
+            total_samples, total_items = sum_over_ranks([self.samples, self.items])
+            self.total_samples, self.items = int(total_samples), int(total_items)
+            scale = float(rank_count)
         kept = [(b, int(c)) for b, c in zip(batches, counts) if c > 0]
         self._micros = tuple(
-            Micro(batch=b, weight=c / self.items, samples=B.batch_size(b), items=c, last=i == len(kept) - 1)
+            Micro(batch=b, weight=c * scale / self.items, samples=B.batch_size(b), items=c, last=i == len(kept) - 1)
             for i, (b, c) in enumerate(kept)
         )
 
     def with_micro_batch(self, micro_batch: int) -> Window:
         """The same samples cut into micro-batches of at most ``micro_batch`` (e.g. after an OOM)."""
-        return Window(self._pieces, index=self.index, micro_batch=micro_batch, count=self._count)
+        return Window(self._pieces, index=self.index, micro_batch=micro_batch, count=self._count, distributed=self._distributed)
 
     def __getitem__(self, i: int) -> Micro:  # type: ignore[override]
         return self._micros[i]
@@ -166,6 +189,7 @@ def accumulate(
     target_batch: int | None = None,
     count: Count | None = None,
     drop_last: bool = False,
+    distributed: bool | None = None,
 ) -> Iterator[Window]:
     """Re-batch ``loader`` into optimizer-step windows of micro-batches with exact loss weights.
 
@@ -181,6 +205,9 @@ def accumulate(
         target_batch: samples per window when ``plan`` is an int.
         count: ``count(batch) -> int``, the loss items in a batch (default: its samples).
         drop_last: drop a last window shorter than the others.
+        distributed: sum item counts over ranks and scale weights for DDP's averaging (default:
+            whenever a process group with more than one rank is initialised). Every rank must then
+            iterate its own shard in step with the others.
 
     Yields:
         :class:`Window` objects; iterate one to get its :class:`Micro` batches.
@@ -201,11 +228,13 @@ def accumulate(
         if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
             raise ValueError(f"Invalid target_batch {target_batch!r}: with a micro-batch size as plan, give target_batch >= 1")
         micro_batch, sizes, window_size = plan, None, target_batch
+    if distributed is None:
+        distributed = is_distributed()
     index = 0
     for pieces, full in _windows(loader, window_size):
         if not full and drop_last:
             return
-        window = Window(pieces, index=index, micro_batch=micro_batch, sizes=sizes if full else None, count=count)
+        window = Window(pieces, index=index, micro_batch=micro_batch, sizes=sizes if full else None, count=count, distributed=distributed)
         index += 1
         if window.items == 0:
             continue

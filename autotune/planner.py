@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from .bn import batchnorms
-from .errors import NothingFits
+from .distributed import gather, unwrap, world
+from .errors import AutotuneError, NothingFits
 from .memory import cuda_memory_fraction, default_headroom, default_limit
 from .plans import Plan, Trial, window_layout
 from .probe import Snapshot, Workload, probe, sample_batch
@@ -60,24 +61,6 @@ def _resolve_device(model: nn.Module, device: torch.device | str | None) -> torc
             f"move the model first (model.to({str(resolved)!r})) or leave device=None"
         )
     return resolved
-
-
-def _world() -> tuple[int, int]:
-    """(rank, world_size) of an initialised process group, else (0, 1)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _agree_min(value: int, device: torch.device) -> int:
-    """The smallest ``value`` over all ranks (all ranks must run the same micro-batch)."""
-    dist = torch.distributed
-    backend = dist.get_backend()
-    where = device if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.long, device=where)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
 
 
 def _bn_base_momentum(model: nn.Module) -> float | None:
@@ -193,9 +176,15 @@ def plan(
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rank, world_size = _world()
+    rank, world_size = world()
     window_layout(target_batch, 1, world_size)  # target_batch >= world_size, with a clear error
+    # Under DDP the probe runs the inner module: a trial's backward must not start collectives that
+    # the other ranks, busy with trials of their own, would never join.
+    model, ddp = unwrap(model)
 
+    error: BaseException | None = None
+    found = None
+    budget = 0
     # The snapshot comes first: looking at the loader draws from the RNG (shuffling).
     snapshot = Snapshot(model, optimizer)
     try:
@@ -225,32 +214,49 @@ def plan(
                 f"estimate for {device} without running on it: {format_bytes(reserve)} set aside for the "
                 f"CUDA context and {headroom:.0%} headroom for the allocator; not verified on a device"
             )
+        if ddp is not None and not getattr(ddp, "gradient_as_bucket_view", False):
+            # DDP keeps its gradient buckets beside .grad: a second copy of the gradients.
+            reserve += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            work.notes.append("DDP gradient buckets counted (pass gradient_as_bucket_view=True to DDP to save them)")
         budget = int(max(0, limit - reserve) * (1.0 - headroom))
         upper = math.ceil(target_batch / world_size)
         with cuda_memory_fraction(device, limit if (memory_limit is not None and verify) else None):
             found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
+        if found.batch_size == 0:
+            smallest = min(t.batch_size for t in work.trials)
+            needed = max([found.peak] + [t.peak_memory for t in work.trials if t.batch_size == smallest])
+            raise NothingFits(
+                f"Even micro_batch={smallest} needs {'at least ' if not any(t.estimate for t in work.trials) else ''}"
+                f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit "
+                f"{format_bytes(limit)} less {headroom:.0%} headroom): try precision='bf16', a smaller "
+                "model, activation checkpointing (torch.utils.checkpoint), or a larger memory_limit",
+                needed=needed,
+                budget=budget,
+                limit=limit,
+            )
+    except Exception as exc:
+        error = exc
     finally:
         snapshot.restore()
 
-    if found.batch_size == 0:
-        smallest = min(t.batch_size for t in work.trials)
-        needed = max([found.peak] + [t.peak_memory for t in work.trials if t.batch_size == smallest])
-        raise NothingFits(
-            f"Even micro_batch={smallest} needs {'at least ' if not any(t.estimate for t in work.trials) else ''}"
-            f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit "
-            f"{format_bytes(limit)} less {headroom:.0%} headroom): try precision='bf16', a smaller "
-            "model, activation checkpointing (torch.utils.checkpoint), or a larger memory_limit",
-            needed=needed,
-            budget=budget,
-            limit=limit,
-        )
-    max_micro = found.batch_size
+    # Every rank reaches this point, failed or not, so no rank is left waiting in a collective.
+    statuses = gather((found.batch_size if error is None and found else 0, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    failed = [(r, message) for r, (_, message) in enumerate(statuses) if message is not None]
+    if failed:
+        r, message = failed[0]
+        raise AutotuneError(f"rank {r} failed while probing, so no rank can train: {message}")
+    assert found is not None
     notes = list(work.notes)
+    maxima = [size for size, _ in statuses]
+    max_micro = min(maxima)
+    limiting_rank = maxima.index(max_micro) if world_size > 1 else None
     if world_size > 1:
-        agreed = _agree_min(max_micro, device)
-        if agreed < max_micro:
-            notes.append(f"another rank fits only {agreed} samples per micro-batch; all ranks use it")
-        max_micro = agreed
+        notes.append(
+            f"rank {limiting_rank} limits the plan: it fits {max_micro} samples per micro-batch "
+            f"(per rank: {', '.join(map(str, maxima))}); all ranks use {max_micro}"
+        )
 
     layout = window_layout(target_batch, max_micro, world_size)
     micro_batches = layout[rank]
@@ -292,12 +298,22 @@ def plan(
         bn_momentum=bn_momentum,
         memory_limit=limit,
         headroom=float(headroom),
-        peak_memory=found.peak,
+        peak_memory=found.peak if found.batch_size == max_micro else _line_peak(work.trials, max_micro, found.peak),
         device=str(device),
         precision=precision_name,
         verified=verify,
         optimizer=type(optimizer).__name__,
         bn_mode="adjust" if batchnorms(model) else None,
+        limiting_rank=limiting_rank,
         trials=tuple(work.trials),
         notes=tuple(notes),
     )
+
+
+def _line_peak(trials: Iterable[Trial], size: int, fallback: int) -> int:
+    """Peak bytes at ``size`` from this rank's trials (when another rank set a smaller micro-batch)."""
+    real = {t.batch_size: t.peak_memory for t in trials if t.fits and not t.estimate}
+    if size in real:
+        return real[size]
+    est = {t.batch_size: t.peak_memory for t in trials if t.estimate}
+    return est.get(size, fallback)

@@ -62,6 +62,7 @@ class Plan:
         warmup_steps: recommended linear warm-up in optimizer steps (None: none needed or unknown).
         bn_momentum: BatchNorm momentum for ``accumulation_steps`` forwards per step, or None when
             the model has no BatchNorm with a numeric momentum.
+        limiting_rank: under DDP, the rank whose memory set the micro-batch (None in one process).
         bn_mode: how BatchNorm statistics are kept in training (``"adjust"``, ``"pooled"``,
             ``"precise"``, ``"optuna"``), None without BatchNorm or when left alone.
         memory_limit: the limit in bytes.
@@ -96,6 +97,7 @@ class Plan:
     verified: bool = True
     optimizer: str = ""
     bn_mode: str | None = None
+    limiting_rank: int | None = None
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
 

@@ -27,6 +27,7 @@ from .planner import _resolve_device, plan as make_plan
 from .probe import min_micro_batch
 from .plans import Plan, split_evenly
 from .bn import BN_MODES, BNController, batchnorms, precise_bn
+from .distributed import any_rank, check_distinct_samples, sum_over_ranks, unwrap, world
 from .step import LossFn, Precision, autocast, default_loss, forward_backward, normalize_precision
 from .units import parse_bytes
 
@@ -233,11 +234,14 @@ def fit(
         raise ValueError(f"Invalid bn {bn!r}: use 'adjust', 'pooled', 'precise', 'optuna' or None")
     if bn == "optuna" and val_loader is None:
         raise ValueError("bn='optuna' tunes BatchNorm momentum on validation data: pass val_loader=")
+    inner, ddp = unwrap(model)  # under DDP: the wrapper trains, the inner module is probed and inspected
+    rank, _ = world()
     device = _fit_device(model, device)
     precision_name = normalize_precision(precision)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    model.to(device)
-    _resolve_device(model, device)  # the model has parameters, all on the device
+    if ddp is None:
+        model.to(device)
+    _resolve_device(inner, device)  # the model has parameters, all on the device
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = loss_fn or default_loss
@@ -253,8 +257,8 @@ def fit(
             "samples per step; leave target_batch out or make a new plan"
         )
 
-    plan = dataclasses.replace(plan, bn_mode=bn if batchnorms(model) else None)
-    if batchnorms(model) and bn is not None and min(plan.micro_batches) < 16 and plan.accumulation_steps > 1:
+    plan = dataclasses.replace(plan, bn_mode=bn if batchnorms(inner) else None)
+    if batchnorms(inner) and bn is not None and min(plan.micro_batches) < 16 and plan.accumulation_steps > 1:
         warnings.warn(
             f"BatchNorm normalises over micro-batches of {min(plan.micro_batches)} samples (< 16), so its "
             "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs",
@@ -263,8 +267,8 @@ def fit(
         )
     scaler = torch.amp.GradScaler(device.type) if precision_name == "fp16" else None
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    bns = batchnorms(model)
-    bnc = BNController(model, bn, record=bn == "optuna")
+    bns = batchnorms(inner)
+    bnc = BNController(inner, bn, record=bn == "optuna")
     history: list[StepRecord] = []
     ledger = TensorLedger(device.type, limit=limit) if (limit is not None and device.type != "cuda") else None
 
@@ -277,7 +281,7 @@ def fit(
         pass
     if max_steps is not None:
         total_windows = min(total_windows or max_steps, max_steps)
-    bar = tqdm(total=total_windows, unit="step", disable=not progress, delay=2.0, dynamic_ncols=True)
+    bar = tqdm(total=total_windows, unit="step", disable=not progress or rank != 0, delay=2.0, dynamic_ncols=True)
 
     with ExitStack() as stack:
         stack.enter_context(_scaled_lr(optimizer, scheduler, plan.lr_scale))
@@ -304,8 +308,10 @@ def fit(
                 start = time.perf_counter()
                 # The ledger (CPU with a limit) counts the window's tensors and the optimizer step.
                 with ledger if ledger is not None else nullcontext():
+                    if step == 0 and ddp is not None:
+                        check_distinct_samples(window[0].batch)
                     loss, window, plan = _run_window_with_retry(
-                        model, loss_fn, window, device, precision_name, scaler, optimizer, bns, bnc, plan
+                        model, ddp, loss_fn, window, device, precision_name, scaler, optimizer, bns, bnc, plan
                     )
                     if scaler is not None:
                         scaler.unscale_(optimizer)  # once per window, before clipping
@@ -322,8 +328,8 @@ def fit(
                     optimizer.zero_grad(set_to_none=True)
                 step += 1
                 record = StepRecord(
-                    step=step, epoch=epoch, samples=window.samples, items=window.items,
-                    loss=float(loss), lr=lr, micro_batch=window.micro_batch,
+                    step=step, epoch=epoch, samples=window.total_samples, items=window.items,
+                    loss=_global_loss(loss, ddp, device), lr=lr, micro_batch=window.micro_batch,
                     seconds=time.perf_counter() - start,
                 )
                 history.append(record)
@@ -334,12 +340,12 @@ def fit(
     tuning = None
     if bn == "precise":
         batches = (micro.batch for w in accumulate(loader, plan) for micro in w)
-        precise_bn(model, batches, lambda m, b: _forward(m, loss_fn, b, device, precision_name), samples=bn_samples)
+        precise_bn(inner, batches, lambda m, b: _forward(m, loss_fn, b, device, precision_name), samples=bn_samples)
     elif bn == "optuna" and bnc.recording is not None:
         from .tune import run_study
 
         tuning = run_study(
-            model, bnc.recording, val_loader, loss_fn, device,  # type: ignore[arg-type]
+            inner, bnc.recording, val_loader, loss_fn, device,  # type: ignore[arg-type]
             n_trials=n_trials, storage=storage, study_name=study_name, seed=seed,
         )
     return FitResult(plan=plan, history=tuple(history), bn_tuning=tuning)
@@ -350,8 +356,21 @@ def _forward(model: nn.Module, loss_fn: LossFn, batch: Any, device: torch.device
         return loss_fn(model, B.to_device(batch, device))
 
 
+def _global_loss(total: torch.Tensor, ddp: nn.Module | None, device: torch.device) -> float:
+    """The window's mean loss over all ranks (weights carry the world size under DDP)."""
+    if ddp is None:
+        return float(total)
+    _, world_size = world()
+    return sum_over_ranks([float(total)], device)[0] / world_size
+
+
+class _PeerOutOfMemory(torch.OutOfMemoryError):
+    """Another rank ran out of memory in this window: every rank redoes it."""
+
+
 def _run_window_with_retry(
     model: nn.Module,
+    ddp: nn.Module | None,
     loss_fn: LossFn,
     window: Window,
     device: torch.device,
@@ -372,7 +391,7 @@ def _run_window_with_retry(
     bn_saved = [[b.detach().clone() for b in m.buffers()] for m in bns]
     while True:
         try:
-            return _run_window(model, loss_fn, window, device, precision, scaler, bnc), window, plan
+            return _run_window(model, ddp, loss_fn, window, device, precision, scaler, bnc), window, plan
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -383,7 +402,7 @@ def _run_window_with_retry(
                 for b, value in zip(m.buffers(), saved):
                     b.copy_(value)
         release_cached(device)
-        floor = min_micro_batch(model)
+        floor = min_micro_batch(unwrap(model)[0])
         if window.micro_batch <= floor:
             raise NothingFits(
                 f"Out of memory while training at micro_batch={window.micro_batch}: a batch of the loader is larger "
@@ -406,6 +425,7 @@ def _run_window_with_retry(
 
 def _run_window(
     model: nn.Module,
+    ddp: nn.Module | None,
     loss_fn: LossFn,
     window: Window,
     device: torch.device,
@@ -413,15 +433,38 @@ def _run_window(
     scaler: torch.amp.GradScaler | None,
     bnc: BNController,
 ) -> torch.Tensor:
-    """Forward and backward every micro-batch of ``window``; returns the window's exact mean loss."""
+    """Forward and backward every micro-batch of ``window``; returns its weighted loss sum.
+
+    Under DDP every micro-batch but the last runs under ``no_sync()``; before the last one, whose
+    backward all-reduces the accumulated gradients, the ranks agree that none ran out of memory, so
+    that a rank that did is never waited for in a collective: all of them redo the window instead.
+    """
     total = torch.zeros((), device=device, dtype=torch.float64)
     bnc.start_window(window.samples)
-    for micro in window:
+    micros = list(window)
+
+    def run(micro: Any) -> None:
+        nonlocal total
         bnc.before_micro(micro.samples)
         batch = B.to_device(micro.batch, device)
         loss = forward_backward(
             model, loss_fn, batch, weight=micro.weight, device_type=device.type, precision=precision, scaler=scaler
         )
         total += loss.to(torch.float64) * micro.weight  # no sync: read once per step
+
+    failure: BaseException | None = None
+    for micro in micros[:-1]:
+        try:
+            with ddp.no_sync() if ddp is not None else nullcontext():  # type: ignore[operator]
+                run(micro)
+        except Exception as exc:
+            if ddp is None or not is_out_of_memory(exc):
+                raise
+            failure = exc
+            break
+    if ddp is not None and any_rank(failure is not None, device):
+        raise failure or _PeerOutOfMemory("another rank ran out of memory in this window")
+    if micros:
+        run(micros[-1])
     bnc.end_window()
     return total

@@ -1,0 +1,106 @@
+"""The few collectives autotune needs under ``torch.distributed`` (DDP, torchrun).
+
+Everything here is a no-op in a single process. Collectives go through the CPU with gloo and through
+the device with NCCL.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["any_rank", "gather", "is_distributed", "sum_over_ranks", "unwrap", "world"]
+
+
+def is_distributed() -> bool:
+    """Whether a process group with more than one rank is initialised."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world() -> tuple[int, int]:
+    """(rank, world_size) of an initialised process group, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _where(device: torch.device | None) -> torch.device:
+    if torch.distributed.get_backend() == "nccl":
+        return device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sum_over_ranks(values: list[float], device: torch.device | None = None) -> list[float]:
+    """Element-wise sum of ``values`` over all ranks (float64)."""
+    if not is_distributed():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_where(device))
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return t.tolist()
+
+
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank if ``flag`` is true on any rank."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_where(device))
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank, in rank order (``[obj]`` in a single process)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """``(inner module, DDP wrapper or None)``; FSDP is refused.
+
+    Raises:
+        NotImplementedError: the model is sharded with FSDP (``fully_shard`` or
+            ``FullyShardedDataParallel``), which autotune does not support yet.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        fsdp: tuple[type, ...] = (FSDPModule, FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover - older torch
+        fsdp = ()
+    if fsdp and any(isinstance(m, fsdp) for m in model.modules()):
+        raise NotImplementedError(
+            "FSDP-sharded models are not supported yet: autotune's probe and accumulation assume every "
+            "rank holds the whole model (DDP). Plan with the unsharded model on one GPU, or use DDP"
+        )
+    if isinstance(model, DistributedDataParallel):
+        return model.module, model
+    return model, None
+
+
+def check_distinct_samples(batch: Any) -> None:
+    """Warn when every rank got the same first batch (a loader without a DistributedSampler)."""
+    if not is_distributed():
+        return
+    from . import batches as B
+
+    leaves: list[torch.Tensor] = []
+    B.map_tensors(batch, leaves.append)
+    fingerprint = tuple((tuple(t.shape), float(t.detach().double().sum().item())) for t in leaves[:4])
+    prints = gather(fingerprint)
+    if all(p == prints[0] for p in prints):
+        warnings.warn(
+            "Every rank got the same first batch: each rank should see its own shard of the data; use "
+            "torch.utils.data.DistributedSampler (DataLoader(dataset, sampler=DistributedSampler(dataset)))",
+            UserWarning,
+            stacklevel=3,
+        )
