@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["any_rank", "gather", "is_distributed", "sum_over_ranks", "unwrap", "world"]
+__all__ = ["all_reduce_gradients", "any_rank", "gather", "is_distributed", "sum_over_ranks", "unwrap", "world"]
 
 
 def is_distributed() -> bool:
@@ -62,6 +62,29 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
+def all_reduce_gradients(ddp: nn.Module) -> None:
+    """Average the accumulated ``.grad`` of a DDP model over its ranks, in one collective.
+
+    This is what DDP's own synchronised backward does (sum, then divide by the world size), done
+    once per window after every rank has finished its micro-batches. Parameters without a gradient
+    on some rank take part with zeros, as DDP's buckets would.
+    """
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    if not params:
+        return
+    group = getattr(ddp, "process_group", None)
+    size = torch.distributed.get_world_size(group)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat, group=group)
+    flat.div_(size)
+    for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+        if p.grad is None:
+            p.grad = synced.clone()
+        else:
+            p.grad.copy_(synced)
+
+
 def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     """``(inner module, DDP wrapper or None)``; FSDP is refused.
 
@@ -92,6 +115,7 @@ def check_distinct_samples(batch: Any) -> None:
     if not is_distributed():
         return
     from . import batches as B
+    from .errors import AutotuneWarning
 
     leaves: list[torch.Tensor] = []
     B.map_tensors(batch, leaves.append)
@@ -101,6 +125,6 @@ def check_distinct_samples(batch: Any) -> None:
         warnings.warn(
             "Every rank got the same first batch: each rank should see its own shard of the data; use "
             "torch.utils.data.DistributedSampler (DataLoader(dataset, sampler=DistributedSampler(dataset)))",
-            UserWarning,
+            AutotuneWarning,
             stacklevel=3,
         )

@@ -6,7 +6,7 @@ the fix); everything autotune decides on its own derives from :class:`AutotuneEr
 
 from __future__ import annotations
 
-__all__ = ["AutotuneError", "NothingFits"]
+__all__ = ["AutotuneError", "AutotuneWarning", "NothingFits"]
 
 
 class AutotuneError(Exception):
@@ -27,3 +27,8 @@ class NothingFits(AutotuneError, RuntimeError):
         self.needed = needed
         self.budget = budget
         self.limit = limit
+
+
+class AutotuneWarning(UserWarning):
+    """Something autotune changed or noticed while training (a smaller micro-batch after an OOM,
+    noisy BatchNorm statistics, every rank getting the same samples)."""

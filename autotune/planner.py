@@ -252,11 +252,13 @@ def plan(
     maxima = [size for size, _ in statuses]
     max_micro = min(maxima)
     limiting_rank = maxima.index(max_micro) if world_size > 1 else None
-    if world_size > 1:
+    if world_size > 1 and len(set(maxima)) > 1:
         notes.append(
             f"rank {limiting_rank} limits the plan: it fits {max_micro} samples per micro-batch "
             f"(per rank: {', '.join(map(str, maxima))}); all ranks use {max_micro}"
         )
+    elif world_size > 1:
+        notes.append(f"all {world_size} ranks fit {max_micro} samples per micro-batch")
 
     layout = window_layout(target_batch, max_micro, world_size)
     micro_batches = layout[rank]

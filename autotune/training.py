@@ -21,13 +21,13 @@ from torch import nn
 
 from . import batches as B
 from .accumulate import Count, Window, accumulate
-from .errors import NothingFits
+from .errors import AutotuneWarning, NothingFits
 from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
 from .planner import _resolve_device, plan as make_plan
 from .probe import min_micro_batch
 from .plans import Plan, split_evenly
 from .bn import BN_MODES, BNController, batchnorms, precise_bn
-from .distributed import any_rank, check_distinct_samples, sum_over_ranks, unwrap, world
+from .distributed import all_reduce_gradients, any_rank, check_distinct_samples, sum_over_ranks, unwrap, world
 from .step import LossFn, Precision, autocast, default_loss, forward_backward, normalize_precision
 from .units import parse_bytes
 
@@ -35,10 +35,6 @@ if TYPE_CHECKING:
     from .tune import BNTuning
 
 __all__ = ["AutotuneWarning", "FitResult", "StepRecord", "fit"]
-
-
-class AutotuneWarning(UserWarning):
-    """Something autotune changed while training (e.g. a smaller micro-batch after an OOM)."""
 
 
 @dataclass(frozen=True)
@@ -435,36 +431,33 @@ def _run_window(
 ) -> torch.Tensor:
     """Forward and backward every micro-batch of ``window``; returns its weighted loss sum.
 
-    Under DDP every micro-batch but the last runs under ``no_sync()``; before the last one, whose
-    backward all-reduces the accumulated gradients, the ranks agree that none ran out of memory, so
-    that a rank that did is never waited for in a collective: all of them redo the window instead.
+    Under DDP every micro-batch runs under ``no_sync()``, the ranks agree before each one that none
+    has run out of memory, and the accumulated gradients are all-reduced once, after the last one and
+    a final agreement. A rank that runs out of memory is therefore never waited for in a collective
+    (not even in the buffer broadcast of DDP's forward): all ranks redo the window together.
     """
     total = torch.zeros((), device=device, dtype=torch.float64)
     bnc.start_window(window.samples)
-    micros = list(window)
-
-    def run(micro: Any) -> None:
-        nonlocal total
-        bnc.before_micro(micro.samples)
-        batch = B.to_device(micro.batch, device)
-        loss = forward_backward(
-            model, loss_fn, batch, weight=micro.weight, device_type=device.type, precision=precision, scaler=scaler
-        )
-        total += loss.to(torch.float64) * micro.weight  # no sync: read once per step
-
     failure: BaseException | None = None
-    for micro in micros[:-1]:
+    for micro in window:
+        if ddp is not None and any_rank(failure is not None, device):
+            break
+        bnc.before_micro(micro.samples)
         try:
             with ddp.no_sync() if ddp is not None else nullcontext():  # type: ignore[operator]
-                run(micro)
+                batch = B.to_device(micro.batch, device)
+                loss = forward_backward(
+                    model, loss_fn, batch, weight=micro.weight, device_type=device.type, precision=precision, scaler=scaler
+                )
+                total += loss.to(torch.float64) * micro.weight  # no sync: read once per step
         except Exception as exc:
             if ddp is None or not is_out_of_memory(exc):
                 raise
             failure = exc
-            break
-    if ddp is not None and any_rank(failure is not None, device):
-        raise failure or _PeerOutOfMemory("another rank ran out of memory in this window")
-    if micros:
-        run(micros[-1])
+            exc.__traceback__ = None
+    if ddp is not None:
+        if any_rank(failure is not None, device):
+            raise failure or _PeerOutOfMemory("another rank ran out of memory in this window")
+        all_reduce_gradients(ddp)
     bnc.end_window()
     return total

@@ -48,7 +48,17 @@ def count_tokens(batch):
     return int((batch[1] != PAD).sum())
 
 
-def run(rank: int, world_size: int, port: int, outdir: str, limits: list[str]) -> None:
+def long_tail_data():
+    """64 samples of 10 tokens, then 32 of 30: the probe sees only the short ones."""
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for i in range(96):
+        length = 10 if i < 64 else 30
+        out.append((torch.randint(0, 13, (length,), generator=g), torch.randint(0, 13, (length,), generator=g)))
+    return out
+
+
+def run(rank: int, world_size: int, port: int, outdir: str, limits: list[str], case: str = "basic") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -56,27 +66,37 @@ def run(rank: int, world_size: int, port: int, outdir: str, limits: list[str]) -
         torch.set_default_dtype(torch.float64)
         torch.set_num_threads(1)
         model = DistributedDataParallel(TokenModel())
-        syncs = []
+        n_params = sum(p.numel() for p in model.parameters())
+        syncs = []  # all-reduces of the whole gradient (flags and counts are a few numbers)
+        original = dist.all_reduce
 
-        def counting_allreduce(state, bucket):
-            syncs.append(bucket.index())
-            fut = dist.all_reduce(bucket.buffer().div_(world_size), async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
+        def counting_all_reduce(tensor, *args, **kwargs):
+            if tensor.numel() == n_params:
+                syncs.append(tensor.numel())
+            return original(tensor, *args, **kwargs)
 
-        model.register_comm_hook(None, counting_allreduce)
-        data = token_data()
-        loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+        dist.all_reduce = counting_all_reduce
+        data = long_tail_data() if case == "long_tail" else token_data()
+        sampler = None if case == "same_samples" else DistributedSampler(data, shuffle=False)
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+        warned = []
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        result = autotune.fit(
-            model, loader, TARGET, optimizer=opt, loss_fn=token_loss, count=count_tokens,
-            memory_limit=limits[rank], headroom=0, lr_rule="none", progress=False,
-        )
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = autotune.fit(
+                model, loader, TARGET, optimizer=opt, loss_fn=token_loss, count=count_tokens,
+                memory_limit=limits[rank], headroom=0, lr_rule="none", progress=False,
+            )
+        warned = [str(w.message) for w in caught if issubclass(w.category, autotune.AutotuneWarning)]
         torch.save(
             {
                 "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
                 "plan": result.plan.to_dict(),
                 "history": [r.__dict__ for r in result.history],
                 "syncs": len(syncs),
+                "warnings": warned,
             },
             os.path.join(outdir, f"rank{rank}.pt"),
         )

@@ -17,19 +17,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-def reference(steps):
+def reference(samples, steps):
     """Single process: SGD on consecutive global windows of TARGET samples, exact token means."""
     torch.set_default_dtype(torch.float64)
     try:
         model = W.TokenModel()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        tokens, targets = W.token_data().tensors
         for step in range(steps):
-            x, y = tokens[step * W.TARGET : (step + 1) * W.TARGET], targets[step * W.TARGET : (step + 1) * W.TARGET]
+            window = samples[step * W.TARGET : (step + 1) * W.TARGET]
             opt.zero_grad()
-            real = y != W.PAD
-            logits = model(x)
-            (F.cross_entropy(logits[real], y[real], reduction="sum") / real.sum()).backward()
+            total, items = 0.0, 0
+            for x, y in window:  # one sample at a time: lengths may differ
+                real = y != W.PAD
+                total = total + F.cross_entropy(model(x.unsqueeze(0))[0][real], y[real], reduction="sum")
+                items += int(real.sum())
+            (total / items).backward()
             opt.step()
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
     finally:
@@ -53,12 +55,34 @@ def test_ddp_fit_equals_big_batch_and_ranks_agree(tmp_path):
 
     steps = len(r0["history"])
     assert steps == 2 and all(h["samples"] == W.TARGET for h in r0["history"])
-    # no_sync: one gradient all-reduce per optimizer step (one bucket), not one per micro-batch
+    # no_sync: one all-reduce of the gradients per optimizer step, not one per micro-batch
     assert r0["syncs"] == r1["syncs"] == steps
 
-    want = reference(steps)
+    want = reference(list(W.token_data()), steps)
     for name, value in want.items():
         assert (r0["params"][name] - value).abs().max().item() <= 1e-10, name
         assert torch.equal(r0["params"][name], r1["params"][name])
     # the logged loss is the exact global token mean of the window
     assert r0["history"][0]["loss"] == pytest.approx(r1["history"][0]["loss"], abs=1e-12)
+
+
+def test_out_of_memory_on_one_rank_is_retried_by_all(tmp_path):
+    # Later samples are three times longer than anything probed; only rank 1's tight limit breaks.
+    limits = ["64MiB", "110KiB"]
+    torch.multiprocessing.spawn(W.run, args=(2, free_port(), str(tmp_path), limits, "long_tail"), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert any("Out of memory" in w for w in r0["warnings"])  # rank 0 retried for rank 1's sake
+    assert any("Out of memory" in w for w in r1["warnings"])
+    assert r0["plan"]["micro_batch"] == r1["plan"]["micro_batch"]
+    assert sum(h["samples"] for h in r0["history"]) == 96  # every sample once
+    want = reference(W.long_tail_data(), len(r0["history"]))
+    for name, value in want.items():
+        assert (r0["params"][name] - value).abs().max().item() <= 1e-10, name
+        assert torch.equal(r0["params"][name], r1["params"][name])
+
+
+def test_every_rank_getting_the_same_samples_is_warned_about(tmp_path):
+    torch.multiprocessing.spawn(W.run, args=(2, free_port(), str(tmp_path), ["64MiB", "64MiB"], "same_samples"), nprocs=2, join=True)
+    for r in (0, 1):
+        warned = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["warnings"]
+        assert any("Every rank got the same first batch" in w and "DistributedSampler" in w for w in warned)

@@ -27,3 +27,18 @@ def test_multitask_example_learns_both_heads():
     out = run("multitask.py")
     digit, parity = map(float, re.search(r"digit ([\d.]+), parity ([\d.]+)", out).groups())
     assert digit > 0.85 and parity > 0.85
+
+
+def test_ddp_example_under_torchrun(tmp_path):
+    import shutil
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node=2", str(EXAMPLES / "ddp.py")],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "world_size=2" in done.stdout and "effective_batch=1024" in done.stdout
+    assert int(re.search(r"accumulation_steps=(\d+)", done.stdout).group(1)) > 1
