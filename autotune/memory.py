@@ -71,10 +71,11 @@ def default_headroom(device: torch.device) -> float:
 
 
 class _Entry:
-    __slots__ = ("nbytes", "ref")
+    __slots__ = ("ignored", "nbytes", "ref")
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, *, ignored: bool = False) -> None:
         self.nbytes = nbytes
+        self.ignored = ignored
         self.ref: Any = None
 
 
@@ -130,6 +131,8 @@ class TensorLedger(TorchDispatchMode):
             entry.ref = weakref.ref(storage, release)
             self._entries[storage] = entry
             self.live += size
+        elif entry.ignored:
+            return
         elif entry.nbytes != size:  # resized in place (e.g. an out= argument)
             self.live += size - entry.nbytes
             entry.nbytes = size
@@ -139,6 +142,14 @@ class TensorLedger(TorchDispatchMode):
         """Count tensors that exist already (each storage once, however many views share it)."""
         for t in tensors:
             self._add(t)
+
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages, nor views of them (e.g. a data set held in memory,
+        whose samples a loader hands out as views)."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage not in self._entries:
+                self._entries[storage] = _Entry(0, ignored=True)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

@@ -263,6 +263,13 @@ def _meta_state(value: Any) -> Any:
     return torch.empty_like(value, device="meta")
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it owns its storage exactly, else a contiguous copy."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.is_contiguous():
+        return t
+    return t.contiguous().clone()
+
+
 def _leaves(batch: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     B.map_tensors(batch, found.append)
@@ -367,7 +374,8 @@ def probe(
 def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Measurement:
     device = work.device
     release_cached(device)
-    batch = B.to_device(B.repeat_to(work.batch, b), device)
+    # A compact copy: a slice of a larger tensor would count the whole of its storage.
+    batch = B.map_tensors(B.to_device(B.repeat_to(work.batch, b), device), _compact)
     ledger = TensorLedger(device.type, limit=budget, block=CUDA_BLOCK if device.type == "cuda" else 1)
     ledger.track(work.held_tensors())
     ledger.track(_leaves(batch))

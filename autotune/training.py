@@ -201,8 +201,11 @@ def fit(
             attributes are put back when ``fit`` returns.
         bn_samples: samples for ``bn="precise"``.
         val_loader: validation batches, needed by ``bn="optuna"``.
-        n_trials, storage, study_name, seed: the Optuna study of ``bn="optuna"`` (``storage`` is
-            any Optuna storage URL, e.g. ``"sqlite:///bn.db"``, so a study can be resumed).
+        n_trials: Optuna trials of ``bn="optuna"`` (each a replay and a validation pass).
+        storage: Optuna storage URL for ``bn="optuna"``, e.g. ``"sqlite:///bn.db"``, so a study can
+            be resumed or shared.
+        study_name: the study's name in ``storage``.
+        seed: seed of the study's sampler.
         progress: show a tqdm bar (samples/s, loss) when training takes more than a moment.
         plan: use this plan instead of probing.
         callback: called with each :class:`StepRecord`.

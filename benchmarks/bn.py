@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--micro", type=int, default=16, choices=(8, 16))
+    parser.add_argument("--plot", type=Path, help="also draw the eval-mode test loss per mode (needs matplotlib)")
     args = parser.parse_args()
     train_all, test = digits()
     x, y = train_all.tensors
@@ -91,6 +92,21 @@ def main() -> None:
         loss, acc, secs = mean[m]
         gap = "" if m in ("reference", "naive") or naive == ref else f"{(naive - loss) / (naive - ref):>11.0%}"
         print(f"{m:<10}{loss:>10.4f}{acc:>10.4f}{gap:>12}{secs:>9.1f}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        colors = ["C7", "C3", "C0", "C0", "C2", "C2"]
+        ax.bar(modes, [mean[m][0] for m in modes], color=colors)
+        for i, m in enumerate(modes):
+            ax.text(i, mean[m][0], f"{mean[m][0]:.3f}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("eval-mode test loss (mean of seeds)")
+        ax.set_title(f"BatchNorm statistics, target {TARGET}, micro-batches of {args.micro}, {args.epochs} epochs")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,14 @@ def test_cpu_facts_and_default_headroom():
     assert default_headroom(torch.device("cuda", 0)) == 0.10
     with pytest.raises(ValueError, match="pass memory_limit="):
         device_memory("meta")
+
+
+def test_ignored_storages_and_their_views_are_not_counted():
+    data = torch.zeros(1000, 10)  # 40 kB held in memory before training starts
+    ledger = TensorLedger("cpu")
+    ledger.ignore([data])
+    with ledger:
+        sample = data[3]  # a view: its storage is the whole data set
+        copy = sample * 2  # 40 bytes of new memory
+        assert ledger.live == 40
+    del sample, copy
