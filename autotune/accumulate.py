@@ -72,7 +72,7 @@ class Window(Sequence[Micro]):
     """The samples of one optimizer step, cut into micro-batches with exact weights.
 
     Attributes:
-        index: the window's position in the epoch (0-based).
+        position: the window's position in the epoch (0-based).
         samples: samples in the window (on this rank).
         items: loss items in the window over all ranks (the ``N`` of the weights).
         total_samples: samples in the window over all ranks.
@@ -87,7 +87,7 @@ class Window(Sequence[Micro]):
         self,
         pieces: list[Any],
         *,
-        index: int,
+        position: int,
         micro_batch: int,
         sizes: Sequence[int] | None = None,
         count: Count | None = None,
@@ -96,7 +96,7 @@ class Window(Sequence[Micro]):
         self._pieces = pieces
         self._count = count
         self._distributed = distributed
-        self.index = index
+        self.position = position
         self.micro_batch = micro_batch
         self.samples = sum(B.batch_size(p) for p in pieces)
         if sizes is None or sum(sizes) != self.samples or max(sizes) > micro_batch:
@@ -122,7 +122,7 @@ class Window(Sequence[Micro]):
 
     def with_micro_batch(self, micro_batch: int) -> Window:
         """The same samples cut into micro-batches of at most ``micro_batch`` (e.g. after an OOM)."""
-        return Window(self._pieces, index=self.index, micro_batch=micro_batch, count=self._count, distributed=self._distributed)
+        return Window(self._pieces, position=self.position, micro_batch=micro_batch, count=self._count, distributed=self._distributed)
 
     def __getitem__(self, i: int) -> Micro:  # type: ignore[override]
         return self._micros[i]
@@ -132,7 +132,7 @@ class Window(Sequence[Micro]):
 
     def __repr__(self) -> str:
         sizes = ", ".join(str(m.samples) for m in self._micros)
-        return f"Window(index={self.index}, samples={self.samples}, items={self.items}, micro-batches=[{sizes}])"
+        return f"Window(position={self.position}, samples={self.samples}, items={self.items}, micro-batches=[{sizes}])"
 
 
 def _cut(pieces: list[Any], sizes: Sequence[int]) -> list[Any]:
@@ -234,7 +234,7 @@ def accumulate(
     for pieces, full in _windows(loader, window_size):
         if not full and drop_last:
             return
-        window = Window(pieces, index=index, micro_batch=micro_batch, sizes=sizes if full else None, count=count, distributed=distributed)
+        window = Window(pieces, position=index, micro_batch=micro_batch, sizes=sizes if full else None, count=count, distributed=distributed)
         index += 1
         if window.items == 0:
             continue

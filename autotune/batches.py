@@ -31,7 +31,7 @@ def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Batch:
     if isinstance(batch, Mapping):
         items = {k: map_tensors(v, fn) for k, v in batch.items()}
         try:
-            return type(batch)(items)
+            return type(batch)(items)  # type: ignore[call-arg]
         except TypeError:  # a Mapping whose constructor takes something else
             return items
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple

@@ -133,7 +133,7 @@ class BNController:
                 self._hooks.append(module.register_forward_pre_hook(self._hook(j)))
         if self.record:
             self.recording = Recording(
-                start=[(m.running_mean.detach().double().clone(), m.running_var.detach().double().clone(), int(m.num_batches_tracked)) for m in self.modules]  # type: ignore[union-attr]
+                start=[(m.running_mean.detach().double().clone(), m.running_var.detach().double().clone(), int(m.num_batches_tracked)) for m in self.modules]  # type: ignore[union-attr,arg-type]
             )
         if self.mode == "pooled":
             for m in self.modules:

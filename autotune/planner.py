@@ -247,7 +247,7 @@ def plan(
     if failed:
         r, message = failed[0]
         raise AutotuneError(f"rank {r} failed while probing, so no rank can train: {message}")
-    assert found is not None
+    assert found is not None and limit is not None
     notes = list(work.notes)
     maxima = [size for size, _ in statuses]
     max_micro = min(maxima)

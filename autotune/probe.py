@@ -229,7 +229,7 @@ class _MetaEstimator:
             {**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
             for g in work.optimizer.param_groups
         ]
-        self.optimizer = type(work.optimizer)(groups)
+        self.optimizer = type(work.optimizer)(groups)  # type: ignore[call-arg]
         self.initial_state = {
             memo[id(p)]: {k: _meta_state(v) for k, v in s.items()} for p, s in work.optimizer.state.items()
         }

@@ -18,7 +18,6 @@ enforced by counting tensor bytes), to check the script itself.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 

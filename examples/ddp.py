@@ -27,7 +27,7 @@ import autotune
 def main() -> None:
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -86,3 +86,25 @@ def test_every_rank_getting_the_same_samples_is_warned_about(tmp_path):
     for r in (0, 1):
         warned = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["warnings"]
         assert any("Every rank got the same first batch" in w and "DistributedSampler" in w for w in warned)
+
+
+def test_fsdp_is_refused_with_a_clear_error():
+    import os
+
+    from torch import nn
+
+    import autotune
+
+    fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard(model)
+        data = [(torch.randn(4, 4), torch.randint(0, 2, (4,)))]
+        with pytest.raises(NotImplementedError, match="FSDP-sharded models are not supported yet"):
+            autotune.plan(model, data, target_batch=8)
+        with pytest.raises(NotImplementedError, match="use DDP"):
+            autotune.fit(model, data, 8, progress=False)
+    finally:
+        torch.distributed.destroy_process_group()
