@@ -55,6 +55,14 @@ class CPUAllocatorLedger(TensorLedger):
             raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: {exc}") from None
 
 
+def budget(net, ds: TensorDataset, limit: int) -> CPUAllocatorLedger:
+    """The byte budget around a peer's run: the model counts, the data set in memory does not."""
+    ledger = CPUAllocatorLedger("cpu", limit=limit)
+    ledger.track([*net.parameters(), *net.buffers()])
+    ledger.ignore(ds.tensors)  # a loader hands out its samples as views of these
+    return ledger
+
+
 def dataset(name: str, n: int = 2048) -> TensorDataset:
     parts = data_for(name, batches=n // 32, batch=32, seed=1)
     return TensorDataset(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
@@ -130,11 +138,8 @@ def run_lightning(name, opt_name, limit, ds, mode):
     before = copy.deepcopy(net.state_dict())
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir="/tmp/autotune-peers")
-    ledger = CPUAllocatorLedger("cpu", limit=limit)
-    ledger.track([*net.parameters(), *net.buffers()])
-    ledger.ignore(ds.tensors)  # the data set in memory: its samples come out as views of it
     start = time.perf_counter()
-    with ledger:
+    with budget(net, ds, limit):
         found = Tuner(trainer).scale_batch_size(model, mode=mode)
     seconds = time.perf_counter() - start
     same = all(torch.equal(before[k], net.state_dict()[k]) for k in before)
@@ -161,11 +166,8 @@ def run_accelerate(name, opt_name, limit, ds):
                 break
         return batch_size
 
-    ledger = CPUAllocatorLedger("cpu", limit=limit)
-    ledger.track([*net.parameters(), *net.buffers()])
-    ledger.ignore(ds.tensors)
     start = time.perf_counter()
-    with ledger:
+    with budget(net, ds, limit):
         found = train()
     return found, len(calls), time.perf_counter() - start, unchanged(before, net, opt)
 
