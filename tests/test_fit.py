@@ -1,6 +1,7 @@
 """autotune.fit against plain big-batch training, under mocked (enforced) memory limits."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -234,3 +235,54 @@ def test_bad_arguments(kwargs, match):
         autotune.fit(mlp(), DataLoader(dataset(20), batch_size=10), 10, **kwargs)
     with pytest.raises(TypeError, match="needs target_batch"):
         autotune.fit(mlp(), DataLoader(dataset(20), batch_size=10))
+
+
+class TokenBN(nn.Module):
+    """Token model with a BatchNorm, to check that a failed attempt leaves no trace in its buffers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(13, 32)
+        self.bn = nn.BatchNorm1d(32, momentum=0.3)
+        self.head = nn.Linear(32, 13)
+
+    def forward(self, tokens):
+        h = self.bn(self.embed(tokens).transpose(1, 2)).transpose(1, 2)
+        return self.head(torch.tanh(h))
+
+
+def test_out_of_memory_retry_leaves_batchnorm_as_if_the_attempt_never_happened():
+    from autotune.bn import BNController
+
+    model = TokenBN()
+    start = copy.deepcopy(model)
+    loader = token_loader()
+
+    def loss_fn(model, batch):
+        return F.cross_entropy(model(batch["tokens"]).flatten(0, 1), batch["targets"].flatten())
+
+    with pytest.warns(autotune.AutotuneWarning, match="Out of memory"):
+        result = autotune.fit(model, loader, 56, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                              count=count_tokens, memory_limit="400KiB", headroom=0, lr_rule="none", progress=False)
+    sizes = [r.micro_batch for r in result.history]
+    assert sizes[0] > sizes[-1]  # the later, longer window was redone with a smaller micro-batch
+
+    # Reference: the same windows cut as they finally ran, with no failed attempt in between.
+    reference = copy.deepcopy(start)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    plan = dataclasses.replace(result.plan, micro_batch=sizes[0], micro_batches=(56,), accumulation_steps=1)
+    with BNController(reference, "adjust") as bnc:
+        for window, size in zip(autotune.accumulate(loader, plan, count=count_tokens), sizes):
+            window = window.with_micro_batch(size)
+            bnc.start_window(window.samples)
+            for micro in window:
+                bnc.before_micro(micro.samples)
+                (loss_fn(reference, micro.batch) * micro.weight).backward()
+            bnc.end_window()
+            opt.step()
+            opt.zero_grad()
+    assert (model.bn.running_mean - reference.bn.running_mean).abs().max().item() <= 1e-10
+    assert (model.bn.running_var - reference.bn.running_var).abs().max().item() <= 1e-10
+    assert int(model.bn.num_batches_tracked) == int(reference.bn.num_batches_tracked)
+    assert max_param_diff(model, reference) <= 1e-10
