@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["all_reduce_gradients", "any_rank", "gather", "is_distributed", "sum_over_ranks", "unwrap", "world"]
+__all__ = ["all_reduce_gradients", "gather", "is_distributed", "max_over_ranks", "sum_over_ranks", "unwrap", "world"]
 
 
 def is_distributed() -> bool:
@@ -44,13 +44,13 @@ def sum_over_ranks(values: list[float], device: torch.device | None = None) -> l
     return t.tolist()
 
 
-def any_rank(flag: bool, device: torch.device | None = None) -> bool:
-    """True on every rank if ``flag`` is true on any rank."""
+def max_over_ranks(value: int, device: torch.device | None = None) -> int:
+    """The largest ``value`` over all ranks (e.g. a status code: 0 fine, 1 out of memory, 2 failed)."""
     if not is_distributed():
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_where(device))
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_where(device))
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def gather(obj: Any) -> list[Any]:

@@ -21,13 +21,13 @@ from torch import nn
 
 from . import batches as B
 from .accumulate import Count, Window, accumulate
-from .errors import AutotuneWarning, NothingFits
+from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
 from .planner import _resolve_device, plan as make_plan
 from .probe import min_micro_batch
 from .plans import Plan, split_evenly
 from .bn import BN_MODES, BNController, batchnorms, precise_bn
-from .distributed import all_reduce_gradients, any_rank, check_distinct_samples, sum_over_ranks, unwrap, world
+from .distributed import all_reduce_gradients, check_distinct_samples, max_over_ranks, sum_over_ranks, unwrap, world
 from .step import LossFn, Precision, autocast, default_loss, forward_backward, normalize_precision
 from .units import parse_bytes
 
@@ -355,6 +355,12 @@ def _forward(model: nn.Module, loss_fn: LossFn, batch: Any, device: torch.device
         return loss_fn(model, B.to_device(batch, device))
 
 
+def _status(failure: BaseException | None) -> int:
+    if failure is None:
+        return 0
+    return 1 if is_out_of_memory(failure) else 2
+
+
 def _global_loss(total: torch.Tensor, ddp: nn.Module | None, device: torch.device) -> float:
     """The window's mean loss over all ranks (weights carry the world size under DDP)."""
     if ddp is None:
@@ -435,15 +441,17 @@ def _run_window(
     """Forward and backward every micro-batch of ``window``; returns its weighted loss sum.
 
     Under DDP every micro-batch runs under ``no_sync()``, the ranks agree before each one that none
-    has run out of memory, and the accumulated gradients are all-reduced once, after the last one and
-    a final agreement. A rank that runs out of memory is therefore never waited for in a collective
-    (not even in the buffer broadcast of DDP's forward): all ranks redo the window together.
+    has run out of memory or failed, and the accumulated gradients are all-reduced once, after the
+    last one and a final agreement. A rank in trouble is therefore never waited for in a collective
+    (not even in the buffer broadcast of DDP's forward): after an out-of-memory error all ranks redo
+    the window together; after any other error every rank raises.
     """
     total = torch.zeros((), device=device, dtype=torch.float64)
     bnc.start_window(window.samples)
     failure: BaseException | None = None
+    status = 0  # under DDP, agreed before every micro-batch: 0 fine, 1 out of memory, 2 failed
     for micro in window:
-        if ddp is not None and any_rank(failure is not None, device):
+        if ddp is not None and (status := max_over_ranks(_status(failure), device)):
             break
         bnc.before_micro(micro.samples)
         try:
@@ -454,12 +462,16 @@ def _run_window(
                 )
                 total += loss.to(torch.float64) * micro.weight  # no sync: read once per step
         except Exception as exc:
-            if ddp is None or not is_out_of_memory(exc):
+            if ddp is None:
                 raise
-            failure = exc
-            exc.__traceback__ = None
+            failure = exc  # told to the other ranks at the next agreement, then raised
     if ddp is not None:
-        if any_rank(failure is not None, device):
+        status = max(status, max_over_ranks(_status(failure), device))
+        if status == 2:
+            if failure is not None and not is_out_of_memory(failure):
+                raise failure
+            raise AutotuneError("Another rank failed while training (see its error); every rank stops")
+        if status == 1:
             raise failure or _PeerOutOfMemory("another rank ran out of memory in this window")
         all_reduce_gradients(ddp)
     bnc.end_window()

@@ -83,12 +83,28 @@ def run(rank: int, world_size: int, port: int, outdir: str, limits: list[str], c
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         import warnings
 
+        calls = []
+
+        def loss_fn(model, batch):
+            calls.append(1)
+            if case == "error" and rank == 1 and len(calls) == 2:  # the first window's second micro-batch
+                raise ValueError("a bug on rank 1")
+            return token_loss(model, batch)
+
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = autotune.fit(
-                model, loader, TARGET, optimizer=opt, loss_fn=token_loss, count=count_tokens,
-                memory_limit=limits[rank], headroom=0, lr_rule="none", progress=False,
-            )
+            try:
+                plan = None
+                if case == "error":  # plan first, so that the failure comes while training
+                    plan = autotune.plan(model, loader, target_batch=TARGET, optimizer=opt, loss_fn=token_loss,
+                                         memory_limit=limits[rank], headroom=0, lr_rule="none")
+                result = autotune.fit(
+                    model, loader, None if plan else TARGET, optimizer=opt, loss_fn=loss_fn, count=count_tokens,
+                    memory_limit=limits[rank], headroom=0, lr_rule="none", progress=False, plan=plan,
+                )
+            except Exception as exc:
+                torch.save({"error": f"{type(exc).__name__}: {exc}"}, os.path.join(outdir, f"rank{rank}.pt"))
+                return
         warned = [str(w.message) for w in caught if issubclass(w.category, autotune.AutotuneWarning)]
         torch.save(
             {

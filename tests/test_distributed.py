@@ -88,6 +88,14 @@ def test_every_rank_getting_the_same_samples_is_warned_about(tmp_path):
         assert any("Every rank got the same first batch" in w and "DistributedSampler" in w for w in warned)
 
 
+def test_an_error_on_one_rank_is_raised_on_all(tmp_path):
+    # Rank 1's loss raises in the middle of a window: no rank may be left waiting in a collective.
+    torch.multiprocessing.spawn(W.run, args=(2, free_port(), str(tmp_path), ["64MiB", "110KiB"], "error"), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r1["error"] == "ValueError: a bug on rank 1"
+    assert r0["error"].startswith("AutotuneError: Another rank failed while training")
+
+
 def test_fsdp_is_refused_with_a_clear_error():
     import os
 
