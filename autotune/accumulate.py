@@ -177,9 +177,7 @@ def _join(parts: list[Any]) -> list[Any]:
 
 
 def _sample_shapes(batch: Any) -> tuple[Any, ...]:
-    shapes: list[Any] = []
-    B.map_tensors(batch, lambda t: shapes.append((tuple(t.shape[1:]), t.dtype)))
-    return tuple(shapes)
+    return tuple((tuple(t.shape[1:]), t.dtype) for t in B.tensors(batch))
 
 
 def accumulate(

@@ -18,6 +18,7 @@ __all__ = [
     "per_sample_numel",
     "repeat_to",
     "slice_batch",
+    "tensors",
     "to_device",
 ]
 
@@ -41,7 +42,8 @@ def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Batch:
     return batch
 
 
-def _tensors(batch: Batch) -> list[torch.Tensor]:
+def tensors(batch: Batch) -> list[torch.Tensor]:
+    """The tensors of ``batch``, in order."""
     found: list[torch.Tensor] = []
     map_tensors(batch, found.append)
     return found
@@ -54,14 +56,14 @@ def batch_size(batch: Batch) -> int:
         TypeError: the batch holds no tensor.
         ValueError: a tensor has no batch dimension (0-d), or the tensors disagree on dim 0.
     """
-    tensors = _tensors(batch)
-    if not tensors:
+    leaves = tensors(batch)
+    if not leaves:
         raise TypeError(
             f"Invalid batch of type {type(batch).__name__}: it holds no tensor; a batch must be a "
             "tensor, a tuple/list or a dict of tensors with the batch in dim 0"
         )
     sizes = []
-    for t in tensors:
+    for t in leaves:
         if t.dim() == 0:
             raise ValueError(
                 "Invalid batch: it holds a 0-d tensor (a scalar), which has no batch dimension; "
@@ -79,7 +81,7 @@ def batch_size(batch: Batch) -> int:
 def per_sample_numel(batch: Batch) -> int:
     """Elements per sample over all tensors of ``batch`` (what grows with sequence length)."""
     n = batch_size(batch)
-    return sum(t.numel() // n for t in _tensors(batch))
+    return sum(t.numel() // n for t in tensors(batch))
 
 
 def repeat_to(batch: Batch, size: int) -> Batch:
@@ -108,7 +110,7 @@ def concat(batches: Sequence[Batch]) -> Batch:
     first = batches[0]
     if len(batches) == 1:
         return first
-    columns = [_tensors(b) for b in batches]
+    columns = [tensors(b) for b in batches]
     if len({len(c) for c in columns}) != 1:
         raise ValueError("Cannot join batches of different structures; every batch must hold the same tensors")
     joined = iter([torch.cat(list(parts), dim=0) for parts in zip(*columns)])

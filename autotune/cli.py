@@ -186,9 +186,7 @@ def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, list[Any]
 def _describe(batch: Any) -> Any:
     from . import batches as B
 
-    shapes: list[Any] = []
-    B.map_tensors(batch, lambda t: shapes.append([list(t.shape), str(t.dtype)]))
-    return shapes
+    return [[list(t.shape), str(t.dtype)] for t in B.tensors(batch)]
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -198,7 +196,7 @@ def _report(args: argparse.Namespace) -> int:
 
     from . import cache
     from .demo import DEMO
-    from .memory import device_memory
+    from .memory import device_memory, storage_bytes
     from .probe import Workload, optimizer_state_bytes
     from .report import MemoryBreakdown, framework_configs, render_json, render_text
     from .units import parse_bytes
@@ -286,12 +284,10 @@ def _report(args: argparse.Namespace) -> int:
             base_batch=base_batch, precision=args.precision, verify=on_device, on_trial=progress,
         )
         work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=loader[0], device=device)
-        params = {id(p.untyped_storage()): p.untyped_storage().nbytes() for p in model.parameters()}
-        buffers = {id(b.untyped_storage()): b.untyped_storage().nbytes() for b in model.buffers()}
         breakdown = MemoryBreakdown.from_plan(
             plan,
-            parameters=sum(params.values()),
-            buffers=sum(buffers.values()),
+            parameters=storage_bytes(model.parameters()),
+            buffers=storage_bytes(model.buffers()),
             gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
             optimizer_state=optimizer_state_bytes(work),
         )

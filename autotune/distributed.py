@@ -117,9 +117,7 @@ def check_distinct_samples(batch: Any) -> None:
     from . import batches as B
     from .errors import AutotuneWarning
 
-    leaves: list[torch.Tensor] = []
-    B.map_tensors(batch, leaves.append)
-    fingerprint = tuple((tuple(t.shape), float(t.detach().double().sum().item())) for t in leaves[:4])
+    fingerprint = tuple((tuple(t.shape), float(t.detach().double().sum().item())) for t in B.tensors(batch)[:4])
     prints = gather(fingerprint)
     if all(p == prints[0] for p in prints):
         warnings.warn(

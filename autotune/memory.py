@@ -36,6 +36,7 @@ __all__ = [
     "default_headroom",
     "device_memory",
     "is_out_of_memory",
+    "storage_bytes",
 ]
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
@@ -63,6 +64,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and repeats count once)."""
+    storages: dict[int, Any] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[id(storage)] = storage  # keep it alive while ids are compared
+    return sum(s.nbytes() for s in storages.values())
 
 
 def default_headroom(device: torch.device) -> float:

@@ -12,7 +12,7 @@ from torch import nn
 from .bn import batchnorms
 from .distributed import gather, unwrap, world
 from .errors import AutotuneError, NothingFits
-from .memory import cuda_memory_fraction, default_headroom, default_limit
+from .memory import cuda_memory_fraction, default_headroom, default_limit, storage_bytes
 from .plans import Plan, Trial, window_layout
 from .probe import Snapshot, Workload, probe, sample_batch
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, lr_scale, warmup_steps
@@ -198,7 +198,7 @@ def plan(
             precision=precision_name,
             on_trial=on_trial,
         )
-        held = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in work.held_tensors()}.values())
+        held = storage_bytes(work.held_tensors())
         if limit is None:
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(

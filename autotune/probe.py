@@ -30,13 +30,23 @@ from .memory import (
     is_out_of_memory,
     release_cached,
     reset_peak,
+    storage_bytes,
 )
 from .plans import Trial
 from .errors import AutotuneError
 from .search import Measurement, SearchResult, estimated_max, largest_fitting
 from .step import LossFn, Precision, forward_backward
 
-__all__ = ["Snapshot", "Workload", "estimate_peak", "min_micro_batch", "optimizer_state_bytes", "probe", "sample_batch"]
+__all__ = [
+    "Snapshot",
+    "Workload",
+    "estimate_peak",
+    "held_tensors",
+    "min_micro_batch",
+    "optimizer_state_bytes",
+    "probe",
+    "sample_batch",
+]
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -85,7 +95,7 @@ class Snapshot:
     @staticmethod
     def _save(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return (value, value.detach().to("cpu", copy=True))
+            return _SavedTensor(value, value.detach().to("cpu", copy=True))
         return copy.deepcopy(value)
 
     def restore(self) -> None:
@@ -108,8 +118,8 @@ class Snapshot:
             for p, saved in self.state.items():
                 restored = {}
                 for k, v in saved.items():
-                    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], torch.Tensor):
-                        restored[k] = v[0].copy_(v[1])
+                    if isinstance(v, _SavedTensor):
+                        restored[k] = v.original.copy_(v.value)
                     else:
                         restored[k] = copy.deepcopy(v)
                 opt.state[p] = restored
@@ -131,6 +141,25 @@ class Snapshot:
 
 
 _MISSING = object()
+
+
+@dataclass(frozen=True)
+class _SavedTensor:
+    """An optimizer state tensor and a CPU copy of its values (restored into the same object)."""
+
+    original: torch.Tensor
+    value: torch.Tensor
+
+
+def held_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Tensors training holds between steps: parameters, buffers, gradients, optimizer state."""
+    yield from model.parameters()
+    yield from model.buffers()
+    for p in model.parameters():
+        if p.grad is not None:
+            yield p.grad
+    for s in optimizer.state.values():
+        yield from (v for v in s.values() if isinstance(v, torch.Tensor))
 
 
 def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, int, int]:
@@ -190,14 +219,8 @@ class Workload:
             self.on_trial(trial)
 
     def held_tensors(self) -> Iterator[torch.Tensor]:
-        """Tensors the training holds between steps: parameters, buffers, grads, optimizer state."""
-        yield from self.model.parameters()
-        yield from self.model.buffers()
-        for p in self.model.parameters():
-            if p.grad is not None:
-                yield p.grad
-        for s in self.optimizer.state.values():
-            yield from (v for v in s.values() if isinstance(v, torch.Tensor))
+        """Tensors the training holds between steps (see :func:`held_tensors`)."""
+        return held_tensors(self.model, self.optimizer)
 
 
 def _trial_step(
@@ -245,10 +268,8 @@ class _MetaEstimator:
         # Optimizers keep small state (Adam's step count) on the CPU whatever the device: it is
         # device memory when the target is the CPU.
         ledger = TensorLedger(("meta", "cpu") if work.device.type == "cpu" else "meta", block=self.block)
-        ledger.track(self.model.parameters())
-        ledger.track(self.model.buffers())
-        ledger.track(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-        ledger.track(_leaves(batch))
+        ledger.track(held_tensors(self.model, self.optimizer))
+        ledger.track(B.tensors(batch))
         with ledger:
             _trial_step(self.model, self.optimizer, work.loss_fn, batch, work.device.type, "fp32")
         return ledger.peak
@@ -270,12 +291,6 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone()
 
 
-def _leaves(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    B.map_tensors(batch, found.append)
-    return found
-
-
 def min_micro_batch(model: nn.Module) -> int:
     """The smallest micro-batch that can train: 2 when the model has BatchNorm, else 1.
 
@@ -292,12 +307,9 @@ def optimizer_state_bytes(work: Workload) -> int | None:
         meta(min_micro_batch(work.model))
     except Exception:
         return None
-    seen: dict[int, int] = {}
-    for state in meta.optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.device.type == "meta":
-                seen[id(v.untyped_storage())] = v.untyped_storage().nbytes()
-    return sum(seen.values())
+    return storage_bytes(
+        v for s in meta.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.is_meta
+    )
 
 
 def estimate_peak(work: Workload, batch_size: int) -> int:
@@ -378,7 +390,7 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Meas
     batch = B.map_tensors(B.to_device(B.repeat_to(work.batch, b), device), _compact)
     ledger = TensorLedger(device.type, limit=budget, block=CUDA_BLOCK if device.type == "cuda" else 1)
     ledger.track(work.held_tensors())
-    ledger.track(_leaves(batch))
+    ledger.track(B.tensors(batch))
     retries = reset_peak(device)
     start = time.perf_counter()
     fits = True

@@ -24,7 +24,7 @@ from .accumulate import Count, Window, accumulate
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
 from .planner import _resolve_device, plan as make_plan
-from .probe import min_micro_batch
+from .probe import held_tensors, min_micro_batch
 from .plans import Plan, split_evenly
 from .bn import BN_MODES, BNController, batchnorms, precise_bn
 from .distributed import all_reduce_gradients, check_distinct_samples, max_over_ranks, sum_over_ranks, unwrap, world
@@ -290,9 +290,7 @@ def fit(
         was_training = model.training
         stack.callback(model.train, was_training)
         if ledger is not None:
-            ledger.track(model.parameters())
-            ledger.track(model.buffers())
-            ledger.track(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+            ledger.track(held_tensors(model, optimizer))
         model.train()
         optimizer.zero_grad(set_to_none=True)
         step = 0
