@@ -256,8 +256,9 @@ def fit(
             "samples per step; leave target_batch out or make a new plan"
         )
 
-    plan = dataclasses.replace(plan, bn_mode=bn if batchnorms(inner) else None)
-    if batchnorms(inner) and bn is not None and min(plan.micro_batches) < 16 and plan.accumulation_steps > 1:
+    bns = batchnorms(inner)
+    plan = dataclasses.replace(plan, bn_mode=bn if bns else None)
+    if bns and bn is not None and min(plan.micro_batches) < 16 and plan.accumulation_steps > 1:
         warnings.warn(
             f"BatchNorm normalises over micro-batches of {min(plan.micro_batches)} samples (< 16), so its "
             "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs",
@@ -266,7 +267,6 @@ def fit(
         )
     scaler = torch.amp.GradScaler(device.type) if precision_name == "fp16" else None
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    bns = batchnorms(inner)
     bnc = BNController(inner, bn, record=bn == "optuna")
     history: list[StepRecord] = []
     ledger = TensorLedger(device.type, limit=limit) if (limit is not None and device.type != "cuda") else None
