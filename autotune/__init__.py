@@ -7,23 +7,28 @@
 from __future__ import annotations
 
 from .accumulate import Micro, Window, accumulate
+from .bn import AdjustBN, PooledBN, PreciseBN
 from .errors import AutotuneError, NothingFits
-from .training import AutotuneWarning, FitResult, StepRecord, fit
-from .tune import BNTuning, tune_bn_momentum
 from .planner import plan
 from .plans import Plan, Trial
+from .training import AutotuneWarning, FitResult, StepRecord, fit
+from .tune import BNTuning, OptunaBN, tune_bn_momentum
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdjustBN",
     "AutotuneError",
     "AutotuneWarning",
     "BNTuning",
     "FitResult",
     "Micro",
     "NothingFits",
+    "OptunaBN",
     "Plan",
+    "PooledBN",
+    "PreciseBN",
     "StepRecord",
     "Trial",
     "Window",

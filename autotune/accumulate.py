@@ -23,7 +23,14 @@ micro-batch of 10 real tokens like one of 1000. :func:`accumulate` replaces it::
 tokens), and the loss you weight must then be the mean over exactly those items (e.g.
 ``F.cross_entropy(..., ignore_index=-100)``), so that ``mean_i * n_i / N`` sums to the mean over all
 the window's items. Micro-batches with no items are not yielded (their mean loss is undefined), and
-windows with no items are skipped.
+windows with no items are skipped; an epoch in which ``count`` found no item at all is an error.
+
+How a window is cut: consecutive loader batches whose per-sample shapes agree form a run (sequences
+padded to different lengths are never joined, so no padding is invented); each run is cut into the
+fewest micro-batches of at most ``micro_batch`` samples, as even as possible. Models with BatchNorm
+(``plan.min_micro_batch == 2``) never get a micro-batch of one sample: a last window of one sample
+joins the window before, and a sample that no micro-batch can take (a run of one, or an odd run at a
+micro-batch of 2) is dropped with a warning that names it.
 
 Several losses from one micro-batch (multi-task, or several models on the same inputs) are each
 backpropagated on their own with the same weight, so only one graph is held at a time::
@@ -36,17 +43,20 @@ backpropagated on their own with the same weight, so only one graph is held at a
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import batches as B
+from .checks import check_count_value
 from .distributed import is_distributed, sum_over_ranks, world
+from .errors import AutotuneWarning
 from .plans import Plan, split_evenly
 
 __all__ = ["Micro", "Window", "accumulate"]
 
-Count = Callable[[Any], int]
+Count = Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,27 @@ class Micro:
     last: bool
 
 
+def cut_sizes(n: int, cap: int, min_size: int = 1) -> tuple[tuple[int, ...], int]:
+    """Sizes for ``n`` samples in the fewest micro-batches of ``min_size`` to ``cap`` samples.
+
+    Returns:
+        ``(sizes, dropped)``: sizes as even as possible, larger first, and how many samples at the
+        end no micro-batch can take (0 unless ``min_size > 1``, e.g. one sample for BatchNorm).
+
+    Example:
+        >>> cut_sizes(7, 2, 2)
+        ((2, 2, 2), 1)
+    """
+    for dropped in range(n + 1):
+        m = n - dropped
+        if m == 0:
+            return (), n
+        parts = math.ceil(m / cap)
+        if parts * min_size <= m:
+            return split_evenly(m, parts), dropped
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 class Window(Sequence[Micro]):
     """The samples of one optimizer step, cut into micro-batches with exact weights.
 
@@ -77,6 +108,8 @@ class Window(Sequence[Micro]):
         items: loss items in the window over all ranks (the ``N`` of the weights).
         total_samples: samples in the window over all ranks.
         micro_batch: the largest micro-batch size used to cut it.
+        dropped: samples no micro-batch could take (BatchNorm with a lone sample); see the module
+            docstring.
 
     Under ``torch.distributed`` (``distributed=True``) the item count is summed over all ranks and
     each weight is multiplied by the world size, because DDP averages gradients over ranks: the
@@ -92,20 +125,27 @@ class Window(Sequence[Micro]):
         sizes: Sequence[int] | None = None,
         count: Count | None = None,
         distributed: bool = False,
+        min_micro_batch: int = 1,
     ) -> None:
         self._pieces = pieces
         self._count = count
         self._distributed = distributed
+        self._sizes = sizes
         self.position = position
         self.micro_batch = micro_batch
+        self.min_micro_batch = min_micro_batch
         self.samples = sum(B.batch_size(p) for p in pieces)
-        if sizes is None or sum(sizes) != self.samples or max(sizes) > micro_batch:
-            sizes = split_evenly(self.samples, math.ceil(self.samples / micro_batch))
-        batches = _cut(pieces, sizes)
-        counts = [count(b) if count is not None else B.batch_size(b) for b in batches]
-        for c in counts:
-            if c < 0 or int(c) != c:
-                raise ValueError(f"Invalid item count {c!r} from count(): it must be a whole number >= 0")
+        batches, self.dropped = self._cut(pieces, sizes)
+        if self.dropped:
+            self.samples -= self.dropped
+            warnings.warn(
+                f"Dropped {self.dropped} sample(s) at the end of window {position} of the epoch: the model has "
+                f"BatchNorm, which cannot train on a micro-batch of one sample, and micro-batches of at most "
+                f"{micro_batch} cannot take them with the others",
+                AutotuneWarning,
+                stacklevel=4,
+            )
+        counts = [check_count_value(count(b)) if count is not None else B.batch_size(b) for b in batches]
         self.items = int(sum(counts))
         self.total_samples = self.samples
         scale = 1.0
@@ -114,15 +154,41 @@ class Window(Sequence[Micro]):
             total_samples, total_items = sum_over_ranks([self.samples, self.items])
             self.total_samples, self.items = int(total_samples), int(total_items)
             scale = float(rank_count)
-        kept = [(b, int(c)) for b, c in zip(batches, counts) if c > 0]
+        kept = [(b, c) for b, c in zip(batches, counts) if c > 0]
         self._micros = tuple(
             Micro(batch=b, weight=c * scale / self.items, samples=B.batch_size(b), items=c, last=i == len(kept) - 1)
             for i, (b, c) in enumerate(kept)
         )
 
+    def _cut(self, pieces: list[Any], sizes: Sequence[int] | None) -> tuple[list[Any], int]:
+        """Micro-batches of the pieces: each run of joinable pieces cut on its own."""
+        runs: list[list[Any]] = []
+        last_shape: Any = None
+        for piece in pieces:
+            shape = B.sample_shapes(piece)
+            if runs and shape == last_shape:
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+                last_shape = shape
+        out: list[Any] = []
+        dropped = 0
+        for run in runs:
+            n = sum(B.batch_size(p) for p in run)
+            if len(runs) == 1 and sizes is not None and sum(sizes) == n and max(sizes) <= self.micro_batch and min(sizes) >= self.min_micro_batch:
+                run_sizes: Sequence[int] = sizes  # the plan's layout (equal counts on every rank)
+            else:
+                run_sizes, lost = cut_sizes(n, self.micro_batch, self.min_micro_batch)
+                dropped += lost
+            out.extend(_slices(run, run_sizes))
+        return out, dropped
+
     def with_micro_batch(self, micro_batch: int) -> Window:
         """The same samples cut into micro-batches of at most ``micro_batch`` (e.g. after an OOM)."""
-        return Window(self._pieces, position=self.position, micro_batch=micro_batch, count=self._count, distributed=self._distributed)
+        return Window(
+            self._pieces, position=self.position, micro_batch=micro_batch, count=self._count,
+            distributed=self._distributed, min_micro_batch=self.min_micro_batch,
+        )
 
     def __getitem__(self, i: int) -> Micro:  # type: ignore[override]
         return self._micros[i]
@@ -135,15 +201,10 @@ class Window(Sequence[Micro]):
         return f"Window(position={self.position}, samples={self.samples}, items={self.items}, micro-batches=[{sizes}])"
 
 
-def _cut(pieces: list[Any], sizes: Sequence[int]) -> list[Any]:
-    """Cut consecutive pieces into micro-batches of ``sizes`` samples.
-
-    Pieces from different loader batches are joined when their per-sample shapes agree; when they
-    do not (sequences padded to different lengths), the micro-batch is split at the boundary
-    instead, so no padding is invented. Weights stay exact either way.
-    """
+def _slices(run: list[Any], sizes: Sequence[int]) -> list[Any]:
+    """Consecutive micro-batches of ``sizes`` samples from a run of joinable pieces (the rest is left)."""
     out: list[Any] = []
-    queue = list(pieces)
+    queue = list(run)
     offset = 0  # samples of queue[0] already used
     for size in sizes:
         parts = []
@@ -158,26 +219,8 @@ def _cut(pieces: list[Any], sizes: Sequence[int]) -> list[Any]:
             if offset == n:
                 queue.pop(0)
                 offset = 0
-        out.extend(_join(parts))
+        out.append(B.concat(parts))
     return out
-
-
-def _join(parts: list[Any]) -> list[Any]:
-    """Join consecutive parts whose per-sample shapes agree; keep runs of other shapes apart."""
-    runs: list[list[Any]] = []
-    last_shape: Any = None
-    for part in parts:
-        shape = _sample_shapes(part)
-        if runs and shape == last_shape:
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-            last_shape = shape
-    return [run[0] if len(run) == 1 else B.concat(run) for run in runs]
-
-
-def _sample_shapes(batch: Any) -> tuple[Any, ...]:
-    return tuple((tuple(t.shape[1:]), t.dtype) for t in B.tensors(batch))
 
 
 def accumulate(
@@ -188,6 +231,7 @@ def accumulate(
     count: Count | None = None,
     drop_last: bool = False,
     distributed: bool | None = None,
+    min_micro_batch: int | None = None,
 ) -> Iterator[Window]:
     """Re-batch ``loader`` into optimizer-step windows of micro-batches with exact loss weights.
 
@@ -197,18 +241,24 @@ def accumulate(
 
     Args:
         loader: any iterable of batches (a tensor, a tuple/list or a dict of tensors, batch in
-            dim 0). One pass over it is one epoch.
+            dim 0; per-sample lists such as ids are cut with them). One pass over it is one epoch.
         plan: a :class:`Plan`, or the largest micro-batch as an int (then ``target_batch`` is
             required).
         target_batch: samples per window when ``plan`` is an int.
-        count: ``count(batch) -> int``, the loss items in a batch (default: its samples).
+        count: ``count(batch) -> int``, the loss items in a batch (default: its samples); an int or
+            a 0-d integer tensor.
         drop_last: drop a last window shorter than the others.
         distributed: sum item counts over ranks and scale weights for DDP's averaging (default:
             whenever a process group with more than one rank is initialised). Every rank must then
             iterate its own shard in step with the others.
+        min_micro_batch: never cut a micro-batch smaller than this (default: the plan's, 2 for
+            models with BatchNorm; 1 when ``plan`` is an int).
 
     Yields:
         :class:`Window` objects; iterate one to get its :class:`Micro` batches.
+
+    Raises:
+        ValueError: ``count`` returned 0 for every batch of the epoch, or an invalid count.
 
     Example:
         >>> for window in autotune.accumulate(loader, plan):  # doctest: +SKIP
@@ -220,39 +270,80 @@ def accumulate(
         micro_batch = plan.micro_batch
         sizes: tuple[int, ...] | None = plan.micro_batches
         window_size = sum(plan.micro_batches)
-    else:
-        if isinstance(plan, bool) or not isinstance(plan, int) or plan < 1:
-            raise ValueError(f"Invalid plan {plan!r}: pass a Plan, or a micro-batch size >= 1 with target_batch=")
+        min_size = plan.min_micro_batch
+    elif not isinstance(plan, bool) and isinstance(plan, int) and plan >= 1:
         if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
             raise ValueError(f"Invalid target_batch {target_batch!r}: with a micro-batch size as plan, give target_batch >= 1")
-        micro_batch, sizes, window_size = plan, None, target_batch
+        micro_batch, sizes, window_size, min_size = plan, None, target_batch, 1
+    elif isinstance(plan, dict):
+        raise TypeError("Invalid plan of type dict: turn a saved plan back into one with autotune.Plan.from_dict(data)")
+    else:
+        raise ValueError(f"Invalid plan {plan!r}: pass a Plan, or a micro-batch size >= 1 with target_batch=")
+    if min_micro_batch is not None:
+        min_size = max(1, min_micro_batch)
+    micro_batch = max(micro_batch, min_size)
     if distributed is None:
         distributed = is_distributed()
     index = 0
-    for pieces, full in _windows(loader, window_size):
+    samples = items = 0
+    for pieces, full in _windows(loader, window_size, min_size):
         if not full and drop_last:
-            return
-        window = Window(pieces, position=index, micro_batch=micro_batch, sizes=sizes if full else None, count=count, distributed=distributed)
+            break
+        window = Window(
+            pieces, position=index, micro_batch=micro_batch, sizes=sizes if full else None, count=count,
+            distributed=distributed, min_micro_batch=min_size,
+        )
         index += 1
+        samples += window.total_samples
+        items += window.items
         if window.items == 0:
             continue
         yield window
+    if count is not None and samples > 0 and items == 0:
+        raise ValueError(
+            f"Invalid count: it returned 0 items for every batch of the epoch ({samples} samples), so there is "
+            "no loss to train on; check that it counts the loss's items (e.g. labels != -100) and that the "
+            "labels are not all padding"
+        )
 
 
-def _windows(loader: Iterable[Any], window_size: int) -> Iterator[tuple[list[Any], bool]]:
-    """Consecutive runs of exactly ``window_size`` samples (the last may be short): (pieces, full)."""
-    pending: list[Any] = []
-    have = 0
-    for batch in loader:
-        n = B.batch_size(batch)
-        start = 0
-        while start < n:
-            take = min(window_size - have, n - start)
-            pending.append(batch if (start == 0 and take == n) else B.slice_batch(batch, start, start + take))
-            have += take
-            start += take
-            if have == window_size:
-                yield pending, True
-                pending, have = [], 0
-    if pending:
-        yield pending, False
+def _windows(loader: Iterable[Any], window_size: int, min_size: int = 1) -> Iterator[tuple[list[Any], bool]]:
+    """Consecutive runs of exactly ``window_size`` samples (the last may be short): (pieces, full).
+
+    A last run of fewer than ``min_size`` samples (one sample, for BatchNorm) joins the run before.
+    """
+    held: list[Any] | None = None  # the last full window, held back until the next one starts
+
+    def runs() -> Iterator[tuple[list[Any], bool]]:
+        pending: list[Any] = []
+        have = 0
+        for batch in loader:
+            n = B.batch_size(batch)
+            start = 0
+            while start < n:
+                take = min(window_size - have, n - start)
+                pending.append(batch if (start == 0 and take == n) else B.slice_batch(batch, start, start + take))
+                have += take
+                start += take
+                if have == window_size:
+                    yield pending, True
+                    pending, have = [], 0
+        if pending:
+            yield pending, False
+
+    if min_size <= 1:
+        yield from runs()
+        return
+    for pieces, full in runs():
+        if held is not None:
+            if not full and sum(B.batch_size(p) for p in pieces) < min_size:
+                yield held + pieces, True
+                return
+            yield held, True
+            held = None
+        if full:
+            held = pieces
+        else:
+            yield pieces, False
+    if held is not None:
+        yield held, True

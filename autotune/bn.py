@@ -15,6 +15,9 @@ so they decay ``k`` times per step and come from smaller, noisier batches. The m
   (PreciseBN, Wu and Johnson 2021), pooling per-sample statistics over a number of samples.
 - ``"optuna"``: the momentum is tuned by replaying recorded statistics (see :mod:`autotune.tune`).
 
+``fit(bn=...)`` takes the mode's name, or an object that carries the mode's options:
+``AdjustBN()``, ``PooledBN()``, ``PreciseBN(samples=8192)``, ``OptunaBN(val_loader, n_trials=30)``.
+
 In every mode the modules' ``momentum`` attributes are put back when training ends.
 """
 
@@ -22,15 +25,142 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["BN_MODES", "BNController", "Recording", "batchnorms", "precise_bn", "replay", "set_running_stats"]
+__all__ = [
+    "BN_MODES",
+    "AdjustBN",
+    "BNController",
+    "BNMode",
+    "PooledBN",
+    "PreciseBN",
+    "Recording",
+    "batchnorms",
+    "precise_bn",
+    "replay",
+    "resolve_bn",
+    "set_running_stats",
+]
 
 BN_MODES = ("adjust", "pooled", "precise", "optuna", None)
 BatchNorm = nn.modules.batchnorm._BatchNorm
+
+
+class BNMode(Protocol):
+    """What ``fit(bn=...)`` accepts besides a string: a mode that carries its own options.
+
+    Attributes:
+        name: ``"adjust"``, ``"pooled"``, ``"precise"`` or ``"optuna"``: how the running statistics
+            are kept while training (see the module docstring).
+        records: whether training records per-micro-batch statistics for :meth:`finish`.
+    """
+
+    name: str
+    records: bool
+
+    def finish(self, model: nn.Module, run: FinishedRun) -> Any:
+        """Called once after training (e.g. to recompute or tune the statistics); returns a result
+        for ``FitResult.bn_tuning`` or None."""
+        ...
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """What a BatchNorm mode may use after training.
+
+    Attributes:
+        batches: the training micro-batches again, as a fresh iterable (for PreciseBN).
+        forward: ``forward(model, batch)``, the loss function under the run's precision.
+        loss_fn: the loss function.
+        device: the training device.
+        recording: per-micro-batch statistics, when the mode ``records``.
+    """
+
+    batches: Callable[[], Iterable[Any]]
+    forward: Callable[[nn.Module, Any], Any]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    device: torch.device
+    recording: Recording | None
+
+
+@dataclass(frozen=True)
+class AdjustBN:
+    """``bn="adjust"``: momentum ``1 - (1 - m) ** (n_i / N)`` per micro-batch (the default)."""
+
+    name: ClassVar[str] = "adjust"
+    records: ClassVar[bool] = False
+
+    def finish(self, model: nn.Module, run: FinishedRun) -> None:
+        """Nothing to do after training."""
+        return None
+
+
+@dataclass(frozen=True)
+class PooledBN:
+    """``bn="pooled"``: one update per step from statistics pooled over the window."""
+
+    name: ClassVar[str] = "pooled"
+    records: ClassVar[bool] = False
+
+    def finish(self, model: nn.Module, run: FinishedRun) -> None:
+        """Nothing to do after training."""
+        return None
+
+
+@dataclass(frozen=True)
+class PreciseBN:
+    """``bn="precise"``: population statistics recomputed after training (PreciseBN).
+
+    Attributes:
+        samples: training samples to pool the statistics over (Wu and Johnson found 10^3 to 10^4
+            enough).
+    """
+
+    samples: int = 4096
+    name: ClassVar[str] = "precise"
+    records: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"Invalid samples {self.samples!r}: give how many samples to pool, e.g. PreciseBN(samples=4096)")
+
+    def finish(self, model: nn.Module, run: FinishedRun) -> None:
+        """Recompute the running statistics at the final weights."""
+        precise_bn(model, run.batches(), run.forward, samples=self.samples)
+        return None
+
+
+def resolve_bn(bn: Any) -> Any:
+    """A BatchNorm mode object for ``fit(bn=...)``: strings become the default of their mode.
+
+    Raises:
+        ValueError: an unknown string, or ``"optuna"``, which needs validation data.
+        TypeError: neither a string, None nor a mode object.
+    """
+    if bn is None:
+        return None
+    if isinstance(bn, str):
+        modes = {"adjust": AdjustBN, "pooled": PooledBN, "precise": PreciseBN}
+        if bn in modes:
+            return modes[bn]()
+        if bn == "optuna":
+            raise ValueError(
+                "bn='optuna' tunes BatchNorm momentum on validation data: pass "
+                "bn=autotune.OptunaBN(val_loader, n_trials=20)"
+            )
+        raise ValueError(
+            f"Invalid bn {bn!r}: use 'adjust', 'pooled', 'precise', None, or a mode with options such as "
+            "autotune.PreciseBN(samples=8192) or autotune.OptunaBN(val_loader)"
+        )
+    if isinstance(getattr(bn, "name", None), str) and getattr(bn, "name") in BN_MODES and callable(getattr(bn, "finish", None)):
+        return bn
+    raise TypeError(
+        f"Invalid bn of type {type(bn).__name__}: pass 'adjust', 'pooled', 'precise', None, "
+        "autotune.PreciseBN(...) or autotune.OptunaBN(val_loader, ...)"
+    )
 
 
 def batchnorms(model: nn.Module) -> list[BatchNorm]:

@@ -17,16 +17,24 @@ class NothingFits(AutotuneError, RuntimeError):
     """Even a micro-batch of one sample does not fit in the memory budget.
 
     Attributes:
-        needed: bytes one sample needs (a lower bound when only an out-of-memory error was seen).
-        budget: bytes available to the training step (the limit less the headroom).
+        needed: bytes the smallest micro-batch needs (a lower bound when only an out-of-memory
+            error was seen).
+        budget: bytes available to the training step (the limit less what is set aside and the
+            headroom).
         limit: the memory limit in bytes.
+        micro_batch: the smallest micro-batch tried (1, or 2 for models with BatchNorm).
+        measured: whether ``needed`` comes from a real step (else from an estimate).
     """
 
-    def __init__(self, message: str, *, needed: int, budget: int, limit: int) -> None:
+    def __init__(
+        self, message: str, *, needed: int, budget: int, limit: int, micro_batch: int = 1, measured: bool = True
+    ) -> None:
         super().__init__(message)
         self.needed = needed
         self.budget = budget
         self.limit = limit
+        self.micro_batch = micro_batch
+        self.measured = measured
 
 
 class AutotuneWarning(UserWarning):

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from .bn import batchnorms
+from .checks import check_device_exists, check_grad_mode, check_optimizer, check_trainable
 from .distributed import gather, unwrap, world
 from .errors import AutotuneError, NothingFits
 from .memory import cuda_memory_fraction, default_headroom, default_limit, storage_bytes
-from .plans import Plan, Trial, window_layout
-from .probe import Snapshot, Workload, probe, sample_batch
-from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, lr_scale, warmup_steps
+from .plans import Plan, Trial, budget_of, window_layout
+from .probe import Snapshot, Workload, min_micro_batch, probe, sample_batch
+from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
 from .step import LossFn, default_loss, normalize_precision
 from .units import format_bytes, parse_bytes
 
@@ -40,13 +41,9 @@ def _check_target(target_batch: Any) -> int:
 
 
 def _resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
-    params = list(model.parameters())
-    if not params:
-        raise ValueError(
-            f"Invalid model {type(model).__name__}: it has no parameters, so there is nothing to "
-            "train; pass the module that owns the trainable weights"
-        )
-    model_device = params[0].device
+    check_trainable(model)
+    check_device_exists(device)
+    model_device = next(model.parameters()).device
     if device is None:
         resolved = model_device
     else:
@@ -80,6 +77,11 @@ def _base_lr(optimizer: torch.optim.Optimizer) -> float:
     return float(lr)
 
 
+def steps_per_epoch(loader: Iterable[Any], base_batch: int, effective: int) -> int | None:
+    """Optimizer steps in one pass over ``loader`` (None when its length is unknown)."""
+    return _steps_per_epoch(loader, base_batch, effective)
+
+
 def _steps_per_epoch(loader: Iterable[Any], base_batch: int, effective: int) -> int | None:
     try:
         samples = len(loader.dataset)  # type: ignore[attr-defined]
@@ -107,6 +109,7 @@ def plan(
     verify: bool = True,
     estimate: bool = True,
     max_probe_batches: int = 8,
+    epochs: int | None = None,
     on_trial: Callable[[Trial], Any] | None = None,
 ) -> Plan:
     """Find the largest micro-batch that fits and plan training at ``target_batch`` samples per step.
@@ -136,7 +139,8 @@ def plan(
         lr_rule: ``"auto"`` (by optimizer class: SGD linear, Adam family sqrt), ``"linear"``,
             ``"sqrt"`` or ``"none"``.
         base_batch: the batch size the optimizer's learning rate was tuned at (default: the
-            loader's batch size).
+            loader's ``batch_size``, else the first batch's size; ``plan.base_batch_source`` says
+            which, and a note says the LR was scaled by it).
         precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast).
         verify: False gives an estimate-only plan (no real step; ``plan.verified`` is False). The
             model may then stay where it is, and ``device`` may be one this machine lacks (e.g.
@@ -144,13 +148,17 @@ def plan(
             aside for the CUDA context before the headroom is taken for the allocator.
         estimate: False skips the meta estimate and searches with real trials only.
         max_probe_batches: how many batches of ``loader`` to look at for the worst case.
+        epochs: the run's length, if known: the recommended warm-up is then capped at 10% of it.
         on_trial: called with each :class:`Trial` as it is made (e.g. to show progress).
 
     Returns:
         A frozen :class:`Plan`.
 
     Raises:
-        TypeError / ValueError: bad arguments; the message names the value and the fix.
+        TypeError / ValueError: bad arguments; the message names the value and the fix. They are
+            raised before anything runs (an optimizer over another model's parameters, a frozen
+            or uninitialised lazy model, a CUDA device on a machine without one, ...).
+        RuntimeError: called under ``torch.no_grad()`` or ``torch.inference_mode()``.
         NothingFits: even a micro-batch of one sample exceeds the budget.
 
     Example:
@@ -159,23 +167,37 @@ def plan(
         (64, 4)
     """
     target_batch = _check_target(target_batch)
+    check_grad_mode("plan")
+    if isinstance(max_probe_batches, bool) or not isinstance(max_probe_batches, int) or max_probe_batches < 1:
+        raise ValueError(f"Invalid max_probe_batches {max_probe_batches!r}: give how many batches to look at, at least 1")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs (>= 1), or None")
+    inner_model, _ = unwrap(model)
     if verify or device is None:
-        device = _resolve_device(model, device)
+        device = _resolve_device(inner_model, device)
     else:  # estimate only: nothing runs on the device, so it need not hold the model, or exist
-        _resolve_device(model, None)
+        _resolve_device(inner_model, None)
         device = torch.device(device)
     precision_name = normalize_precision(precision)
     if lr_rule not in LR_RULES:
         raise ValueError(f"Invalid lr_rule {lr_rule!r}: use one of {', '.join(map(repr, LR_RULES))}")
     if headroom is None:
         headroom = default_headroom(device)
-    if not (isinstance(headroom, (int, float)) and 0.0 <= headroom < 1.0):
+    if isinstance(headroom, bool) or not (isinstance(headroom, (int, float)) and 0.0 <= headroom < 1.0):
         raise ValueError(f"Invalid headroom {headroom!r}: give a fraction in [0, 1), e.g. 0.1")
     if base_batch is not None and (isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1):
         raise ValueError(f"Invalid base_batch {base_batch!r}: give a positive int, the batch your LR was tuned at")
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    check_optimizer(inner_model, optimizer)
+    if lr_rule != "none":
+        _base_lr(optimizer)
+    if device.type == "cuda" and limit is None and not torch.cuda.is_available():
+        raise ValueError(
+            "Cannot read the memory of a CUDA device on a machine without one: pass "
+            "memory_limit= (e.g. '80GiB') to plan for it"
+        )
     rank, world_size = world()
     window_layout(target_batch, 1, world_size)  # target_batch >= world_size, with a clear error
     # Under DDP the probe runs the inner module: a trial's backward must not start collectives that
@@ -185,8 +207,9 @@ def plan(
     error: BaseException | None = None
     found = None
     budget = 0
-    # The snapshot comes first: looking at the loader draws from the RNG (shuffling).
-    snapshot = Snapshot(model, optimizer)
+    set_aside: list[tuple[str, int]] = []
+    # The snapshot comes first: looking at the loader draws from the RNGs (shuffling).
+    snapshot = Snapshot(model, optimizer, loader)
     try:
         batch, first_size, _ = sample_batch(loader, max_batches=max_probe_batches)
         work = Workload(
@@ -200,40 +223,24 @@ def plan(
         )
         held = storage_bytes(work.held_tensors())
         if limit is None:
-            if device.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError(
-                    "Cannot read the memory of a CUDA device on a machine without one: pass "
-                    "memory_limit= (e.g. '80GiB') to plan for it"
-                )
             limit = default_limit(device, held)
-        reserve = 0
         if device.type == "cuda" and not verify:
             # An estimate counts tensors only; the CUDA context lives outside them.
-            reserve = CUDA_CONTEXT_ALLOWANCE
+            set_aside.append(("the CUDA context", CUDA_CONTEXT_ALLOWANCE))
             work.notes.append(
-                f"estimate for {device} without running on it: {format_bytes(reserve)} set aside for the "
+                f"estimate for {device} without running on it: {format_bytes(CUDA_CONTEXT_ALLOWANCE)} set aside for the "
                 f"CUDA context and {headroom:.0%} headroom for the allocator; not verified on a device"
             )
         if ddp is not None and not getattr(ddp, "gradient_as_bucket_view", False):
             # DDP keeps its gradient buckets beside .grad: a second copy of the gradients.
-            reserve += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            set_aside.append(("DDP gradient buckets", sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)))
             work.notes.append("DDP gradient buckets counted (pass gradient_as_bucket_view=True to DDP to save them)")
-        budget = int(max(0, limit - reserve) * (1.0 - headroom))
+        budget = budget_of(limit, sum(b for _, b in set_aside), headroom)
         upper = math.ceil(target_batch / world_size)
         with cuda_memory_fraction(device, limit if (memory_limit is not None and verify) else None):
             found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
         if found.batch_size == 0:
-            smallest = min(t.batch_size for t in work.trials)
-            needed = max([found.peak] + [t.peak_memory for t in work.trials if t.batch_size == smallest])
-            raise NothingFits(
-                f"Even micro_batch={smallest} needs {'at least ' if not any(t.estimate for t in work.trials) else ''}"
-                f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit "
-                f"{format_bytes(limit)} less {headroom:.0%} headroom): try precision='bf16', a smaller "
-                "model, activation checkpointing (torch.utils.checkpoint), or a larger memory_limit",
-                needed=needed,
-                budget=budget,
-                limit=limit,
-            )
+            raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside)
     except Exception as exc:
         error = exc
     finally:
@@ -263,19 +270,23 @@ def plan(
     layout = window_layout(target_batch, max_micro, world_size)
     micro_batches = layout[rank]
     accumulation_steps = len(micro_batches)
-    base_batch_given = base_batch is not None
-    if base_batch is None:
-        base_batch = getattr(loader, "batch_size", None) or first_size
+    if base_batch is not None:
+        source = "given"
+    elif getattr(loader, "batch_size", None):
+        base_batch, source = int(loader.batch_size), "the loader's batch_size"  # type: ignore[attr-defined]
+    else:
+        base_batch, source = first_size, "the first batch's size"
     rule = auto_lr_rule(c.__name__ for c in type(optimizer).__mro__) if lr_rule == "auto" else lr_rule
     scale = lr_scale(target_batch / base_batch, rule)  # type: ignore[arg-type]
-    base_lr = _base_lr(optimizer)
+    base_lr = _base_lr(optimizer) if rule != "none" else float(optimizer.param_groups[0].get("lr", 0.0))
     betas = optimizer.param_groups[0].get("betas")
-    warmup = warmup_steps(
-        scale,
-        rule,  # type: ignore[arg-type]
-        beta2=float(betas[1]) if betas else None,
-        steps_per_epoch=_steps_per_epoch(loader, base_batch, target_batch),
-    )
+    per_epoch = _steps_per_epoch(loader, base_batch, target_batch)
+    warmup = warmup_steps(scale, rule, beta2=float(betas[1]) if betas else None, steps_per_epoch=per_epoch)  # type: ignore[arg-type]
+    warmup, capped = cap_warmup(warmup, epochs * per_epoch if (epochs and per_epoch) else None)
+    if capped:
+        notes.append(capped)
+    elif warmup and per_epoch and warmup > per_epoch and epochs is None:
+        notes.append(f"warm-up of {warmup} steps is longer than an epoch ({per_epoch} steps): pass epochs= to cap it at 10% of the run")
     bn = _bn_base_momentum(model)
     bn_momentum = None if bn is None else adjusted_bn_momentum(bn, accumulation_steps)
     if bn is not None and micro_batches[-1] < 16 and accumulation_steps > 1:
@@ -283,8 +294,11 @@ def plan(
             f"BatchNorm normalises over micro-batches of {micro_batches[-1]} samples (< 16): its "
             "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs"
         )
-    if rule != "none" and scale != 1.0 and not base_batch_given and getattr(loader, "batch_size", None) is None:
-        notes.append(f"base_batch taken from the first batch's size ({first_size}); pass base_batch= if your LR was tuned at another batch")
+    if rule != "none" and scale != 1.0 and source != "given":
+        notes.append(
+            f"the learning rate is scaled x{scale:.4g} assuming it was tuned at batch {base_batch} ({source}); "
+            "pass base_batch= if it was tuned at another batch"
+        )
     return Plan(
         micro_batch=max_micro,
         accumulation_steps=accumulation_steps,
@@ -307,8 +321,34 @@ def plan(
         optimizer=type(optimizer).__name__,
         bn_mode="adjust" if batchnorms(model) else None,
         limiting_rank=limiting_rank,
+        min_micro_batch=min_micro_batch(model),
+        base_batch_source=source,
+        set_aside=tuple(set_aside),
         trials=tuple(work.trials),
         notes=tuple(notes),
+    )
+
+
+def _nothing_fits(
+    trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]]
+) -> NothingFits:
+    """The error for a probe that found no size: measured numbers when a real step ran."""
+    real = [t for t in trials if not t.estimate]
+    pool = real or trials
+    smallest = min(t.batch_size for t in pool)
+    needed = max([peak if real else 0] + [t.peak_memory for t in pool if t.batch_size == smallest])
+    measured = bool(real)
+    aside = "".join(f" less {format_bytes(b)} for {name}," for name, b in set_aside)
+    return NothingFits(
+        f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
+        f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
+        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}: try precision='bf16', a "
+        "smaller model, activation checkpointing (torch.utils.checkpoint), or a larger memory_limit",
+        needed=needed,
+        budget=budget,
+        limit=limit,
+        micro_batch=smallest,
+        measured=measured,
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from .units import format_bytes
 
-__all__ = ["Plan", "Trial", "split_evenly", "window_layout"]
+__all__ = ["Plan", "Trial", "budget_of", "peak_at", "split_evenly", "window_layout"]
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,17 @@ class Plan:
         bn_momentum: BatchNorm momentum for ``accumulation_steps`` forwards per step, or None when
             the model has no BatchNorm with a numeric momentum.
         limiting_rank: under DDP, the rank whose memory set the micro-batch (None in one process).
+        min_micro_batch: the smallest micro-batch the model can train on: 2 for models with
+            BatchNorm (one sample has no batch statistics), else 1. Windows are never cut into
+            smaller micro-batches.
+        base_batch_source: where ``base_batch`` came from: ``"given"``, ``"the loader's batch_size"``
+            or ``"the first batch's size"``.
+        set_aside: bytes taken out of the limit before the headroom, by reason (e.g. the CUDA
+            context of an estimate-only plan, DDP's gradient buckets).
         bn_mode: how BatchNorm statistics are kept in training (``"adjust"``, ``"pooled"``,
             ``"precise"``, ``"optuna"``), None without BatchNorm or when left alone.
         memory_limit: the limit in bytes.
-        headroom: the fraction of the limit kept free.
+        headroom: the fraction of what is left of the limit after ``set_aside`` kept free.
         peak_memory: peak bytes of a training step at ``micro_batch`` (a real measurement unless
             ``verified`` is False).
         device: the device probed, e.g. ``"cuda:0"``.
@@ -98,23 +105,70 @@ class Plan:
     optimizer: str = ""
     bn_mode: str | None = None
     limiting_rank: int | None = None
+    min_micro_batch: int = 1
+    base_batch_source: str = "given"
+    set_aside: tuple[tuple[str, int], ...] = ()
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
     @property
     def budget(self) -> int:
-        """Bytes the training step may use: the limit less the headroom."""
-        return int(self.memory_limit * (1.0 - self.headroom))
+        """Bytes the training step may use: the limit less what is set aside, less the headroom.
+
+        This is exactly the budget the probe searched under.
+        """
+        return budget_of(self.memory_limit, sum(b for _, b in self.set_aside), self.headroom)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """The plan back from :meth:`to_dict`'s output (unknown keys are ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in names}
-        values["micro_batches"] = tuple(values["micro_batches"])
-        values["trials"] = tuple(Trial(**t) for t in values.get("trials", ()))
-        values["notes"] = tuple(values.get("notes", ()))
-        return cls(**values)
+    def from_dict(cls, data: Any) -> Plan:
+        """The plan back from :meth:`to_dict`'s output (unknown keys are ignored).
+
+        Raises:
+            ValueError: ``data`` is not a plan's dict (a key is missing, a value has the wrong type)
+                or its numbers are impossible (a micro-batch above the target, negative memory).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"Invalid plan data of type {type(data).__name__}: expected the dict Plan.to_dict() returns")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        missing = [name for name, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in data]
+        if missing:
+            raise ValueError(f"Invalid plan data: missing {', '.join(missing)}; expected the dict Plan.to_dict() returns")
+        values = {k: v for k, v in data.items() if k in fields}
+        try:
+            values["micro_batches"] = tuple(int(v) for v in values["micro_batches"])
+            values["trials"] = tuple(Trial(**t) for t in values.get("trials", ()))
+            values["notes"] = tuple(str(n) for n in values.get("notes", ()))
+            values["set_aside"] = tuple((str(name), int(b)) for name, b in values.get("set_aside", ()))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"Invalid plan data: {exc}") from None
+        plan = cls(**values)
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """Raise ``ValueError`` if the plan's numbers are impossible or inconsistent."""
+        ints = ("micro_batch", "accumulation_steps", "effective_batch", "world_size", "base_batch", "memory_limit", "peak_memory", "min_micro_batch")
+        for name in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Invalid plan: {name}={value!r} is not a whole number")
+        problems = []
+        if self.micro_batch < 1 or self.world_size < 1 or self.accumulation_steps < 1:
+            problems.append("micro_batch, world_size and accumulation_steps must be at least 1")
+        if not self.micro_batches or len(self.micro_batches) != self.accumulation_steps:
+            problems.append(f"{len(self.micro_batches)} micro-batch sizes for {self.accumulation_steps} accumulation steps")
+        elif min(self.micro_batches) < 1 or max(self.micro_batches) > self.micro_batch:
+            problems.append(f"micro-batch sizes {self.micro_batches} outside [1, {self.micro_batch}]")
+        if self.micro_batch > self.effective_batch or sum(self.micro_batches) > self.effective_batch:
+            problems.append(f"micro_batch={self.micro_batch} is above the target batch {self.effective_batch}")
+        if self.memory_limit <= 0 or self.peak_memory < 0 or any(b < 0 for _, b in self.set_aside):
+            problems.append("memory figures must not be negative")
+        if not (isinstance(self.headroom, (int, float)) and 0.0 <= self.headroom < 1.0):
+            problems.append(f"headroom {self.headroom!r} outside [0, 1)")
+        if not (isinstance(self.lr_scale, (int, float)) and self.lr_scale > 0):
+            problems.append(f"lr_scale {self.lr_scale!r} is not positive")
+        if problems:
+            raise ValueError("Invalid plan: " + "; ".join(problems))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as a JSON-ready dict (trials as a list of dicts)."""
@@ -122,6 +176,7 @@ class Plan:
         data["micro_batches"] = list(self.micro_batches)
         data["trials"] = [t.to_dict() for t in self.trials]
         data["notes"] = list(self.notes)
+        data["set_aside"] = [list(pair) for pair in self.set_aside]
         data["budget"] = self.budget
         return data
 
@@ -130,13 +185,17 @@ class Plan:
             f"micro_batch={self.micro_batch} accumulation_steps={self.accumulation_steps} "
             f"effective_batch={self.effective_batch} world_size={self.world_size}",
             f"micro-batches per window: {', '.join(map(str, self.micro_batches))}",
-            f"lr={self.lr:.6g} (base {self.base_lr:.6g} at batch {self.base_batch}, "
+            f"lr={self.lr:.6g} (base {self.base_lr:.6g} at batch {self.base_batch}"
+            + ("" if self.base_batch_source == "given" else f" from {self.base_batch_source}")
+            + ", "
             f"rule {self.lr_rule}, x{self.lr_scale:.4g})"
             + (f", warm-up {self.warmup_steps} steps" if self.warmup_steps else ""),
             f"bn_momentum={self.bn_momentum if self.bn_momentum is None else f'{self.bn_momentum:.6g}'}"
             + (f" (bn={self.bn_mode})" if self.bn_mode else ""),
             f"memory: peak {format_bytes(self.peak_memory)} at micro-batch {self.micro_batch}, "
-            f"limit {format_bytes(self.memory_limit)}, headroom {self.headroom:.0%} "
+            f"limit {format_bytes(self.memory_limit)}"
+            + "".join(f", less {format_bytes(b)} for {name}" for name, b in self.set_aside)
+            + f", headroom {self.headroom:.0%}, budget {format_bytes(self.budget)} "
             f"on {self.device} ({self.precision})",
             f"trials: {sum(not t.estimate for t in self.trials)} real, "
             f"{sum(t.estimate for t in self.trials)} estimates",
@@ -145,6 +204,30 @@ class Plan:
             lines.append("estimate, not verified on a device")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def peak_at(plan: Plan, size: int) -> int:
+    """The plan's peak memory at another micro-batch ``size``, from its trials.
+
+    The estimates (exact tensor counts) give the shape of the curve; it is scaled to agree with the
+    plan's real peak at ``plan.micro_batch``. Without estimates the real trials give a line.
+    """
+    if size == plan.micro_batch:
+        return plan.peak_memory
+    from .search import Curve
+
+    for estimate in (True, False):
+        points = {t.batch_size: t.peak_memory for t in plan.trials if t.estimate is estimate and (estimate or t.fits)}
+        if len(points) >= 2 or (points and plan.micro_batch in points):
+            curve = Curve(points)
+            ratio = plan.peak_memory / max(curve(plan.micro_batch), 1.0)
+            return max(0, int(ratio * curve(size)))
+    return int(plan.peak_memory * size / max(plan.micro_batch, 1))
+
+
+def budget_of(limit: int, set_aside: int, headroom: float) -> int:
+    """Bytes a training step may use: ``(limit - set_aside) * (1 - headroom)``, never negative."""
+    return int(max(0, limit - set_aside) * (1.0 - headroom))
 
 
 def split_evenly(total: int, parts: int) -> tuple[int, ...]:

@@ -34,12 +34,14 @@ from .memory import (
 )
 from .plans import Trial
 from .errors import AutotuneError
+from .rng import RNGState
 from .search import Measurement, SearchResult, estimated_max, largest_fitting
 from .step import LossFn, Precision, forward_backward
 
 __all__ = [
     "Snapshot",
     "Workload",
+    "about_meta",
     "estimate_peak",
     "held_tensors",
     "min_micro_batch",
@@ -65,10 +67,11 @@ class Snapshot:
     Covers parameter values, buffers, ``.grad`` (None stays None; an existing gradient keeps its
     tensor object), the optimizer's per-parameter state (same tensor objects, values restored;
     entries the trial added are removed), its param-group settings, the modules' train/eval flags,
-    and the CPU and CUDA RNG states.
+    and the random number generators (torch CPU and CUDA, Python, numpy, and the loader's own
+    generators: see :class:`autotune.rng.RNGState`).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.params = _unique(
@@ -89,8 +92,7 @@ class Snapshot:
         ]
         self.opt_called = optimizer.__dict__.get("_opt_called", _MISSING)
         self.training = [(m, m.training) for m in model.modules()]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.rng = RNGState(loader)
 
     @staticmethod
     def _save(value: Any) -> Any:
@@ -135,9 +137,7 @@ class Snapshot:
             opt.__dict__["_opt_called"] = self.opt_called
         for m, training in self.training:
             m.training = training
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.rng.restore()
 
 
 _MISSING = object()
@@ -284,6 +284,36 @@ def _meta_state(value: Any) -> Any:
     return torch.empty_like(value, device="meta")
 
 
+# Words in the messages of errors that come from running on tensors without data (meta or fake).
+_META_WORDS = ("meta", "fake", "data-dependent", "data dependent", "symbolic", "unbacked")
+
+
+def about_meta(exc: BaseException) -> bool:
+    """Whether an error raised during an estimate comes from estimating (tensors without data).
+
+    Ops without meta kernels raise ``NotImplementedError``; reading values (``.item()``, ``bool(t)``,
+    data-dependent shapes) raises errors that name meta or fake tensors. Anything else (a
+    ``KeyError`` in ``loss_fn``, a shape mismatch in the model) is the user's code failing and is
+    raised as it is, never hidden behind "estimate unavailable".
+    """
+    if isinstance(exc, NotImplementedError):
+        return True
+    try:
+        from torch._subclasses import fake_tensor
+
+        fake_errors: tuple[type, ...] = tuple(
+            getattr(fake_tensor, name)
+            for name in ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException", "UnsupportedFakeTensorException")
+            if hasattr(fake_tensor, name)
+        )
+    except ImportError:  # pragma: no cover - every supported torch has it
+        fake_errors = ()
+    if fake_errors and isinstance(exc, fake_errors):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, TypeError, AssertionError)) and any(w in text for w in _META_WORDS)
+
+
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if it owns its storage exactly, else a contiguous copy."""
     if t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.is_contiguous():
@@ -354,7 +384,9 @@ def probe(
             start = time.perf_counter()
             first = meta(lower)  # fail here, not inside the search, if the model cannot run on meta
             seconds = time.perf_counter() - start
-        except Exception as exc:  # ops without meta kernels, data-dependent shapes, custom optimizers
+        except Exception as exc:
+            if not about_meta(exc):
+                raise  # the user's code failed for its own reasons: say so now, not after real trials
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
             work.notes.append(f"meta estimate unavailable ({reason}); real trials only")
         else:

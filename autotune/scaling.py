@@ -20,8 +20,12 @@ __all__ = [
     "adjusted_bn_momentum",
     "auto_lr_rule",
     "lr_scale",
+    "cap_warmup",
     "warmup_steps",
 ]
+
+# A warm-up longer than this share of the run is capped to it (a common warm-up ratio).
+WARMUP_SHARE = 0.1
 
 LRRule = Literal["linear", "sqrt", "none"]
 LR_RULES: tuple[str, ...] = ("auto", "linear", "sqrt", "none")
@@ -110,6 +114,22 @@ def warmup_steps(
     if rule == "sqrt":
         return math.ceil(2.0 / (1.0 - (0.999 if beta2 is None else beta2)))
     return None
+
+
+def cap_warmup(steps: int | None, run_steps: int | None) -> tuple[int | None, str | None]:
+    """Cap a recommended warm-up at :data:`WARMUP_SHARE` of the run when the run's length is known.
+
+    Returns:
+        ``(steps, note)``: the warm-up to use and, when it was capped, a sentence saying so.
+
+    Example:
+        >>> cap_warmup(2000, 120)
+        (12, 'warm-up capped at 12 steps, 10% of a run of 120 steps (the rule gives 2000)')
+    """
+    if steps is None or run_steps is None or steps <= WARMUP_SHARE * run_steps:
+        return steps, None
+    capped = max(1, math.floor(WARMUP_SHARE * run_steps))
+    return capped, f"warm-up capped at {capped} steps, {WARMUP_SHARE:.0%} of a run of {run_steps} steps (the rule gives {steps})"
 
 
 def adjusted_bn_momentum(momentum: float, accumulation_steps: int) -> float:

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Measurement", "SearchResult", "estimated_max", "largest_fitting"]
+__all__ = ["Curve", "Measurement", "SearchResult", "estimated_max", "largest_fitting"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class SearchResult:
     estimated: int | None
 
 
-class _Curve:
+class Curve:
     """Piecewise-linear interpolation through known (batch, bytes) points; linear beyond them."""
 
     def __init__(self, points: dict[int, int]) -> None:
@@ -134,7 +134,7 @@ def estimated_max(
         width = hi - lo
         if width <= 1:
             break
-        guess = _largest_below(_Curve(points), budget, lo, hi - 1)
+        guess = _largest_below(Curve(points), budget, lo, hi - 1)
         if guess == lo:
             probe = lo + 1  # the line puts the boundary at lo: confirm with the neighbour
         elif prev_width is not None and width > prev_width // 2:
@@ -246,7 +246,7 @@ def _predicted(
             ratio = fits_at[b1] / max(estimate(b1), 1)
             model = lambda b: ratio * estimate(b)  # noqa: E731
     elif len(sizes) == 2:
-        model = _Curve({b: fits_at[b] for b in sizes})
+        model = Curve({b: fits_at[b] for b in sizes})
     else:
         # One real point and no estimates: a second, larger point gives the line.
         return min(max(lo + 1, math.ceil(upper / 8), 2 * lo), hi - 1)

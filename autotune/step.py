@@ -131,6 +131,12 @@ def forward_backward(
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             + ": it must return the batch's mean loss as a scalar tensor"
         )
+    if not loss.requires_grad:
+        raise ValueError(
+            "Invalid loss: it does not require grad, so backward() has nothing to differentiate. Either no "
+            "parameter it depends on is trainable (a frozen model: requires_grad=False), or loss_fn detaches it "
+            "(.detach(), .item(), torch.no_grad() inside it); return a loss computed from the model's output"
+        )
     weighted = loss * weight
     if scaler is not None:
         weighted = scaler.scale(weighted)

@@ -17,15 +17,56 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from . import batches as B
-from .bn import Recording, batchnorms, replay, set_running_stats
+from .bn import FinishedRun, Recording, batchnorms, replay, set_running_stats
+from .training import fit
 
-__all__ = ["BNTuning", "tune_bn_momentum"]
+__all__ = ["BNTuning", "OptunaBN", "tune_bn_momentum"]
+
+
+@dataclass(frozen=True)
+class OptunaBN:
+    """``fit(bn=OptunaBN(val_loader, ...))``: tune BatchNorm momentum with Optuna after training.
+
+    Training records each BatchNorm module's per-micro-batch statistics; afterwards every trial
+    replays them with a candidate momentum and evaluates ``val_loader`` (no retraining). The
+    model keeps the statistics of the best momentum; ``FitResult.bn_tuning`` holds the study.
+
+    Attributes:
+        val_loader: validation batches for the objective (eval-mode loss).
+        n_trials: Optuna trials; each is a replay and a validation pass.
+        storage: an Optuna storage URL, e.g. ``"sqlite:///bn.db"``, to resume or share the study.
+        study_name: the study's name in ``storage``.
+        seed: seed of the TPE sampler.
+    """
+
+    val_loader: Iterable[Any]
+    n_trials: int = 20
+    storage: str | None = None
+    study_name: str | None = None
+    seed: int | None = None
+    name: ClassVar[str] = "optuna"
+    records: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.val_loader is None:
+            raise ValueError("Invalid val_loader None: OptunaBN tunes momentum on validation data; pass its batches")
+        if isinstance(self.n_trials, bool) or not isinstance(self.n_trials, int) or self.n_trials < 1:
+            raise ValueError(f"Invalid n_trials {self.n_trials!r}: give a whole number >= 1")
+
+    def finish(self, model: nn.Module, run: FinishedRun) -> BNTuning | None:
+        """Run the study on the recording; leaves the best statistics in the model."""
+        if run.recording is None:
+            return None
+        return run_study(
+            model, run.recording, self.val_loader, run.loss_fn, run.device,
+            n_trials=self.n_trials, storage=self.storage, study_name=self.study_name, seed=self.seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -142,6 +183,8 @@ def tune_bn_momentum(
 ) -> BNTuning:
     """Train once with :func:`autotune.fit`, then tune BatchNorm momentum by replay.
 
+    The same as ``fit(..., bn=OptunaBN(val_loader, ...)).bn_tuning``.
+
     Args:
         model: the model to train (trained in place, as by ``fit``).
         loader: the training batches.
@@ -158,16 +201,18 @@ def tune_bn_momentum(
         :class:`BNTuning`; the model's running statistics are those of the best momentum, and its
         modules' ``momentum`` attributes are unchanged.
 
+    Raises:
+        ValueError: the model has no BatchNorm with running statistics.
+
     Example:
         >>> tuned = autotune.tune_bn_momentum(model, train_loader, val_loader, target_batch=256,
         ...                                   storage="sqlite:///bn.db", study_name="resnet")  # doctest: +SKIP
         >>> tuned.momentum  # doctest: +SKIP
     """
-    from .training import fit
-
-    result = fit(
-        model, loader, target_batch, plan=plan, bn="optuna", val_loader=val_loader, n_trials=n_trials,
-        storage=storage, study_name=study_name, seed=seed, **fit_options,
-    )
-    assert result.bn_tuning is not None
+    mode = OptunaBN(val_loader, n_trials=n_trials, storage=storage, study_name=study_name, seed=seed)
+    if not batchnorms(model):
+        raise ValueError("Nothing to tune: the model has no BatchNorm with running statistics")
+    result = fit(model, loader, target_batch, plan=plan, bn=mode, **fit_options)
+    if result.bn_tuning is None:
+        raise ValueError("Nothing to tune: no training step was recorded (an empty loader, or max_steps=0)")
     return result.bn_tuning

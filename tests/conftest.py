@@ -1,8 +1,17 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# One thread per process: the tests' outcomes never depend on timing, and on a small loaded machine
+# torch's default (one thread per core, in every subprocess too) oversubscribes the cores and turns
+# seconds into minutes. Subprocesses (examples, torchrun) inherit the environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 

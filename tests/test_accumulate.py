@@ -168,9 +168,9 @@ def test_sequences_of_different_padded_lengths_are_not_joined():
     long = token_data(n=10, length=9, seed=5)
     loader = [(short[0][:5], short[1][:5]), (long[0][:7], long[1][:7])]  # 12 samples, two lengths
     (window,) = list(autotune.accumulate(loader, 8, target_batch=12, count=count_tokens))
-    # planned 6 + 6: the first would mix 5 short and 1 long sample, so it is split at the boundary
-    assert [m.samples for m in window] == [5, 1, 6]
-    assert [m.batch[0].shape[1] for m in window] == [5, 9, 9]
+    # each run of one padded length is cut on its own: 5 short, then 7 long (not 6 + 6 mixing lengths)
+    assert [m.samples for m in window] == [5, 7]
+    assert [m.batch[0].shape[1] for m in window] == [5, 9]
     model.zero_grad(set_to_none=True)
     got = accumulated(model, window, token_loss)
     # reference over both lengths: sum of per-token losses over all real tokens
@@ -191,8 +191,9 @@ def test_micro_batches_without_items_are_skipped():
     targets[:4] = PAD  # the first micro-batch has no real token
     (window,) = list(autotune.accumulate(loader_of(tokens, targets, 4), 4, target_batch=8, count=count_tokens))
     assert len(window) == 1 and window[0].weight == 1.0
-    targets[:] = PAD
-    assert list(autotune.accumulate(loader_of(tokens, targets, 4), 4, target_batch=8, count=count_tokens)) == []
+    targets[:] = PAD  # no item in the whole epoch: nothing to train on is an error, not silence
+    with pytest.raises(ValueError, match="returned 0 items for every batch of the epoch"):
+        list(autotune.accumulate(loader_of(tokens, targets, 4), 4, target_batch=8, count=count_tokens))
 
 
 # --- several losses per micro-batch ----------------------------------------------------------

@@ -137,7 +137,7 @@ def test_replay_equals_a_real_run_with_that_momentum(m):
 def test_precise_recomputes_population_statistics():
     model = ConvBN()
     ds = data(64)
-    autotune.fit(model, DataLoader(ds, batch_size=8), plan=manual_plan(32, [8, 8, 8, 8]), bn="precise", bn_samples=40,
+    autotune.fit(model, DataLoader(ds, batch_size=8), plan=manual_plan(32, [8, 8, 8, 8]), bn=autotune.PreciseBN(samples=40),
                  progress=False, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
     # reference: the first BatchNorm's input over the first 40 samples, at the final weights
     with torch.no_grad():
@@ -160,8 +160,8 @@ def test_optuna_trials_replay_instead_of_retraining(n_trials, tmp_path):
     model = ConvBN()
     calls = count_training_forwards(model)
     ds = data(40)
-    result = autotune.fit(model, DataLoader(ds, batch_size=8), plan=manual_plan(20, [10, 10]), bn="optuna",
-                          val_loader=DataLoader(data(30, seed=5), batch_size=10), n_trials=n_trials, seed=0, progress=False,
+    result = autotune.fit(model, DataLoader(ds, batch_size=8), plan=manual_plan(20, [10, 10]), 
+                          bn=autotune.OptunaBN(DataLoader(data(30, seed=5), batch_size=10), n_trials=n_trials, seed=0), progress=False,
                           optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
     training = sum(calls)  # forwards in train mode: 2 windows x 2 micro-batches, whatever n_trials
     assert training == 4
@@ -205,5 +205,9 @@ def test_momentum_attributes_are_restored(mode):
 
 
 def test_optuna_needs_validation_data():
-    with pytest.raises(ValueError, match="pass val_loader="):
+    with pytest.raises(ValueError, match=r"pass bn=autotune.OptunaBN\(val_loader"):
         autotune.fit(ConvBN(), DataLoader(data(20), batch_size=5), plan=manual_plan(20, [10, 10]), bn="optuna")
+    with pytest.raises(ValueError, match="Invalid val_loader None"):
+        autotune.OptunaBN(None)
+    with pytest.raises(ValueError, match="Invalid samples 0"):
+        autotune.PreciseBN(samples=0)

@@ -1,0 +1,174 @@
+"""Checks of what users pass in, made before anything changes.
+
+Each check raises ``TypeError`` or ``ValueError`` naming the value and the fix, before the first
+trial or optimizer step, so that a mistake never costs a model, an optimizer state or a sample of
+the epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "check_count_value",
+    "check_device_exists",
+    "check_grad_mode",
+    "check_optimizer",
+    "check_positive_number",
+    "check_reiterable",
+    "check_scheduler",
+    "check_trainable",
+]
+
+
+def check_device_exists(device: torch.device | str | None) -> None:
+    """Refuse a CUDA device on a machine without CUDA (torch would assert deep inside)."""
+    if device is None:
+        return
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Invalid device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"Invalid device {str(d)!r}: this machine has no CUDA device (torch.cuda.is_available() is "
+                "False); train on device='cpu', or plan for a GPU you do not have with "
+                "autotune.plan(..., device='cuda', memory_limit='80GiB', verify=False)"
+            )
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"Invalid device {str(d)!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+            )
+
+
+def check_grad_mode(what: str) -> None:
+    """Refuse to train under ``torch.no_grad()`` or ``torch.inference_mode()``."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"autotune.{what} was called under torch.inference_mode(): training needs gradients; "
+            f"call autotune.{what} outside the inference_mode() block"
+        )
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            f"autotune.{what} was called under torch.no_grad() (gradients are disabled): training needs "
+            f"them; call autotune.{what} outside the no_grad() block, or torch.set_grad_enabled(True)"
+        )
+
+
+def check_trainable(model: nn.Module) -> None:
+    """The model has parameters, they are initialised, and at least one is trainable."""
+    params = list(model.parameters())
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"Invalid model {type(model).__name__}: its parameters {', '.join(lazy[:3])}"
+            f"{' ...' if len(lazy) > 3 else ''} are not initialised yet (a lazy module such as LazyLinear); "
+            "run one forward pass on a batch first (model(x)), then create the optimizer and call autotune"
+        )
+    if not params:
+        raise ValueError(
+            f"Invalid model {type(model).__name__}: it has no parameters, so there is nothing to "
+            "train; pass the module that owns the trainable weights"
+        )
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            f"Invalid model {type(model).__name__}: all its {len(params)} parameters are frozen "
+            "(requires_grad=False), so the loss has no gradient; unfreeze the ones to train "
+            "(p.requires_grad_(True))"
+        )
+
+
+def check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """The optimizer is a torch optimizer over (some of) the model's trainable parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"Invalid optimizer of type {type(optimizer).__name__}: pass a torch.optim.Optimizer built on "
+            "the model's parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)"
+        )
+    own = {id(p) for p in model.parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in params if id(p) not in own]
+    if foreign:
+        raise ValueError(
+            f"Invalid optimizer {type(optimizer).__name__}: {len(foreign)} of its {len(params)} parameters "
+            "are not the model's (an optimizer built for another model, or for a copy of this one); "
+            "build it from this model: optimizer = type(optimizer)(model.parameters(), ...)"
+        )
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            f"Invalid optimizer {type(optimizer).__name__}: none of its parameters is trainable "
+            "(requires_grad=False), so its steps would change nothing; give it the trainable ones"
+        )
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """An LR scheduler of ``optimizer``, stepped once per optimizer step without arguments."""
+    if scheduler is None:
+        return
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise TypeError(
+            "Invalid scheduler ReduceLROnPlateau: it needs a metric at every step, which fit cannot know; "
+            "step it yourself between calls, e.g. for each epoch: autotune.fit(..., epochs=1, plan=plan); "
+            "scheduler.step(val_loss). autotune scales the LR it sets, exactly"
+        )
+    if not (isinstance(scheduler, LRScheduler) or (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "optimizer"))):
+        raise TypeError(
+            f"Invalid scheduler of type {type(scheduler).__name__}: pass a torch.optim.lr_scheduler "
+            "scheduler (e.g. LambdaLR, OneCycleLR) built on the same optimizer, or None"
+        )
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError(
+            f"Invalid scheduler {type(scheduler).__name__}: it was built on another optimizer than the one "
+            "fit steps, so it would never change the learning rate used; build it on this optimizer"
+        )
+
+
+def check_positive_number(name: str, value: Any) -> None:
+    """``value`` is None or a real number > 0 (not a bool, not a string)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"Invalid {name} {value!r} ({type(value).__name__}): give a positive number, e.g. {name}=1.0, or None")
+    if not value > 0 or value != value:
+        raise ValueError(f"Invalid {name} {value!r}: give a positive number, or None")
+
+
+def check_reiterable(loader: Iterable[Any], epochs: int) -> None:
+    """A one-shot iterator can be trained on for one epoch only."""
+    if epochs > 1 and iter(loader) is loader:
+        raise TypeError(
+            f"Invalid loader of type {type(loader).__name__} for epochs={epochs}: it is a one-shot "
+            "iterator, so every epoch after the first would be empty; pass a re-iterable such as a "
+            "DataLoader or a list of batches"
+        )
+
+
+def check_count_value(value: Any) -> int:
+    """An item count returned by ``count(batch)``: a whole number >= 0 (int or 0-d integer tensor)."""
+    bad = f"Invalid item count {value!r} ({type(value).__name__}) from count(batch): "
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(bad + "a tensor count must be a single integer, e.g. int((labels != -100).sum())")
+        value = int(value.item())
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(bad + "count must return a whole number >= 0, e.g. int((labels != -100).sum())")
+    elif isinstance(value, numbers.Integral):
+        value = operator.index(value)
+    elif not math.isfinite(float(value)) or float(value) != int(value):
+        raise ValueError(bad + "count must return a whole number of loss items")
+    else:
+        value = int(value)
+    if value < 0:
+        raise ValueError(bad + "a count cannot be negative")
+    return value
