@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ __all__ = [
     "check_reiterable",
     "check_scheduler",
     "check_trainable",
+    "is_one_shot",
 ]
 
 
@@ -144,9 +145,17 @@ def check_positive_number(name: str, value: Any) -> None:
         raise ValueError(f"Invalid {name} {value!r}: give a positive number, or None")
 
 
+def is_one_shot(loader: Any) -> bool:
+    """Whether ``loader`` is an iterator (a generator, ``iter(...)``): one pass and it is empty.
+
+    Decided without calling ``iter(loader)``, which on a DataLoader would draw its shuffling seed.
+    """
+    return isinstance(loader, Iterator)
+
+
 def check_reiterable(loader: Iterable[Any], epochs: int) -> None:
     """A one-shot iterator can be trained on for one epoch only."""
-    if epochs > 1 and iter(loader) is loader:
+    if epochs > 1 and is_one_shot(loader):
         raise TypeError(
             f"Invalid loader of type {type(loader).__name__} for epochs={epochs}: it is a one-shot "
             "iterator, so every epoch after the first would be empty; pass a re-iterable such as a "

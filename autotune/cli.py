@@ -9,16 +9,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import itertools
 import json
+import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
 
-_DTYPES = ("float32", "float64", "float16", "bfloat16", "long", "int", "bool")
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "long", "int", "bool", "mask")
 
 
 class UsageError(Exception):
@@ -38,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("model", nargs="?", help="module:callable or path/file.py:callable returning an nn.Module (called with no arguments)")
     r.add_argument("--demo", action="store_true", help="use the built-in demo model (a small CNN) and settings")
     r.add_argument("--input-shape", action="append", metavar="SHAPE", help="per-sample input shape, e.g. 3,224,224; repeat for several inputs")
-    r.add_argument("--input-dtype", action="append", metavar="DTYPE", choices=_DTYPES, help="dtype of each input (default float32); long inputs are token ids")
+    r.add_argument("--input-dtype", action="append", metavar="DTYPE", choices=_DTYPES, help="dtype of each input (default float32); long inputs are token ids; mask is an all-ones attention mask (long)")
+    r.add_argument("--input-name", action="append", metavar="NAME", help="pass the inputs by keyword, one name per --input-shape, e.g. input_ids and attention_mask")
     r.add_argument("--vocab-size", type=int, default=2, metavar="N", help="long inputs are drawn from [0, N) (default 2)")
     r.add_argument("--num-classes", type=int, metavar="C", help="class targets in [0, C) for cross-entropy (default: the model output's last dimension)")
     r.add_argument("--regression", action="store_true", help="float targets shaped like the output, for mean squared error")
@@ -56,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print the plan, device facts and memory breakdown as JSON")
     out.add_argument("--format", choices=("lightning", "accelerate", "hf", "deepspeed", "keras"), help="print only that framework's config")
     r.add_argument("--plot", metavar="PNG", type=Path, help="plot peak memory against batch size (needs matplotlib)")
+    r.add_argument("--epochs", type=int, metavar="N", help="the run's length, to cap the recommended warm-up at 10%% of it")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
+    r.add_argument("--debug", action="store_true", help="show the traceback of an error in your model or loader")
     return parser
 
 
@@ -91,7 +96,7 @@ def _load_callable(spec: str, what: str) -> Callable[..., Any]:
 
 def _shape(text: str) -> tuple[int, ...]:
     try:
-        shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+        shape = tuple(int(p) for p in text.replace("x", ",").split(","))
     except ValueError:
         shape = ()
     if not shape or any(d < 1 for d in shape):
@@ -99,11 +104,42 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, list[Any], Callable[[Any, Any], Any] | None, dict[str, Any]]:
+def _call_user(fn: Callable[[], Any], what: str, debug: bool) -> Any:
+    """Call the user's factory; its error becomes a one-line usage error (``--debug``: the traceback)."""
+    try:
+        return fn()
+    except Exception as exc:
+        if debug:
+            raise
+        raise UsageError(f"{what} raised {type(exc).__name__}: {_first_line(exc)} (--debug shows the traceback)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _logits(output: Any) -> Any:
+    """The logits in a model's output: the tensor itself, ``.logits``, ``["logits"]``, or a tuple's first."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, Any, Callable[[Any, Any], Any] | None, dict[str, Any]]:
     """Build (model, loader, loss_fn, description for the cache key) from the arguments."""
     import torch
     from torch import nn
 
+    from .checks import is_one_shot
     from .step import _output_loss
 
     if args.demo and not args.model:
@@ -111,17 +147,28 @@ def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, list[Any]
 
         model = demo_model()
     elif args.model:
-        model = _load_callable(args.model, "MODEL")()
+        factory = _load_callable(args.model, "MODEL")
+        model = _call_user(factory, f"MODEL {args.model!r}", args.debug)
     else:
         raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
     if not isinstance(model, nn.Module):
         raise UsageError(f"Invalid MODEL {args.model!r}: it returned {type(model).__name__}, not a torch.nn.Module")
 
     if args.loader:
-        loader = list(_load_callable(args.loader, "--loader")())
-        if not loader:
+        made = _call_user(_load_callable(args.loader, "--loader"), f"--loader {args.loader!r}", args.debug)
+        if made is None or not hasattr(made, "__iter__"):
+            raise UsageError(f"Invalid --loader {args.loader!r}: it returned {type(made).__name__}; return an iterable of batches (a DataLoader or a list)")
+        # An iterator can be looked at once: keep the batches the probe looks at.
+        loader = list(itertools.islice(made, 8)) if is_one_shot(made) else made
+        try:
+            first = next(iter(loader), None)
+        except Exception as exc:
+            if args.debug:
+                raise
+            raise UsageError(f"Invalid --loader {args.loader!r}: iterating it raised {type(exc).__name__}: {_first_line(exc)}") from None
+        if first is None:
             raise UsageError(f"Invalid --loader {args.loader!r}: it yielded no batches")
-        return model, loader, None, {"loader": args.loader, "first": _describe(loader[0])}
+        return model, loader, None, {"loader": args.loader, "first": _describe(first)}
 
     shapes = [_shape(s) for s in (args.input_shape or [])]
     if not shapes:
@@ -131,28 +178,53 @@ def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, list[Any]
         dtypes = dtypes * len(shapes)
     if len(dtypes) != len(shapes):
         raise UsageError(f"Invalid --input-dtype: {len(dtypes)} given for {len(shapes)} --input-shape; give one, or one per input")
+    names = args.input_name or []
+    if names and len(names) != len(shapes):
+        raise UsageError(f"Invalid --input-name: {len(names)} given for {len(shapes)} --input-shape; give one name per input")
+    if len(set(names)) != len(names):
+        raise UsageError(f"Invalid --input-name: {names} repeats a name")
+    if args.vocab_size < 1:
+        raise UsageError(f"Invalid --vocab-size {args.vocab_size}: it must be at least 1")
+    if args.num_classes is not None and args.num_classes < 1:
+        raise UsageError(f"Invalid --num-classes {args.num_classes}: it must be at least 1")
     g = torch.Generator().manual_seed(0)
     inputs = []
     for shape, name in zip(shapes, dtypes):
+        if name == "mask":
+            inputs.append(torch.ones((base_batch, *shape), dtype=torch.long))
+            continue
         dtype = {"long": torch.long, "int": torch.int32}.get(name) or getattr(torch, name)
         if dtype in (torch.long, torch.int32):
-            inputs.append(torch.randint(0, max(1, args.vocab_size), (base_batch, *shape), generator=g, dtype=dtype))
+            inputs.append(torch.randint(0, args.vocab_size, (base_batch, *shape), generator=g, dtype=dtype))
         elif dtype == torch.bool:
             inputs.append(torch.rand((base_batch, *shape), generator=g) > 0.5)
         else:
             inputs.append(torch.randn((base_batch, *shape), generator=g).to(dtype))
 
-    # One forward on a copy of the first sample tells what the output is and so which targets to make.
+    def call(model: Any, xs: Sequence[Any]) -> Any:
+        return model(**dict(zip(names, xs))) if names else model(*xs)
+
+    # One forward on the first two samples tells what the output is and so which targets to make.
     with torch.no_grad():
         was_training = model.training
         model.eval()
         try:
-            out = model(*[t[:2] for t in inputs])
+            out = call(model, [t[:2] for t in inputs])
+        except IndexError as exc:
+            if any(d in ("long", "int") for d in dtypes) and "index out of range" in str(exc):
+                sizes = sorted({m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)})
+                raise UsageError(
+                    f"Invalid --vocab-size {args.vocab_size}: token ids up to {args.vocab_size - 1} do not fit an "
+                    f"embedding of the model (sizes {sizes}); use --vocab-size at most its vocabulary"
+                ) from None
+            raise UsageError(f"The model failed on inputs of shape {[tuple(t.shape[1:]) for t in inputs]} (IndexError: {_first_line(exc)}); check --input-shape and --input-dtype") from None
         except Exception as exc:
-            raise UsageError(f"The model failed on inputs of shape {[tuple(t.shape[1:]) for t in inputs]} ({type(exc).__name__}: {exc}); check --input-shape and --input-dtype") from None
+            if args.debug:
+                raise
+            raise UsageError(f"The model failed on inputs of shape {[tuple(t.shape[1:]) for t in inputs]} ({type(exc).__name__}: {_first_line(exc)}); check --input-shape, --input-dtype and --input-name") from None
         finally:
             model.train(was_training)
-    describe = {"inputs": [[list(s), d] for s, d in zip(shapes, dtypes)], "vocab": args.vocab_size}
+    describe = {"inputs": [[list(s), d] for s, d in zip(shapes, dtypes)], "names": names, "vocab": args.vocab_size}
     try:
         _output_loss(out)
         own_loss = not (isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2 and out.numel() > 1)
@@ -160,25 +232,29 @@ def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, list[Any]
         own_loss = False
     if own_loss and args.num_classes is None and not args.regression:
         def loss_fn(model: Any, batch: Any) -> Any:
-            return _output_loss(model(*batch))
+            return _output_loss(call(model, batch))
 
         return model, [tuple(inputs)], loss_fn, {**describe, "targets": "own loss"}
-    if not isinstance(out, torch.Tensor) or out.dim() < 2:
-        raise UsageError("The model's output is neither a loss nor logits with a batch dimension: pass --loader with real batches")
+    logits = _logits(out)
+    if logits is None or logits.dim() < 2:
+        raise UsageError(
+            f"The model's output ({type(out).__name__}) is neither a loss nor logits with a batch dimension "
+            "(a tensor, .logits or ['logits']): pass --loader with real batches"
+        )
     if args.regression:
-        targets = torch.randn((base_batch, *out.shape[1:]), generator=g)
+        targets = torch.randn((base_batch, *logits.shape[1:]), generator=g)
 
         def loss_fn(model: Any, batch: Any) -> Any:
-            return nn.functional.mse_loss(model(*batch[:-1]), batch[-1])
+            return nn.functional.mse_loss(_logits(call(model, batch[:-1])), batch[-1])
     else:
-        classes = args.num_classes or out.shape[-1]
-        if out.shape[-1] != classes:
-            raise UsageError(f"Invalid --num-classes {classes}: the model's output has {out.shape[-1]} logits in its last dimension")
-        targets = torch.randint(0, classes, (base_batch, *out.shape[1:-1]), generator=g)
+        classes = args.num_classes or logits.shape[-1]
+        if logits.shape[-1] != classes:
+            raise UsageError(f"Invalid --num-classes {classes}: the model's output has {logits.shape[-1]} logits in its last dimension")
+        targets = torch.randint(0, classes, (base_batch, *logits.shape[1:-1]), generator=g)
 
         def loss_fn(model: Any, batch: Any) -> Any:
-            logits = model(*batch[:-1])
-            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[-1].reshape(-1))
+            out = _logits(call(model, batch[:-1]))
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), batch[-1].reshape(-1))
 
     return model, [(*inputs, targets)], loss_fn, {**describe, "targets": [list(targets.shape[1:]), str(targets.dtype)]}
 
@@ -189,6 +265,81 @@ def _describe(batch: Any) -> Any:
     return [[list(t.shape), str(t.dtype)] for t in B.tensors(batch)]
 
 
+def _check_plot_path(path: Path) -> None:
+    """Refuse an unwritable --plot path now, not after the probe."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"Invalid --plot {str(path)!r}: it is a directory; give a file name such as memory.png")
+    if not parent.is_dir():
+        raise UsageError(f"Invalid --plot {str(path)!r}: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"Invalid --plot {str(path)!r}: it cannot be written here; choose another path")
+
+
+def _source_fingerprint(model: Any, spec: str | None) -> str:
+    """A hash of the code that defines the model: the MODEL file and the model's own classes.
+
+    Two files with the same layers and a different ``forward`` must not share a cache entry. Classes
+    from torch itself are covered by the torch version in the key.
+    """
+    import hashlib
+    import inspect
+
+    digest = hashlib.sha256()
+    if spec:
+        target = spec.rpartition(":")[0]
+        try:
+            if target.endswith(".py") or "/" in target:
+                origin: str | None = target
+            else:
+                found = importlib.util.find_spec(target)
+                origin = found.origin if found is not None else None
+            if origin and os.path.isfile(origin):
+                digest.update(Path(origin).read_bytes())
+        except (ImportError, OSError, ValueError):
+            pass
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+        if cls.__module__.split(".")[0] == "torch":
+            continue
+        try:
+            digest.update(inspect.getsource(cls).encode())
+        except (OSError, TypeError):
+            pass
+    return digest.hexdigest()[:32]
+
+
+def _rounded_limit(limit: int) -> int:
+    """A default limit rounded down to 1/16 of its power of two, so small fluctuations of free memory
+    still hit the cache while a device with much less free memory does not."""
+    step = 2 ** max(0, limit.bit_length() - 5)
+    return max(step, limit // step * step)
+
+
+def _cached_plan(entry: dict[str, Any] | None, target: int) -> tuple[Any, Any] | None:
+    """The plan and breakdown of a cache entry, or None (with a warning) when it is not a sound plan."""
+    import warnings
+
+    import autotune
+
+    from .report import MemoryBreakdown
+
+    if entry is None:
+        return None
+    try:
+        plan = autotune.Plan.from_dict(entry.get("plan"))
+        if plan.effective_batch != target:
+            raise ValueError(f"its target batch {plan.effective_batch} is not {target}")
+        memory = entry.get("memory")
+        breakdown = MemoryBreakdown(**memory) if memory else None
+        if breakdown is not None and any(v is not None and v < 0 for v in (breakdown.parameters, breakdown.buffers, breakdown.gradients, breakdown.optimizer_state, breakdown.activations)):
+            raise ValueError("negative memory in its breakdown")
+    except (TypeError, ValueError, AttributeError) as exc:
+        warnings.warn(f"Ignoring a cache entry that is not a sound plan ({exc}); probing again", stacklevel=2)
+        return None
+    return plan, breakdown
+
+
 def _report(args: argparse.Namespace) -> int:
     import torch
 
@@ -196,10 +347,10 @@ def _report(args: argparse.Namespace) -> int:
 
     from . import cache
     from .demo import DEMO
-    from .memory import device_memory, storage_bytes
+    from .memory import default_limit, device_memory, storage_bytes
     from .probe import Workload, optimizer_state_bytes
     from .report import MemoryBreakdown, framework_configs, render_json, render_text
-    from .units import parse_bytes
+    from .units import format_bytes, parse_bytes
 
     if not args.model and not args.demo:
         raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
@@ -219,21 +370,29 @@ def _report(args: argparse.Namespace) -> int:
             parse_bytes(args.memory_limit)
         except (TypeError, ValueError) as exc:
             raise UsageError(str(exc)) from None
-    base_batch = args.base_batch or 32
+    base_batch = 32 if args.base_batch is None else args.base_batch
     if base_batch < 1:
-        raise UsageError(f"Invalid --base-batch {base_batch}: it must be at least 1")
+        raise UsageError(f"Invalid --base-batch {base_batch}: it must be at least 1 (the batch --lr was tuned at)")
+    if args.epochs is not None and args.epochs < 1:
+        raise UsageError(f"Invalid --epochs {args.epochs}: it must be at least 1")
+    if args.lr is not None and not args.lr > 0:
+        raise UsageError(f"Invalid --lr {args.lr}: it must be positive")
+    if args.plot:
+        _check_plot_path(args.plot)
     try:
         device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     except RuntimeError:
         raise UsageError(f"Invalid --device {args.device!r}: use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"Invalid --device {args.device!r}: use cpu, cuda or cuda:N")
     on_device = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
     if device.type == "cuda" and not on_device and args.memory_limit is None:
         raise UsageError("No CUDA device here: to plan for one, give its memory with --memory-limit (e.g. 80GiB)")
 
     model, loader, loss_fn, described = _workload(args, base_batch)
-    from .planner import _resolve_device
+    from .checks import check_trainable
 
-    _resolve_device(model, None)  # a model without parameters is a usage error, said plainly
+    check_trainable(model)  # no parameters, all frozen, lazy: said plainly, before anything runs
     lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
     if on_device:
         model.to(device)
@@ -241,33 +400,41 @@ def _report(args: argparse.Namespace) -> int:
     optimizer = opt_class(model.parameters(), lr=lr)
 
     facts = None
+    limit = args.memory_limit
+    limit_note = None
     if on_device:
         d = device_memory(device)
         facts = {"device": d.device, "name": d.name, "total": d.total, "free": d.free, "other_processes": d.other_processes}
+        if limit is None:
+            # What the device has now, rounded down: it is part of the cache key and the answer.
+            available = default_limit(device, storage_bytes([*model.parameters(), *model.buffers()]))
+            limit = _rounded_limit(available)
+            limit_note = f"no --memory-limit: using what {d.device} has now, {format_bytes(available)}, rounded down to {format_bytes(limit)}"
     else:
         facts = {"device": str(device), "name": "not on this machine", "total": None, "free": None, "other_processes": None}
 
     key = cache.cache_key({
         "model": repr(model),
+        "source": _source_fingerprint(model, args.model),
         "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()],
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
         "workload": described,
         "optimizer": [args.optimizer, lr],
         "precision": args.precision,
         "device": [facts["device"], facts["name"], facts["total"]],
-        "limit": args.memory_limit,
+        "limit": parse_bytes(limit),
         "headroom": args.headroom,
         "target": args.target_batch,
         "lr_rule": args.lr_rule,
         "base_batch": base_batch,
+        "epochs": args.epochs,
         "torch": torch.__version__,
         "autotune": autotune.__version__,
     })
-    entry = None if args.no_cache else cache.load(key)
-    cached = entry is not None
-    if entry is not None:
-        plan = autotune.Plan.from_dict(entry["plan"])
-        breakdown = MemoryBreakdown(**entry["memory"]) if entry.get("memory") else None
+    cached_entry = None if args.no_cache else _cached_plan(cache.load(key), args.target_batch)
+    cached = cached_entry is not None
+    if cached_entry is not None:
+        plan, breakdown = cached_entry
     else:
         started = time.perf_counter()
 
@@ -280,10 +447,16 @@ def _report(args: argparse.Namespace) -> int:
 
         plan = autotune.plan(
             model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn,
-            device=device, memory_limit=args.memory_limit, headroom=args.headroom, lr_rule=args.lr_rule,
+            device=device, memory_limit=limit, headroom=args.headroom, lr_rule=args.lr_rule,
             base_batch=base_batch, precision=args.precision, verify=on_device, on_trial=progress,
+            epochs=args.epochs,
         )
-        work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=loader[0], device=device)
+        if limit_note:
+            import dataclasses
+
+            plan = dataclasses.replace(plan, notes=(limit_note, *plan.notes))
+        first = next(iter(loader))
+        work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=first, device=device)
         breakdown = MemoryBreakdown.from_plan(
             plan,
             parameters=storage_bytes(model.parameters()),
@@ -338,8 +511,24 @@ def _plot(plan: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def _nothing_fits_message(err: Any) -> str:
+    """A NothingFits error in the command line's words: flags, not Python keywords."""
+    from .units import format_bytes
+
+    return (
+        f"even micro-batch {err.micro_batch} needs {'at least ' if err.measured else 'an estimated '}"
+        f"{format_bytes(err.needed)}, the budget is {format_bytes(err.budget)} (of --memory-limit "
+        f"{format_bytes(err.limit)}, less the headroom and what is set aside): try --precision bf16, a larger "
+        "--memory-limit, shorter inputs (--input-shape), or activation checkpointing in the model"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
+
+    Exit codes: 0 success, 1 nothing fits (with the numbers), 2 any other error (one line; the
+    traceback of an error in the user's code with ``--debug``).
+    """
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -353,10 +542,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
     except NothingFits as exc:
-        print(f"autotune: nothing fits: {exc}", file=sys.stderr)
+        print(f"autotune: nothing fits: {_nothing_fits_message(exc)}", file=sys.stderr)
         return 1
-    except (TypeError, ValueError) as exc:  # bad input caught by autotune.plan, with its reason
-        print(f"autotune: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+    except Exception as exc:  # bad input caught by autotune.plan, or the user's code failing
+        if getattr(args, "debug", False):
+            raise
+        print(f"autotune: error: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -285,7 +285,7 @@ def plan(
     warmup, capped = cap_warmup(warmup, epochs * per_epoch if (epochs and per_epoch) else None)
     if capped:
         notes.append(capped)
-    elif warmup and per_epoch and warmup > per_epoch and epochs is None:
+    elif warmup and per_epoch and warmup > per_epoch and epochs is None and hasattr(loader, "dataset"):
         notes.append(f"warm-up of {warmup} steps is longer than an epoch ({per_epoch} steps): pass epochs= to cap it at 10% of the run")
     bn = _bn_base_momentum(model)
     bn_momentum = None if bn is None else adjusted_bn_momentum(bn, accumulation_steps)

@@ -33,6 +33,7 @@ from .memory import (
     storage_bytes,
 )
 from .plans import Trial
+from .checks import is_one_shot
 from .errors import AutotuneError
 from .rng import RNGState
 from .search import Measurement, SearchResult, estimated_max, largest_fitting
@@ -173,7 +174,7 @@ def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, i
         TypeError: ``loader`` is a one-shot iterator (probing would consume its samples).
         ValueError: ``loader`` yields no batch, or a batch is malformed.
     """
-    if iter(loader) is loader:
+    if is_one_shot(loader):
         raise TypeError(
             f"Invalid loader of type {type(loader).__name__}: it is a one-shot iterator, and probing "
             "would consume samples of your epoch; pass a re-iterable such as a list of batches or "
@@ -403,8 +404,8 @@ def probe(
     if not verify:
         if estimator is None:
             raise AutotuneError(
-                f"Cannot estimate this model on the meta device ({reason}); run with verify=True "
-                "for real trials"
+                f"Cannot estimate this model without running it ({reason}): plan on the device itself "
+                "(autotune.plan with verify=True, or autotune report on a machine that has the device)"
             )
         size, points = estimated_max(estimator, budget, upper, lower=lower)
         return SearchResult(size, points.get(size, points[lower]), None, size)

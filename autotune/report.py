@@ -183,7 +183,12 @@ def render_text(
             lines.append(_row("other processes", format_bytes(device["other_processes"])))
     else:
         lines.append(_row("device", plan.device))
-    lines.append(_row("limit", f"{format_bytes(plan.memory_limit)}, headroom {plan.headroom:.0%}, budget {format_bytes(plan.budget)}"))
+    lines.append(_row("limit", format_bytes(plan.memory_limit)))
+    for name, amount in plan.set_aside:
+        lines.append(_row("set aside", f"{format_bytes(amount)} for {name}"))
+    rest = plan.memory_limit - sum(b for _, b in plan.set_aside)
+    lines.append(_row("headroom", f"{plan.headroom:.0%} of {format_bytes(rest)}: {format_bytes(rest - plan.budget)}"))
+    lines.append(_row("budget", f"{format_bytes(plan.budget)} for the training step"))
     lines.append("")
     lines.append("Plan" + ("" if plan.verified else " (estimate, not verified on a device)"))
     lines.append(_row("micro-batch", f"{plan.micro_batch} (largest that fits{'' if plan.verified else ', estimated'})"))

@@ -44,6 +44,7 @@ from .checks import (
     check_reiterable,
     check_scheduler,
     check_trainable,
+    is_one_shot,
 )
 from .distributed import all_reduce_gradients, check_distinct_samples, max_over_ranks, sum_over_ranks, unwrap, world
 from .errors import AutotuneError, AutotuneWarning, NothingFits
@@ -147,7 +148,7 @@ def _check_count(loader: Iterable[Any], count: Count | None, *, max_batches: int
         return
     if not callable(count):
         raise TypeError(f"Invalid count {count!r}: pass a function count(batch) -> int, or None")
-    if iter(loader) is loader:  # a one-shot iterator: looking would consume it
+    if is_one_shot(loader):  # looking would consume it
         return
     rng = RNGState(loader)
     try:

@@ -1,8 +1,10 @@
-"""Throughput of ``autotune.fit`` against the classic hand-written accumulation loop.
+"""Throughput of ``autotune.fit`` against the classic hand-written accumulation loop, and the cost
+of a CPU memory limit (tensors counted) against ``fit`` without one.
 
 Same model, data, micro-batch (32) and accumulation steps (8, target batch 256), same optimizer;
-``fit`` gets the plan directly (no probing) and no memory limit (nothing counts tensors). Runs are
-interleaved, alternating which goes first, and the median ratio of samples per second is printed.
+``fit`` gets the plan directly (no probing). "fit" has no memory limit; "fit+limit" enforces one on
+the CPU, which counts tensor bytes for each window of a shape not seen before. Runs are
+interleaved, rotating which goes first, and the median ratios of samples per second are printed.
 
     python benchmarks/overhead.py            # about a minute on 2 CPU cores
     python benchmarks/overhead.py --runs 9 --epochs 2
@@ -50,10 +52,13 @@ def classic(model, loader, epochs: int) -> int:
     return samples
 
 
-def with_fit(model, loader, epochs: int, plan: autotune.Plan) -> int:
+def with_fit(model, loader, epochs: int, plan: autotune.Plan, limit: str | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    result = autotune.fit(model, loader, optimizer=opt, plan=plan, epochs=epochs, progress=False, drop_last=True)
+    result = autotune.fit(model, loader, optimizer=opt, plan=plan, epochs=epochs, progress=False, drop_last=True, memory_limit=limit)
     return result.samples
+
+
+LIMIT = "64MiB"  # far above what the step needs: the cost measured is the counting, not an OOM
 
 
 def main() -> None:
@@ -74,22 +79,31 @@ def main() -> None:
         peak_memory=0, device="cpu", precision="fp32",
     )
     # Warm-up (allocator, thread pools, first-call costs): one short run of each, not counted.
+    runners = {
+        "classic": lambda model: classic(model, loader, args.epochs),
+        "fit": lambda model: with_fit(model, loader, args.epochs, plan),
+        "fit+limit": lambda model: with_fit(model, loader, args.epochs, plan, LIMIT),
+    }
     classic(copy.deepcopy(base), loader, 1)
     with_fit(copy.deepcopy(base), loader, 1, plan)
-    ratios = []
+    with_fit(copy.deepcopy(base), loader, 1, plan, LIMIT)
+    ratios, limit_ratios = [], []
+    names = list(runners)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; micro-batch {MICRO} x {STEPS} steps, {n} samples per epoch")
-    print(f"{'run':>3} {'classic samples/s':>18} {'fit samples/s':>14} {'fit/classic':>12}")
+    print(f"{'run':>3} {'classic samples/s':>18} {'fit samples/s':>14} {'fit+limit':>10} {'fit/classic':>12} {'limit/fit':>10}")
     for run in range(args.runs):
         rates = {}
-        order = ("classic", "fit") if run % 2 == 0 else ("fit", "classic")
+        order = names[run % 3:] + names[: run % 3]
         for name in order:
             model = copy.deepcopy(base)
             start = time.perf_counter()
-            samples = classic(model, loader, args.epochs) if name == "classic" else with_fit(model, loader, args.epochs, plan)
+            samples = runners[name](model)
             rates[name] = samples / (time.perf_counter() - start)
         ratios.append(rates["fit"] / rates["classic"])
-        print(f"{run:>3} {rates['classic']:>18.0f} {rates['fit']:>14.0f} {ratios[-1]:>12.3f}")
+        limit_ratios.append(rates["fit"] / rates["fit+limit"])
+        print(f"{run:>3} {rates['classic']:>18.0f} {rates['fit']:>14.0f} {rates['fit+limit']:>10.0f} {ratios[-1]:>12.3f} {limit_ratios[-1]:>10.3f}")
     print(f"median fit/classic throughput: {statistics.median(ratios):.3f}")
+    print(f"median time of fit with a CPU memory limit / without: {statistics.median(limit_ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -224,3 +224,105 @@ def test_installed_script(tmp_path):
     assert json.loads(done.stdout)["train_batch_size"] == 256
     bad = subprocess.run([script, "report", "--demo", "--target-batch", "-3"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "Invalid --target-batch -3" in bad.stderr
+
+
+# --- models people have: transformers built from configs (nothing downloaded) ----------------
+
+HF = str(__import__("pathlib").Path(__file__).parent / "hf_models.py")
+TEXT = ["--input-name", "input_ids", "--input-shape", "32", "--input-dtype", "long", "--vocab-size", "500",
+        "--input-name", "attention_mask", "--input-shape", "32", "--input-dtype", "mask"]
+
+
+@pytest.mark.parametrize(
+    "factory, inputs",
+    [
+        ("gpt2", TEXT),
+        ("bert", TEXT),
+        ("vit", ["--input-name", "pixel_values", "--input-shape", "3,32,32"]),
+        ("resnet", ["--input-shape", "3,32,32"]),
+    ],
+    ids=["gpt2", "bert", "vit", "resnet"],
+)
+def test_report_on_transformers_models(capsys, factory, inputs):
+    pytest.importorskip("transformers")
+    code, out, err = run(capsys, "report", f"{HF}:{factory}", *inputs, "--target-batch", "64", "--memory-limit", "48MiB", "--json", "--no-cache")
+    assert code == 0, err
+    plan = Plan.from_dict(json.loads(out)["plan"])
+    assert plan.effective_batch == 64 and 1 <= plan.micro_batch <= 64
+    assert any(t.fits and not t.estimate and t.batch_size == plan.micro_batch for t in plan.trials)
+
+
+# --- the cache: validated on read, keyed on what changes the answer ---------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{}", '{"plan": null}', '{"plan": {"micro_batch": 8}, "extra": 1}', "[1, 2]"],
+    ids=["empty", "null-plan", "partial", "list"],
+)
+def test_a_cache_entry_that_is_not_a_plan_is_a_warning_and_a_fresh_probe(capsys, cache_home, content):
+    run(capsys, "report", "--demo")
+    (entry,) = cache_home.glob("*.json")
+    entry.write_text(content)
+    with pytest.warns(UserWarning, match="Ignoring"):
+        code, out, err = run(capsys, "report", "--demo")
+    assert code == 0 and "answered from the cache" not in out and "real step" in err
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"micro_batch": 4096, "micro_batches": [4096], "accumulation_steps": 1}, {"peak_memory": -5}, {"memory_limit": 0}],
+    ids=["micro-batch-above-target", "negative-peak", "zero-limit"],
+)
+def test_a_cached_plan_with_impossible_numbers_is_discarded(capsys, cache_home, change):
+    run(capsys, "report", "--demo")
+    (entry,) = cache_home.glob("*.json")
+    data = json.loads(entry.read_text())
+    data["plan"].update(change)
+    entry.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="not a sound plan"):
+        code, out, err = run(capsys, "report", "--demo")
+    assert code == 0 and "answered from the cache" not in out
+
+
+def test_the_cache_key_covers_the_models_code(capsys, tmp_path):
+    body = (
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(64, 64)\n"
+        "        self.out = torch.nn.Linear(64, 10)\n"
+        "    def forward(self, x):\n"
+        "        return self.out(torch.relu(self.lin(x)))\n"
+        "def make():\n    return Net()\n"
+    )
+    (tmp_path / "a.py").write_text(body)
+    (tmp_path / "b.py").write_text(body.replace("torch.relu(self.lin(x))", "torch.relu(self.lin(x.repeat(1, 1)).repeat(1, 1) * x.exp()).exp()"))
+    args = ["--input-shape", "64", "--target-batch", "4096", "--memory-limit", "4MiB", "--json"]
+    _, a, _ = run(capsys, "report", f"{tmp_path}/a.py:make", *args)
+    code, b, _ = run(capsys, "report", f"{tmp_path}/b.py:make", *args)
+    assert code == 0 and json.loads(b)["cached"] is False  # same layers, other forward: not the same entry
+    assert json.loads(a)["plan"]["micro_batch"] > json.loads(b)["plan"]["micro_batch"]
+
+
+def test_the_cache_key_covers_the_free_memory_when_no_limit_is_given(capsys, monkeypatch):
+    import autotune.memory
+
+    free = {"bytes": 8 * 2**30}
+    monkeypatch.setattr(autotune.memory, "default_limit", lambda device, held: free["bytes"])
+    _, first, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "4096", "--device", "cpu", "--json")
+    free["bytes"] = 8 * 2**30 + 5 * 2**20  # a small fluctuation: the same entry
+    _, again, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "4096", "--device", "cpu", "--json")
+    assert json.loads(again)["cached"] is True
+    free["bytes"] = 40 * 2**20  # far less free memory: a fresh probe with a smaller answer
+    _, small, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "4096", "--device", "cpu", "--json")
+    assert json.loads(small)["cached"] is False
+    assert json.loads(small)["plan"]["micro_batch"] < json.loads(first)["plan"]["micro_batch"]
+    assert json.loads(small)["plan"]["memory_limit"] <= 40 * 2**20
+
+
+def test_nothing_fits_names_command_line_flags(capsys):
+    code, _, err = run(capsys, "report", "--demo", "--memory-limit", "1MiB")
+    assert code == 1
+    assert "--precision bf16" in err and "--memory-limit" in err and "precision='bf16'" not in err
