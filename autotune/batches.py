@@ -19,6 +19,7 @@ __all__ = [
     "concat",
     "map_tensors",
     "per_sample_numel",
+    "repeat_lists",
     "repeat_to",
     "sample_shapes",
     "slice_batch",
@@ -134,9 +135,14 @@ def repeat_to(batch: Batch, size: int) -> Batch:
     return _map(
         batch,
         lambda t: t.index_select(0, index.to(t.device)),
-        lambda values: type(values)(values[i] for i in index.tolist()),
+        lambda values: type(values)([values[i] for i in index.tolist()]),  # type: ignore[call-arg]
         n,
     )
+
+
+def repeat_lists(batch: Batch, size: int, to: int) -> Batch:
+    """``batch`` with its per-sample lists (of ``size`` entries) repeated cyclically to ``to``."""
+    return _map(batch, lambda t: t, lambda values: type(values)([values[i % size] for i in range(to)]), size)  # type: ignore[call-arg]
 
 
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:

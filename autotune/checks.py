@@ -141,7 +141,7 @@ def check_positive_number(name: str, value: Any) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"Invalid {name} {value!r} ({type(value).__name__}): give a positive number, e.g. {name}=1.0, or None")
-    if not value > 0 or value != value:
+    if not float(value) > 0:
         raise ValueError(f"Invalid {name} {value!r}: give a positive number, or None")
 
 
@@ -174,10 +174,10 @@ def check_count_value(value: Any) -> int:
         raise TypeError(bad + "count must return a whole number >= 0, e.g. int((labels != -100).sum())")
     elif isinstance(value, numbers.Integral):
         value = operator.index(value)
-    elif not math.isfinite(float(value)) or float(value) != int(value):
+    elif not math.isfinite(float(value)) or float(value) != math.floor(float(value)):
         raise ValueError(bad + "count must return a whole number of loss items")
     else:
-        value = int(value)
+        value = math.floor(float(value))
     if value < 0:
         raise ValueError(bad + "a count cannot be negative")
     return value

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,11 +29,11 @@ from .memory import (
     is_out_of_memory,
     release_cached,
     reset_peak,
-    storage_bytes,
 )
 from .plans import Trial
 from .checks import is_one_shot
 from .errors import AutotuneError
+from .estimate import Estimator, is_estimate_error
 from .rng import RNGState
 from .search import Measurement, SearchResult, estimated_max, largest_fitting
 from .step import LossFn, Precision, forward_backward
@@ -42,7 +41,6 @@ from .step import LossFn, Precision, forward_backward
 __all__ = [
     "Snapshot",
     "Workload",
-    "about_meta",
     "estimate_peak",
     "held_tensors",
     "min_micro_batch",
@@ -238,83 +236,6 @@ def _trial_step(
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
 
 
-class _MetaEstimator:
-    """Peak bytes of the trial step at any batch size, measured on meta copies (constant time)."""
-
-    def __init__(self, work: Workload) -> None:
-        self.work = work
-        memo: dict[int, Any] = {}
-        for p in work.model.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-        for b in work.model.buffers():
-            memo[id(b)] = torch.empty_like(b, device="meta")
-        self.model = copy.deepcopy(work.model, memo)
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
-            for g in work.optimizer.param_groups
-        ]
-        self.optimizer = type(work.optimizer)(groups)  # type: ignore[call-arg]
-        self.initial_state = {
-            memo[id(p)]: {k: _meta_state(v) for k, v in s.items()} for p, s in work.optimizer.state.items()
-        }
-        self.block = CUDA_BLOCK if work.device.type == "cuda" else 1
-        self.params = list(self.model.parameters())
-
-    def __call__(self, b: int) -> int:
-        work = self.work
-        batch = B.map_tensors(B.repeat_to(work.batch, b), lambda t: torch.empty_like(t, device="meta"))
-        for p in self.params:
-            p.grad = None
-        self.optimizer.state = defaultdict(dict, {p: dict(s) for p, s in self.initial_state.items()})
-        # Optimizers keep small state (Adam's step count) on the CPU whatever the device: it is
-        # device memory when the target is the CPU.
-        ledger = TensorLedger(("meta", "cpu") if work.device.type == "cpu" else "meta", block=self.block)
-        ledger.track(held_tensors(self.model, self.optimizer))
-        ledger.track(B.tensors(batch))
-        with ledger:
-            _trial_step(self.model, self.optimizer, work.loss_fn, batch, work.device.type, "fp32")
-        return ledger.peak
-
-
-def _meta_state(value: Any) -> Any:
-    """An optimizer state entry for the meta copy: tensors on meta, scalars (step counts) on CPU."""
-    if not isinstance(value, torch.Tensor):
-        return copy.deepcopy(value)
-    if value.dim() == 0:  # optimizers read step counts with .item(), which meta cannot answer
-        return value.detach().to("cpu", copy=True)
-    return torch.empty_like(value, device="meta")
-
-
-# Words in the messages of errors that come from running on tensors without data (meta or fake).
-_META_WORDS = ("meta", "fake", "data-dependent", "data dependent", "symbolic", "unbacked")
-
-
-def about_meta(exc: BaseException) -> bool:
-    """Whether an error raised during an estimate comes from estimating (tensors without data).
-
-    Ops without meta kernels raise ``NotImplementedError``; reading values (``.item()``, ``bool(t)``,
-    data-dependent shapes) raises errors that name meta or fake tensors. Anything else (a
-    ``KeyError`` in ``loss_fn``, a shape mismatch in the model) is the user's code failing and is
-    raised as it is, never hidden behind "estimate unavailable".
-    """
-    if isinstance(exc, NotImplementedError):
-        return True
-    try:
-        from torch._subclasses import fake_tensor
-
-        fake_errors: tuple[type, ...] = tuple(
-            getattr(fake_tensor, name)
-            for name in ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException", "UnsupportedFakeTensorException")
-            if hasattr(fake_tensor, name)
-        )
-    except ImportError:  # pragma: no cover - every supported torch has it
-        fake_errors = ()
-    if fake_errors and isinstance(exc, fake_errors):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, (RuntimeError, TypeError, AssertionError)) and any(w in text for w in _META_WORDS)
-
-
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if it owns its storage exactly, else a contiguous copy."""
     if t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.is_contiguous():
@@ -332,24 +253,22 @@ def min_micro_batch(model: nn.Module) -> int:
 
 
 def optimizer_state_bytes(work: Workload) -> int | None:
-    """Bytes of optimizer state after one step (on the meta device); None if meta cannot run it."""
+    """Bytes of optimizer state after one step (estimated); None if the step cannot be estimated."""
     try:
-        meta = _MetaEstimator(work)
-        meta(min_micro_batch(work.model))
+        estimator = Estimator(work, _trial_step)
+        estimator(min_micro_batch(work.model))
     except Exception:
         return None
-    return storage_bytes(
-        v for s in meta.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.is_meta
-    )
+    return estimator.optimizer_state_bytes()
 
 
 def estimate_peak(work: Workload, batch_size: int) -> int:
-    """Peak bytes of one steady-state training step at ``batch_size``, estimated on the meta device.
+    """Peak bytes of one steady-state training step at ``batch_size``, estimated on fake tensors
+    (see :mod:`autotune.estimate`).
 
-    Raises whatever the model raises on meta tensors (ops without meta kernels, data-dependent
-    shapes).
+    Raises whatever the model raises without data (data-dependent shapes, ``.item()``).
     """
-    return _MetaEstimator(work)(batch_size)
+    return Estimator(work, _trial_step)(batch_size)
 
 
 def probe(
@@ -381,15 +300,15 @@ def probe(
     reason = "estimate=False"
     if estimate:
         try:
-            meta = _MetaEstimator(work)
+            meta = Estimator(work, _trial_step)
             start = time.perf_counter()
-            first = meta(lower)  # fail here, not inside the search, if the model cannot run on meta
+            first = meta(lower)  # fail here, not inside the search, if the step cannot be estimated
             seconds = time.perf_counter() - start
         except Exception as exc:
-            if not about_meta(exc):
+            if not is_estimate_error(exc):
                 raise  # the user's code failed for its own reasons: say so now, not after real trials
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
-            work.notes.append(f"meta estimate unavailable ({reason}); real trials only")
+            work.notes.append(f"estimate unavailable ({reason}); real trials only")
         else:
             cache = {lower: first}
             work.record(Trial(lower, first, first <= budget, seconds, estimate=True))

@@ -397,6 +397,7 @@ class _Run:
         # Window shapes already run under the CPU ledger: later windows of the same shapes need no
         # counting (the count is the same), which keeps its dispatch overhead off the common path.
         self.counted: set[Any] = set()
+        self.last_ledger: TensorLedger | None = None
 
     def __enter__(self) -> _Run:
         from tqdm.auto import tqdm  # imported here: `import autotune` stays light

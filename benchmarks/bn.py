@@ -57,11 +57,12 @@ def run(mode: str, seed: int, train, val, test, epochs: int, micro: int) -> tupl
     loader = DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(seed))
     sizes = (TARGET,) if mode == "reference" else (micro,) * (TARGET // micro)
     bn = {"reference": None, "naive": None}.get(mode, mode)
-    extra = dict(val_loader=DataLoader(val, batch_size=256), n_trials=20, seed=seed) if mode == "optuna" else {}
+    if mode == "optuna":
+        bn = autotune.OptunaBN(DataLoader(val, batch_size=256), n_trials=20, seed=seed)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", autotune.AutotuneWarning)
-        autotune.fit(model, loader, plan=manual_plan(sizes), optimizer=opt, epochs=epochs, bn=bn, progress=False, **extra)
+        autotune.fit(model, loader, plan=manual_plan(sizes), optimizer=opt, epochs=epochs, bn=bn, progress=False)
     seconds = time.perf_counter() - start
     loss, acc = evaluate(model, test)
     return loss, acc, seconds

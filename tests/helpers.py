@@ -10,6 +10,13 @@ from torch import nn
 from autotune.memory import TensorLedger
 
 
+def estimating(t: torch.Tensor) -> bool:
+    """Whether ``t`` belongs to an estimate (a fake or meta tensor, no data) rather than a real step."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
-from helpers import MODELS, OPTIMIZERS, data_for, true_max
+from helpers import MODELS, OPTIMIZERS, data_for, estimating, true_max
 
 # Limits at which the true maximum is well inside (1, 256) and not a power of two.
 LIMITS = {
@@ -114,7 +114,7 @@ class Net(nn.Module):
         self.hidden = hidden_bytes_per_sample
 
     def forward(self, x):
-        if self.hidden and not x.is_meta:
+        if self.hidden and not estimating(x):
             scratch = torch.empty(x.shape[0] * self.hidden, dtype=torch.uint8)  # noqa: F841
         return self.head(self.drop(F.relu(self.bn(self.conv(x)))).flatten(1))
 
@@ -198,7 +198,7 @@ def test_plan_leaves_no_trace_after_an_out_of_memory_trial():
     loader = shuffled_loader()
     before = snapshot(model, opt)
     plan = autotune.plan(model, loader, target_batch=128, optimizer=opt, memory_limit="1MiB", headroom=0)
-    assert not any("meta estimate unavailable" in n for n in plan.notes)
+    assert not any("estimate unavailable" in n for n in plan.notes)
     assert any(not t.estimate and not t.fits for t in plan.trials)
     assert any(not t.estimate and t.fits and t.batch_size == plan.micro_batch for t in plan.trials)
     assert_no_trace(before, model, opt)
@@ -212,7 +212,7 @@ def test_user_errors_propagate_unchanged_and_leave_no_trace():
 
     def loss_fn(model, batch):
         x, y = batch
-        if not x.is_meta:
+        if not estimating(x):
             raised.append(None)
             if len(raised) == 2:  # after the optimizer step of the first real trial
                 raised[-1] = ValueError("a bug in the user's loss")
@@ -250,7 +250,7 @@ def test_models_without_meta_kernels_use_real_trials_only():
     truth = true_max(model, make_opt, data[0], limit, 256)
     plan = autotune.plan(model, data, target_batch=256, optimizer=make_opt(model.parameters()), memory_limit=limit, headroom=0)
     assert all(not t.estimate for t in plan.trials)
-    assert any("meta estimate unavailable" in n for n in plan.notes)
+    assert any("estimate unavailable" in n for n in plan.notes)
     assert math.floor(0.95 * truth) <= plan.micro_batch <= truth
 
 
