@@ -401,15 +401,16 @@ def _report(args: argparse.Namespace) -> int:
 
     facts = None
     limit = args.memory_limit
+    key_limit = parse_bytes(limit) if limit is not None else None
     limit_note = None
     if on_device:
         d = device_memory(device)
         facts = {"device": d.device, "name": d.name, "total": d.total, "free": d.free, "other_processes": d.other_processes}
         if limit is None:
-            # What the device has now, rounded down: it is part of the cache key and the answer.
+            # What the device has now: rounded, it keys the cache (small fluctuations still hit it).
             available = default_limit(device, storage_bytes([*model.parameters(), *model.buffers()]))
-            limit = _rounded_limit(available)
-            limit_note = f"no --memory-limit: using what {d.device} has now, {format_bytes(available)}, rounded down to {format_bytes(limit)}"
+            key_limit = _rounded_limit(available)
+            limit_note = f"no --memory-limit: planned for what {d.device} has now, {format_bytes(available)}"
     else:
         facts = {"device": str(device), "name": "not on this machine", "total": None, "free": None, "other_processes": None}
 
@@ -422,7 +423,7 @@ def _report(args: argparse.Namespace) -> int:
         "optimizer": [args.optimizer, lr],
         "precision": args.precision,
         "device": [facts["device"], facts["name"], facts["total"]],
-        "limit": parse_bytes(limit),
+        "limit": key_limit,
         "headroom": args.headroom,
         "target": args.target_batch,
         "lr_rule": args.lr_rule,

@@ -53,12 +53,21 @@ def max_over_ranks(value: int, device: torch.device | None = None) -> int:
     return int(t.item())
 
 
-def gather(obj: Any) -> list[Any]:
-    """``obj`` from every rank, in rank order (``[obj]`` in a single process)."""
+def gather(obj: Any, device: torch.device | None = None) -> list[Any]:
+    """``obj`` from every rank, in rank order (``[obj]`` in a single process).
+
+    With NCCL the objects travel through ``device`` (the rank's training device): without it,
+    ``all_gather_object`` uses the current CUDA device, which is GPU 0 on every rank that never
+    called ``torch.cuda.set_device``.
+    """
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
+    if torch.distributed.get_backend() == "nccl" and device is not None and device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.distributed.all_gather_object(out, obj)
+    else:
+        torch.distributed.all_gather_object(out, obj)
     return out
 
 

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import os
 import platform
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -31,9 +32,11 @@ from .units import format_bytes
 
 __all__ = [
     "DeviceMemory",
+    "ResidentPeak",
     "TensorLedger",
     "cuda_memory_fraction",
     "default_headroom",
+    "outside_allocator",
     "device_memory",
     "is_out_of_memory",
     "storage_bytes",
@@ -56,6 +59,10 @@ _OOM_MESSAGES = (
     "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS workspace
     "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN workspace
     "MPS backend out of memory",  # Apple MPS
+    "CUDA driver error: out of memory",  # the driver API (e.g. cuMemAlloc through Triton)
+    "Triton Error [CUDA]: out of memory",  # a Triton kernel launch
+    "Cuda failure 'out of memory'",  # NCCL's own allocation (its message quotes CUDA's)
+    "Cuda failure 2 'out of memory'",  # NCCL, with the CUDA error code
 )
 
 
@@ -174,6 +181,48 @@ class TensorLedger(TorchDispatchMode):
         return out
 
 
+class ResidentPeak:
+    """The growth of this process's resident memory while a block runs, sampled every millisecond.
+
+    What a CPU step really takes beyond its tensors' bytes (allocator fragmentation and caching,
+    oneDNN and OpenMP scratch memory, Python objects) shows up only here. ``growth`` is None when
+    the resident size cannot be read (no psutil, or an unusual platform).
+    """
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.growth: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> ResidentPeak:
+        try:
+            import psutil
+
+            self._process = psutil.Process()
+            self._start = self._peak = int(self._process.memory_info().rss)
+        except Exception:
+            return self
+        self._thread = threading.Thread(target=self._sample, name="autotune-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._peak = max(self._peak, int(self._process.memory_info().rss))
+            except Exception:  # pragma: no cover - the process is going away
+                return
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, int(self._process.memory_info().rss))
+        self.growth = self._peak - self._start
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """What a device has.
@@ -193,6 +242,51 @@ class DeviceMemory:
     other_processes: int | None = None
 
 
+def _nvml_handle(pynvml: Any, index: int) -> Any:
+    """NVML's handle for torch's CUDA device ``index``.
+
+    Matched by UUID (then PCI bus id), never by index: under ``CUDA_VISIBLE_DEVICES`` torch's
+    index 0 can be NVML's index 3.
+    """
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
+        except Exception:
+            pass
+    bus_id = getattr(props, "pci_bus_id", None)
+    if bus_id is not None:
+        pci = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+        return pynvml.nvmlDeviceGetHandleByPciBusId(pci)
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def other_processes_bytes(usage: list[tuple[int, int]], me: int, reserved: int) -> int:
+    """Bytes that other processes hold, from NVML's ``(pid, bytes)`` list for the device.
+
+    This process is left out by its pid. Inside a container NVML reports host pids, so none
+    matches: then the entry whose usage is closest above this process's own allocator cache
+    (``reserved``) is taken to be this process (the context adds a few hundred MiB to it).
+
+    Example:
+        >>> other_processes_bytes([(101, 900), (7, 5000)], me=7, reserved=4000)
+        900
+        >>> other_processes_bytes([(40211, 4600), (40300, 900)], me=7, reserved=4000)  # a container
+        900
+    """
+    if any(pid == me for pid, _ in usage):
+        return sum(b for pid, b in usage if pid != me)
+    if not usage:
+        return 0
+    candidates = [(b - reserved, i) for i, (_, b) in enumerate(usage) if b >= reserved]
+    if not candidates:
+        return sum(b for _, b in usage)
+    mine = min(candidates)[1]
+    return sum(b for i, (_, b) in enumerate(usage) if i != mine)
+
+
 def _nvml_other_processes(index: int) -> int | None:
     """Bytes that other processes hold on CUDA device ``index``, via NVML; None when unknown."""
     try:
@@ -202,20 +296,31 @@ def _nvml_other_processes(index: int) -> int | None:
     try:
         pynvml.nvmlInit()
         try:
-            props = torch.cuda.get_device_properties(index)
-            bus_id = getattr(props, "pci_bus_id", None)
-            if bus_id is not None:
-                pci = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
-                handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci)
-            else:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            handle = _nvml_handle(pynvml, index)
             procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            me = os.getpid()
-            return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid != me)
+            usage = [(int(p.pid), int(p.usedGpuMemory or 0)) for p in procs]
+            return other_processes_bytes(usage, os.getpid(), int(torch.cuda.memory_reserved(index)))
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # NVML missing from the driver, no permission, a container: unknown
+    except Exception:  # NVML missing from the driver, no permission: unknown
         return None
+
+
+def outside_allocator(device: torch.device) -> int | None:
+    """Bytes this process holds on a CUDA device outside torch's caching allocator.
+
+    The CUDA context, cuBLAS/cuDNN handles and workspaces, NCCL buffers: the driver's used memory
+    less the allocator's reserved bytes less what other processes hold (NVML). None when other
+    processes' usage is unknown (no NVML), or on other devices.
+    """
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    other = _nvml_other_processes(index)
+    if other is None:
+        return None
+    return max(0, int(total) - int(free) - int(torch.cuda.memory_reserved(index)) - other)
 
 
 def device_memory(device: torch.device | str) -> DeviceMemory:
@@ -266,8 +371,10 @@ def cuda_memory_fraction(device: torch.device, limit: int | None) -> Iterator[No
         yield
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    old = torch.cuda.get_per_process_memory_fraction(device)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    # Not in every torch that autotune supports: without it the old cap is taken to be none (1.0).
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    old = float(getter(device)) if getter is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(0.0, limit / total)), device)
     try:
         yield
     finally:
@@ -275,10 +382,23 @@ def cuda_memory_fraction(device: torch.device, limit: int | None) -> Iterator[No
 
 
 def release_cached(device: torch.device) -> None:
-    """Free unreachable tensors (and, on CUDA, the allocator's cache) between trials."""
+    """Free unreachable tensors (and, on CUDA, the allocator's cache) between trials.
+
+    Never raises: after a failure on the device (a sticky CUDA error), emptying the cache can fail
+    too, and that must not hide the error that matters.
+    """
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError:
+            pass
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so wall times include it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def reset_peak(device: torch.device) -> int:

@@ -13,18 +13,26 @@ from .bn import batchnorms
 from .checks import check_device_exists, check_grad_mode, check_optimizer, check_trainable
 from .distributed import gather, unwrap, world
 from .errors import AutotuneError, NothingFits
-from .memory import cuda_memory_fraction, default_headroom, default_limit, storage_bytes
+from .memory import cuda_memory_fraction, default_headroom, default_limit, outside_allocator, storage_bytes
 from .plans import Plan, Trial, budget_of, window_layout
 from .probe import Snapshot, Workload, min_micro_batch, probe, sample_batch
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
 from .step import LossFn, default_loss, normalize_precision
 from .units import format_bytes, parse_bytes
 
-__all__ = ["CUDA_CONTEXT_ALLOWANCE", "plan"]
+__all__ = ["CUDA_CONTEXT_ALLOWANCE", "CUDA_OUTSIDE", "allocator_cap", "plan"]
 
 # What an estimate-only plan for CUDA sets aside for the CUDA context (outside torch's tensors):
 # a few hundred MiB on current GPUs with lazy module loading.
 CUDA_CONTEXT_ALLOWANCE = 512 * 2**20
+
+# The set-aside entry for memory measured outside the CUDA allocator (context, library handles).
+CUDA_OUTSIDE = "the CUDA context and libraries outside torch's allocator (measured)"
+
+
+def allocator_cap(limit: int, set_aside: Iterable[tuple[str, int]]) -> int:
+    """The CUDA allocator's cap for a limit that counts everything: less what lives outside it."""
+    return limit - sum(b for name, b in set_aside if name == CUDA_OUTSIDE)
 
 
 def _check_target(target_batch: Any) -> int:
@@ -220,6 +228,7 @@ def plan(
             device=device,
             precision=precision_name,
             on_trial=on_trial,
+            resident=device.type == "cpu" and limit is None,
         )
         held = storage_bytes(work.held_tensors())
         if limit is None:
@@ -231,13 +240,19 @@ def plan(
                 f"estimate for {device} without running on it: {format_bytes(CUDA_CONTEXT_ALLOWANCE)} set aside for the "
                 f"CUDA context and {headroom:.0%} headroom for the allocator; not verified on a device"
             )
+        if device.type == "cuda" and verify and memory_limit is not None:
+            # The limit counts everything this process holds on the device; the context and the
+            # libraries' handles live outside the allocator's cap and its statistics.
+            outside = outside_allocator(device)
+            if outside:
+                set_aside.append((CUDA_OUTSIDE, outside))
         if ddp is not None and not getattr(ddp, "gradient_as_bucket_view", False):
             # DDP keeps its gradient buckets beside .grad: a second copy of the gradients.
             set_aside.append(("DDP gradient buckets", sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)))
             work.notes.append("DDP gradient buckets counted (pass gradient_as_bucket_view=True to DDP to save them)")
         budget = budget_of(limit, sum(b for _, b in set_aside), headroom)
         upper = math.ceil(target_batch / world_size)
-        with cuda_memory_fraction(device, limit if (memory_limit is not None and verify) else None):
+        with cuda_memory_fraction(device, allocator_cap(limit, set_aside) if (memory_limit is not None and verify) else None):
             found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
         if found.batch_size == 0:
             raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside)
@@ -247,7 +262,7 @@ def plan(
         snapshot.restore()
 
     # Every rank reaches this point, failed or not, so no rank is left waiting in a collective.
-    statuses = gather((found.batch_size if error is None and found else 0, None if error is None else f"{type(error).__name__}: {error}"))
+    statuses = gather((found.batch_size if error is None and found else 0, None if error is None else f"{type(error).__name__}: {error}"), device)
     if error is not None:
         raise error
     failed = [(r, message) for r, (_, message) in enumerate(statuses) if message is not None]

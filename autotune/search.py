@@ -183,36 +183,39 @@ def largest_fitting(
                 est_points[b] = estimate(b)
             return est_points[b]
     fits_at: dict[int, int] = {}  # real fits: batch -> peak
+    failed_at: dict[int, int] = {}  # real failures: batch -> peak seen (a lower bound)
     lo, hi = lower - 1, upper + 1  # lo: largest real fit (lower - 1: none); hi: smallest failure
-    lo_fail_peak = 0
     candidate = max(estimated or lower, lower)
-    for _ in range(max_real):
+    for used in range(1, max_real + 1):
         m = real(candidate)
         if m.fits:
             lo = candidate
             fits_at[candidate] = m.peak
         else:
             hi = candidate
-            if candidate == lower:
-                lo_fail_peak = m.peak
+            failed_at[candidate] = m.peak
         if hi - lo <= 1 or (fits_at and hi <= upper and hi - 1 - lo <= tolerance * lo):
             break
         if not fits_at:
             # Nothing fitted yet: the estimates were optimistic. Back off once by a margin like
-            # allocator overhead, then halve.
-            candidate = max(lower, math.floor(hi * 0.85) if hi == estimated else (lo + hi) // 2)
+            # allocator overhead; after a second failure, or with one real step left, try the
+            # smallest size, so that "nothing fits" is only ever said after measuring it.
+            if len(failed_at) == 1 and hi == estimated and used < max_real - 1:
+                candidate = max(lower, math.floor(hi * 0.85))
+            else:
+                candidate = lower
             continue
         if not m.fits:
             # The model overshot; its line is not to be trusted between lo and hi: bisect.
             candidate = (lo + hi) // 2
             continue
-        nxt = _predicted(fits_at, cached, budget, lo, hi, upper)
+        nxt = _predicted(fits_at, cached, budget, lo, hi, upper, failed_at)
         if nxt is None:
             break
         candidate = nxt
     return SearchResult(
         batch_size=lo if fits_at else 0,
-        peak=fits_at.get(lo, lo_fail_peak),
+        peak=fits_at.get(lo, failed_at.get(lower, max(failed_at.values(), default=0))),
         smallest_failure=hi if hi <= upper else None,
         estimated=estimated,
     )
@@ -225,13 +228,15 @@ def _predicted(
     lo: int,
     hi: int,
     upper: int,
+    failed_at: dict[int, int] | None = None,
 ) -> int | None:
     """The largest size the measurements predict to fit, strictly between lo and hi, or None.
 
     With estimates, the real peak is modelled as an affine function of the estimate through the two
     largest real fits (``real = a * estimate + c``: allocator overhead that grows with the batch
     and overhead that does not), or as a ratio with one real fit. Without estimates, the two
-    largest real fits give a line in the batch size.
+    largest real fits give a line in the batch size. A real failure's peak is a lower bound on its
+    size's real peak: a model that predicts less there is wrong, and bisection is used instead.
     """
     sizes = sorted(fits_at)[-2:]
     model: Callable[[int], float]
@@ -250,6 +255,8 @@ def _predicted(
     else:
         # One real point and no estimates: a second, larger point gives the line.
         return min(max(lo + 1, math.ceil(upper / 8), 2 * lo), hi - 1)
+    if any(model(b) < peak for b, peak in (failed_at or {}).items()):
+        return (lo + hi) // 2 if hi - lo > 1 else None
     if model(lo + 1) > budget:  # the usual answer, and often already estimated: stop here
         return None
     pred = _largest_below(model, budget, lo + 1, hi - 1)

@@ -49,7 +49,7 @@ from .checks import (
 from .distributed import all_reduce_gradients, check_distinct_samples, max_over_ranks, sum_over_ranks, unwrap, world
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
-from .planner import _resolve_device, plan as make_plan
+from .planner import _resolve_device, allocator_cap, plan as make_plan
 from .plans import Plan, peak_at, split_evenly
 from .probe import held_tensors, min_micro_batch
 from .rng import RNGState
@@ -394,6 +394,7 @@ class _Run:
         # replaces the estimated peak in the plan.
         self.measured: int | None = None
         self.lowered = False
+        self.steps = 0  # optimizer steps taken in this run
         # Window shapes already run under the CPU ledger: later windows of the same shapes need no
         # counting (the count is the same), which keeps its dispatch overhead off the common path.
         self.counted: set[Any] = set()
@@ -404,7 +405,8 @@ class _Run:
 
         stack = self.stack
         stack.enter_context(self.bnc)
-        stack.enter_context(cuda_memory_fraction(self.device, self.limit))
+        cap = allocator_cap(self.limit, self.plan.set_aside) if self.limit is not None else None
+        stack.enter_context(cuda_memory_fraction(self.device, cap))
         rank, _ = world()
         self.bar = tqdm(total=self.total_steps, unit="step", disable=not self.progress or rank != 0, delay=2.0, dynamic_ncols=True)
         stack.callback(self.bar.close)
@@ -516,26 +518,48 @@ class _Run:
         Returns the first param group's learning rate applied.
         """
         optimizer, scaler = self.optimizer, self.scaler
-        with self._ledger_for_step():
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # once per window, before clipping
-            if self.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
-            scheduled = [g["lr"] for g in optimizer.param_groups]
-            try:
-                # Only the step sees the scaled LR: the scheduler and the param groups keep the
-                # unscaled values, whatever the schedule does with them.
-                for g in optimizer.param_groups:
-                    g["lr"] = g["lr"] * self.plan.lr_scale
-                lr = float(optimizer.param_groups[0]["lr"])
+        step = self.steps + 1
+        try:
+            with self._ledger_for_step():
                 if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-            finally:
-                for g, value in zip(optimizer.param_groups, scheduled):
-                    g["lr"] = value
+                    scaler.unscale_(optimizer)  # once per window, before clipping
+                if self.clip_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            raise AutotuneError(
+                f"Out of memory while {'unscaling and ' if scaler is not None else ''}clipping the gradients at step {step}: "
+                f"the optimizer step was not taken, so the weights are those after step {step - 1}. Clipping needs "
+                "memory for the gradient norms the probe does not run; give it room with a larger headroom= "
+                "(or a lower memory_limit for the plan), or clip with foreach=False"
+            ) from exc
+        scheduled = [g["lr"] for g in optimizer.param_groups]
+        try:
+            # Only the step sees the scaled LR: the scheduler and the param groups keep the
+            # unscaled values, whatever the schedule does with them.
+            for g in optimizer.param_groups:
+                g["lr"] = g["lr"] * self.plan.lr_scale
+            lr = float(optimizer.param_groups[0]["lr"])
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise AutotuneError(
+                f"Out of memory inside optimizer.step() at step {step}: the step may be partly applied (some "
+                "parameters updated, others not), so training cannot go on exactly from here. Restart from your "
+                "last checkpoint with more room for the step: a larger headroom= (the probe measures one step, but "
+                "fragmentation can grow), or an optimizer with foreach=False, whose step allocates less"
+            ) from exc
+        finally:
+            for g, value in zip(optimizer.param_groups, scheduled):
+                g["lr"] = value
+        self.steps = step
         if self.scheduler is not None:
             self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)

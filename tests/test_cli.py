@@ -308,9 +308,11 @@ def test_the_cache_key_covers_the_models_code(capsys, tmp_path):
 
 def test_the_cache_key_covers_the_free_memory_when_no_limit_is_given(capsys, monkeypatch):
     import autotune.memory
+    import autotune.planner
 
     free = {"bytes": 8 * 2**30}
     monkeypatch.setattr(autotune.memory, "default_limit", lambda device, held: free["bytes"])
+    monkeypatch.setattr(autotune.planner, "default_limit", lambda device, held: free["bytes"])
     _, first, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "4096", "--device", "cpu", "--json")
     free["bytes"] = 8 * 2**30 + 5 * 2**20  # a small fluctuation: the same entry
     _, again, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "4096", "--device", "cpu", "--json")
