@@ -491,7 +491,7 @@ def _plot(plan: Any, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     mib = 2**20
-    for estimate, marker, label in ((True, "o", "estimate (meta)"), (False, "s", "real step")):
+    for estimate, marker, label in ((True, "o", "estimate"), (False, "s", "real step")):
         pts = [t for t in plan.trials if t.estimate is estimate]
         if pts:
             ax.scatter([t.batch_size for t in pts], [t.peak_memory / mib for t in pts], marker=marker, label=label, alpha=0.8, facecolors="none" if estimate else None, edgecolors="C0" if estimate else None, color=None if estimate else "C1")

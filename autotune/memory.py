@@ -5,7 +5,7 @@ Two sources of truth:
 - :class:`TensorLedger` counts the bytes of live tensor storages as operations create them (a
   ``TorchDispatchMode``) and raises ``torch.OutOfMemoryError`` as soon as an operation takes the
   count past its limit; the outputs of that operation are freed as the error unwinds. It works on
-  every device, including ``meta`` (where it gives exact estimates at no cost), and is how a memory
+  every device, including fake and ``meta`` tensors (where it gives exact estimates at no cost), and is how a memory
   limit is enforced on CPU, where no graceful out-of-memory error exists, and how tests mock a limit.
 - On CUDA, the caching allocator's own statistics (``max_memory_reserved``) add what the tensor count
   cannot see: block rounding, cached segments and fragmentation.

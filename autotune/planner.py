@@ -123,7 +123,8 @@ def plan(
     """Find the largest micro-batch that fits and plan training at ``target_batch`` samples per step.
 
     The probe runs the real training step (micro-step, optimizer step, micro-step) on real samples
-    of ``loader`` resized to each candidate micro-batch, after an exact estimate on the meta device.
+    of ``loader`` resized to each candidate micro-batch, after an estimate on fake tensors that take
+    the device's code paths (:mod:`autotune.estimate`).
     Afterwards the model's parameters, buffers and gradients, the optimizer's state and the RNG
     states are bitwise what they were, whatever happened.
 
@@ -154,7 +155,7 @@ def plan(
             model may then stay where it is, and ``device`` may be one this machine lacks (e.g.
             ``"cuda"`` with ``memory_limit="80GiB"``): for CUDA, 512 MiB of the limit are set
             aside for the CUDA context before the headroom is taken for the allocator.
-        estimate: False skips the meta estimate and searches with real trials only.
+        estimate: False skips the estimate and searches with real trials only.
         max_probe_batches: how many batches of ``loader`` to look at for the worst case.
         epochs: the run's length, if known: the recommended warm-up is then capped at 10% of it.
         on_trial: called with each :class:`Trial` as it is made (e.g. to show progress).

@@ -28,7 +28,7 @@ class Trial:
             it stopped, a lower bound).
         fits: whether the step stayed within the budget.
         seconds: wall time of the measurement.
-        estimate: True for an estimate on the meta device, False for a real step on the device.
+        estimate: True for an estimate (fake tensors, no data), False for a real step on the device.
     """
 
     batch_size: int

@@ -5,7 +5,7 @@ A trial is the steady-state training step: micro-step, optimizer step, micro-ste
 live and a fresh gradient is being accumulated into them. Its peak is the peak of the whole
 sequence. Forward/backward alone under-counts.
 
-Estimates run the same step on ``meta`` copies of the model and optimizer (no data, no compute,
+Estimates run the same step on fake copies of the model and optimizer (no data, no compute,
 exact tensor bytes); real trials run it on the device under the memory budget. Every real trial
 starts from, and every probe ends with, the model, optimizer and RNG states exactly as they were.
 """
@@ -294,8 +294,8 @@ def probe(
         upper: the largest size to try (the per-device target batch).
         budget: bytes the step may use (the limit less the headroom).
         snapshot: restores the workload's state after every real trial.
-        verify: run real trials (False: an estimate-only answer from the meta device).
-        estimate: use meta estimates (False: real trials only).
+        verify: run real trials (False: an estimate-only answer).
+        estimate: use estimates (False: real trials only).
         max_real: a bound on real trials.
 
     Returns:
@@ -306,9 +306,9 @@ def probe(
     reason = "estimate=False"
     if estimate:
         try:
-            meta = Estimator(work, _trial_step)
+            estimator_ = Estimator(work, _trial_step)
             start = time.perf_counter()
-            first = meta(lower)  # fail here, not inside the search, if the step cannot be estimated
+            first = estimator_(lower)  # fail here, not inside the search, if the step cannot be estimated
             seconds = time.perf_counter() - start
         except Exception as exc:
             if not is_estimate_error(exc):
@@ -322,7 +322,7 @@ def probe(
             def estimator(b: int) -> int:
                 if b not in cache:
                     start = time.perf_counter()
-                    cache[b] = meta(b)
+                    cache[b] = estimator_(b)
                     work.record(Trial(b, cache[b], cache[b] <= budget, time.perf_counter() - start, estimate=True))
                 return cache[b]
 

@@ -3,7 +3,7 @@
 Peak memory of a training step is close to a line in the batch size for fixed per-sample shapes:
 ``peak(b) = fixed + b * per_sample``. The search uses that in two phases:
 
-1. **Estimates** (cheap, e.g. on the meta device): two estimates give the line, the line gives a
+1. **Estimates** (cheap, e.g. on fake tensors): two estimates give the line, the line gives a
    candidate, a few more estimates confirm the boundary (bisection where the line is off).
 2. **Real steps** (costly): the candidate is run for real. The real peak rescales the estimated
    curve (``real(b) ~ ratio * estimate(b)``); with two real fits their own line is used. Each new

@@ -2,8 +2,9 @@
 
 For each model, optimizer and memory limit (enforced by counting tensor bytes, on the CPU) it prints
 the true largest micro-batch (every size tried from 1 upwards, with a step written independently of
-autotune's probe), the size found, found/true, the real and estimated trials and the seconds, with
-meta estimates (the default) and with real trials only.
+autotune's probe), the size found, found/true, the real and estimated trials, the estimate's peak
+over the real peak at the size found, and the seconds, with estimates (the default) and with real
+trials only.
 
     python benchmarks/probe.py            # about two minutes on 2 CPU cores
     python benchmarks/probe.py --json out.json
@@ -33,6 +34,7 @@ CASES = [
     ("cnn", "adamw", 6_000_000),
     ("transformer", "sgd", 28_536_676),
     ("transformer", "adamw", 15_000_000),
+    ("attention-lm", "adamw", 100 * 2**20),
 ]
 TARGET = 256
 
@@ -46,19 +48,22 @@ def run_case(model_name: str, opt_name: str, limit: int) -> list[dict]:
     truth = true_max(model, make_opt, data[0], limit, TARGET)
     exhaustive = time.perf_counter() - start
     rows = []
-    for mode, estimate in (("meta+real", True), ("real only", False)):
+    for mode, estimate in (("estimate+real", True), ("real only", False)):
         start = time.perf_counter()
         plan = autotune.plan(
             model, data, target_batch=TARGET, optimizer=make_opt(model.parameters()),
             memory_limit=limit, headroom=0, estimate=estimate,
         )
         seconds = time.perf_counter() - start
+        est = {t.batch_size: t.peak_memory for t in plan.trials if t.estimate}
+        real = {t.batch_size: t.peak_memory for t in plan.trials if not t.estimate and t.fits}
+        ratio = est[plan.micro_batch] / real[plan.micro_batch] if plan.micro_batch in est and plan.micro_batch in real else None
         rows.append(
             dict(
                 model=model_name, optimizer=opt_name, limit=limit, mode=mode, true_max=truth,
                 found=plan.micro_batch, ratio=plan.micro_batch / truth,
                 real_trials=sum(not t.estimate for t in plan.trials),
-                estimates=sum(t.estimate for t in plan.trials), seconds=seconds,
+                estimates=sum(t.estimate for t in plan.trials), estimate_over_real=ratio, seconds=seconds,
                 exhaustive_seconds=exhaustive,
             )
         )
@@ -70,16 +75,17 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     rows = []
-    header = f"{'model':<12}{'opt':<7}{'limit':>12}  {'mode':<10}{'true':>6}{'found':>7}{'found/true':>11}{'real':>6}{'est.':>6}{'seconds':>9}"
+    header = f"{'model':<13}{'opt':<7}{'limit':>12}  {'mode':<14}{'true':>6}{'found':>7}{'found/true':>11}{'real':>6}{'est.':>6}{'est/real':>9}{'seconds':>9}"
     print(f"torch {torch.__version__}, autotune {autotune.__version__}, target_batch={TARGET}, headroom=0")
     print(header)
     print("-" * len(header))
     for case in CASES:
         for r in run_case(*case):
             rows.append(r)
+            ratio = "-" if r["estimate_over_real"] is None else f"{r['estimate_over_real']:.3f}"
             print(
-                f"{r['model']:<12}{r['optimizer']:<7}{autotune.format_bytes(r['limit']):>12}  {r['mode']:<10}"
-                f"{r['true_max']:>6}{r['found']:>7}{r['ratio']:>11.3f}{r['real_trials']:>6}{r['estimates']:>6}{r['seconds']:>9.2f}"
+                f"{r['model']:<13}{r['optimizer']:<7}{autotune.format_bytes(r['limit']):>12}  {r['mode']:<14}"
+                f"{r['true_max']:>6}{r['found']:>7}{r['ratio']:>11.3f}{r['real_trials']:>6}{r['estimates']:>6}{ratio:>9}{r['seconds']:>9.2f}"
             )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

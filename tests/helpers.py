@@ -53,6 +53,25 @@ def transformer() -> nn.Module:
     return TinyTransformer()
 
 
+class AttentionLM(nn.Module):
+    """A causal language model block over 512 tokens: scaled_dot_product_attention, 4 heads of 64."""
+
+    def __init__(self, vocab: int = 64, dim: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        b, length, dim = x.shape
+        q, k, v = self.qkv(x).view(b, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, length, dim)
+        return self.head(x + self.out(y))
+
+
 def data_for(name: str, *, batches: int = 4, batch: int = 32, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -62,12 +81,13 @@ def data_for(name: str, *, batches: int = 4, batch: int = 32, seed: int = 0) -> 
         elif name == "cnn":
             out.append((torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)))
         else:
-            tokens = torch.randint(0, 64, (batch, 24), generator=g)
-            out.append((tokens, torch.randint(0, 64, (batch, 24), generator=g)))
+            length = 512 if name == "attention-lm" else 24
+            tokens = torch.randint(0, 64, (batch, length), generator=g)
+            out.append((tokens, torch.randint(0, 64, (batch, length), generator=g)))
     return out
 
 
-MODELS = {"mlp": mlp, "cnn": cnn_bn, "transformer": transformer}
+MODELS = {"mlp": mlp, "cnn": cnn_bn, "transformer": transformer, "attention-lm": AttentionLM}
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
