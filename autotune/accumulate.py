@@ -232,6 +232,7 @@ def accumulate(
     drop_last: bool = False,
     distributed: bool | None = None,
     min_micro_batch: int | None = None,
+    skip_empty: bool = True,
 ) -> Iterator[Window]:
     """Re-batch ``loader`` into optimizer-step windows of micro-batches with exact loss weights.
 
@@ -253,6 +254,8 @@ def accumulate(
             iterate its own shard in step with the others.
         min_micro_batch: never cut a micro-batch smaller than this (default: the plan's, 2 for
             models with BatchNorm; 1 when ``plan`` is an int).
+        skip_empty: skip windows with no items (the default); False yields them too, with no
+            micro-batches, so that ranks of a data-parallel run stay in step.
 
     Yields:
         :class:`Window` objects; iterate one to get its :class:`Micro` batches.
@@ -296,10 +299,10 @@ def accumulate(
         index += 1
         samples += window.total_samples
         items += window.items
-        if window.items == 0:
+        if window.items == 0 and skip_empty:
             continue
         yield window
-    if count is not None and samples > 0 and items == 0:
+    if count is not None and samples > 0 and items == 0 and skip_empty:
         raise ValueError(
             f"Invalid count: it returned 0 items for every batch of the epoch ({samples} samples), so there is "
             "no loss to train on; check that it counts the loss's items (e.g. labels != -100) and that the "

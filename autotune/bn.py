@@ -309,22 +309,80 @@ class BNController:
             self._current.append((self._micro_samples, self._micro_stats))
             self._micro_stats = []
 
-    def end_window(self) -> None:
-        """The window's micro-batches are done: apply the pooled update or keep the recording."""
+    def payload(self, had_data: bool = True) -> torch.Tensor:
+        """This rank's statistics for the end-of-window agreement (float64, flat; empty without
+        BatchNorm).
+
+        ``"pooled"``: per module the count, sum and sum of squares of its inputs over the window;
+        other modes: the running buffers (to be averaged over the ranks that had data). A rank
+        without data sends zeros.
+        """
         self._flush_micro()
+        parts: list[torch.Tensor] = []
         if self.mode == "pooled":
+            for m, pool in zip(self.modules, self._pools):
+                c = m.num_features
+                if pool.mean is None or not had_data:
+                    parts.append(torch.zeros(1 + 2 * c, dtype=torch.float64))
+                    continue
+                assert pool.m2 is not None
+                s1 = pool.mean.detach().double().cpu() * pool.n
+                s2 = pool.m2.detach().double().cpu() + pool.n * pool.mean.detach().double().cpu() ** 2
+                parts.append(torch.cat([torch.tensor([float(pool.n)], dtype=torch.float64), s1, s2]))
+        elif self.mode is not None:
+            for m in self.modules:
+                weight = 1.0 if had_data else 0.0
+                rm = m.running_mean.detach().double().cpu() * weight  # type: ignore[union-attr]
+                rv = m.running_var.detach().double().cpu() * weight  # type: ignore[union-attr]
+                nbt = torch.tensor([float(m.num_batches_tracked) * weight], dtype=torch.float64)  # type: ignore[arg-type]
+                parts.append(torch.cat([rm, rv, nbt]))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def finish_window(self, summed: torch.Tensor | None = None, ranks_with_data: int = 1, *, distributed: bool = False) -> None:
+        """The window is done on every rank: apply the pooled update (from ``summed``, the payloads
+        summed over ranks), or make the running statistics equal across ranks (their mean over the
+        ranks that had data), and keep the recording."""
+        self._flush_micro()
+        if summed is None:
+            summed = self.payload(True)
+        if self.mode == "pooled":
+            self._apply_pools(summed)
+        elif self.mode is not None and distributed and ranks_with_data > 0:
+            offset = 0
             with torch.no_grad():
-                for m, pool, (momentum, _) in zip(self.modules, self._pools, self._saved):
-                    if pool.mean is None:
-                        continue
-                    m.num_batches_tracked.add_(1)  # type: ignore[union-attr,operator]
-                    factor = 1.0 / float(m.num_batches_tracked) if momentum is None else momentum  # type: ignore[arg-type]
-                    m.running_mean.mul_(1 - factor).add_(pool.mean.to(m.running_mean.dtype), alpha=factor)  # type: ignore[union-attr]
-                    m.running_var.mul_(1 - factor).add_(pool.unbiased_var().to(m.running_var.dtype), alpha=factor)  # type: ignore[union-attr]
+                for m in self.modules:
+                    c = m.num_features
+                    rm, rv, nbt = summed[offset : offset + c], summed[offset + c : offset + 2 * c], summed[offset + 2 * c]
+                    offset += 2 * c + 1
+                    m.running_mean.copy_((rm / ranks_with_data).to(m.running_mean.dtype))  # type: ignore[union-attr]
+                    m.running_var.copy_((rv / ranks_with_data).to(m.running_var.dtype))  # type: ignore[union-attr]
+                    m.num_batches_tracked.fill_(int(round(float(nbt) / ranks_with_data)))  # type: ignore[union-attr]
         if self.record and self.recording is not None and self._current:
             self.recording.steps.append(self._current)
             self.recording.window_samples.append(self._window_samples)
             self._current = []
+
+    def _apply_pools(self, summed: torch.Tensor) -> None:
+        """One update per module from the window's statistics pooled over all ranks."""
+        offset = 0
+        with torch.no_grad():
+            for m, (momentum, _) in zip(self.modules, self._saved):
+                c = m.num_features
+                n, s1, s2 = float(summed[offset]), summed[offset + 1 : offset + 1 + c], summed[offset + 1 + c : offset + 1 + 2 * c]
+                offset += 1 + 2 * c
+                if n == 0:
+                    continue
+                mean = s1 / n
+                var = (s2 - n * mean * mean) / max(n - 1.0, 1.0)  # unbiased, as BatchNorm stores it
+                m.num_batches_tracked.add_(1)  # type: ignore[union-attr,operator]
+                factor = 1.0 / float(m.num_batches_tracked) if momentum is None else momentum  # type: ignore[arg-type]
+                m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean), alpha=factor)  # type: ignore[union-attr]
+                m.running_var.mul_(1 - factor).add_(var.to(m.running_var), alpha=factor)  # type: ignore[union-attr]
+
+    def end_window(self) -> None:
+        """The window's micro-batches are done (single process): apply the pooled update or keep
+        the recording."""
+        self.finish_window(self.payload(True), 1)
 
 
 def precise_bn(model: nn.Module, batches: Iterable[Any], forward: Callable[[nn.Module, Any], Any], *, samples: int = 4096) -> int:

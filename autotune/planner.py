@@ -11,10 +11,10 @@ from torch import nn
 
 from .bn import batchnorms
 from .checks import check_device_exists, check_grad_mode, check_optimizer, check_trainable
-from .distributed import gather, unwrap, world
+from .distributed import BUCKET_BYTES, bucket_bytes_needed, bypass_nested, gather, parallel, world
 from .errors import AutotuneError, NothingFits
 from .memory import cuda_memory_fraction, default_headroom, default_limit, outside_allocator, storage_bytes
-from .plans import Plan, Trial, budget_of, window_layout
+from .plans import Plan, Trial, budget_of, split_evenly, window_layout
 from .probe import Snapshot, Workload, min_micro_batch, probe, sample_batch
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
 from .step import LossFn, default_loss, normalize_precision
@@ -181,7 +181,7 @@ def plan(
         raise ValueError(f"Invalid max_probe_batches {max_probe_batches!r}: give how many batches to look at, at least 1")
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
         raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs (>= 1), or None")
-    inner_model, _ = unwrap(model)
+    inner_model = parallel(model).inner
     if verify or device is None:
         device = _resolve_device(inner_model, device)
     else:  # estimate only: nothing runs on the device, so it need not hold the model, or exist
@@ -211,7 +211,8 @@ def plan(
     window_layout(target_batch, 1, world_size)  # target_batch >= world_size, with a clear error
     # Under DDP the probe runs the inner module: a trial's backward must not start collectives that
     # the other ranks, busy with trials of their own, would never join.
-    model, ddp = unwrap(model)
+    par = parallel(model)
+    model, ddp = par.inner, par.ddp
 
     error: BaseException | None = None
     found = None
@@ -251,10 +252,16 @@ def plan(
             # DDP keeps its gradient buckets beside .grad: a second copy of the gradients.
             set_aside.append(("DDP gradient buckets", sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)))
             work.notes.append("DDP gradient buckets counted (pass gradient_as_bucket_view=True to DDP to save them)")
+        if world_size > 1:
+            # The gradient sync after each window sums the gradients through one flat bucket.
+            bucket = bucket_bytes_needed(model.parameters(), BUCKET_BYTES)
+            if bucket:
+                set_aside.append(("the gradient sync's bucket", bucket))
         budget = budget_of(limit, sum(b for _, b in set_aside), headroom)
-        upper = math.ceil(target_batch / world_size)
+        upper = split_evenly(target_batch, world_size)[rank]  # this rank's share (the first ranks take one more)
         with cuda_memory_fraction(device, allocator_cap(limit, set_aside) if (memory_limit is not None and verify) else None):
-            found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
+            with bypass_nested(par.nested):
+                found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
         if found.batch_size == 0:
             raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside)
     except Exception as exc:
@@ -273,17 +280,13 @@ def plan(
     assert found is not None and limit is not None
     notes = list(work.notes)
     maxima = [size for size, _ in statuses]
-    max_micro = min(maxima)
-    limiting_rank = maxima.index(max_micro) if world_size > 1 else None
-    if world_size > 1 and len(set(maxima)) > 1:
+    own = maxima[rank]
+    if world_size > 1:
         notes.append(
-            f"rank {limiting_rank} limits the plan: it fits {max_micro} samples per micro-batch "
-            f"(per rank: {', '.join(map(str, maxima))}); all ranks use {max_micro}"
+            f"each rank uses the micro-batch its own device fits (per rank: {', '.join(map(str, maxima))}); "
+            "nothing inside a window depends on another rank"
         )
-    elif world_size > 1:
-        notes.append(f"all {world_size} ranks fit {max_micro} samples per micro-batch")
-
-    layout = window_layout(target_batch, max_micro, world_size)
+    layout = window_layout(target_batch, maxima, world_size)
     micro_batches = layout[rank]
     accumulation_steps = len(micro_batches)
     if base_batch is not None:
@@ -316,7 +319,7 @@ def plan(
             "pass base_batch= if it was tuned at another batch"
         )
     return Plan(
-        micro_batch=max_micro,
+        micro_batch=own,
         accumulation_steps=accumulation_steps,
         effective_batch=sum(map(sum, layout)),
         world_size=world_size,
@@ -330,13 +333,13 @@ def plan(
         bn_momentum=bn_momentum,
         memory_limit=limit,
         headroom=float(headroom),
-        peak_memory=found.peak if found.batch_size == max_micro else _line_peak(work.trials, max_micro, found.peak),
+        peak_memory=found.peak,
         device=str(device),
         precision=precision_name,
         verified=verify,
         optimizer=type(optimizer).__name__,
         bn_mode="adjust" if batchnorms(model) else None,
-        limiting_rank=limiting_rank,
+        rank_micro_batches=tuple(maxima) if world_size > 1 else (),
         min_micro_batch=min_micro_batch(model),
         base_batch_source=source,
         set_aside=tuple(set_aside),
@@ -366,12 +369,3 @@ def _nothing_fits(
         micro_batch=smallest,
         measured=measured,
     )
-
-
-def _line_peak(trials: Iterable[Trial], size: int, fallback: int) -> int:
-    """Peak bytes at ``size`` from this rank's trials (when another rank set a smaller micro-batch)."""
-    real = {t.batch_size: t.peak_memory for t in trials if t.fits and not t.estimate}
-    if size in real:
-        return real[size]
-    est = {t.batch_size: t.peak_memory for t in trials if t.estimate}
-    return est.get(size, fallback)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from .units import format_bytes
@@ -62,7 +63,8 @@ class Plan:
         warmup_steps: recommended linear warm-up in optimizer steps (None: none needed or unknown).
         bn_momentum: BatchNorm momentum for ``accumulation_steps`` forwards per step, or None when
             the model has no BatchNorm with a numeric momentum.
-        limiting_rank: under DDP, the rank whose memory set the micro-batch (None in one process).
+        rank_micro_batches: under data parallelism, every rank's micro-batch (each rank probes its
+            own device and uses its own), in rank order; empty in one process.
         min_micro_batch: the smallest micro-batch the model can train on: 2 for models with
             BatchNorm (one sample has no batch statistics), else 1. Windows are never cut into
             smaller micro-batches.
@@ -104,7 +106,7 @@ class Plan:
     verified: bool = True
     optimizer: str = ""
     bn_mode: str | None = None
-    limiting_rank: int | None = None
+    rank_micro_batches: tuple[int, ...] = ()
     min_micro_batch: int = 1
     base_batch_source: str = "given"
     set_aside: tuple[tuple[str, int], ...] = ()
@@ -139,6 +141,7 @@ class Plan:
             values["trials"] = tuple(Trial(**t) for t in values.get("trials", ()))
             values["notes"] = tuple(str(n) for n in values.get("notes", ()))
             values["set_aside"] = tuple((str(name), int(b)) for name, b in values.get("set_aside", ()))
+            values["rank_micro_batches"] = tuple(int(v) for v in values.get("rank_micro_batches", ()))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"Invalid plan data: {exc}") from None
         plan = cls(**values)
@@ -177,13 +180,15 @@ class Plan:
         data["trials"] = [t.to_dict() for t in self.trials]
         data["notes"] = list(self.notes)
         data["set_aside"] = [list(pair) for pair in self.set_aside]
+        data["rank_micro_batches"] = list(self.rank_micro_batches)
         data["budget"] = self.budget
         return data
 
     def __str__(self) -> str:
         lines = [
             f"micro_batch={self.micro_batch} accumulation_steps={self.accumulation_steps} "
-            f"effective_batch={self.effective_batch} world_size={self.world_size}",
+            f"effective_batch={self.effective_batch} world_size={self.world_size}"
+            + (f" (micro-batch per rank: {', '.join(map(str, self.rank_micro_batches))})" if self.rank_micro_batches else ""),
             f"micro-batches per window: {', '.join(map(str, self.micro_batches))}",
             f"lr={self.lr:.6g} (base {self.base_lr:.6g} at batch {self.base_batch}"
             + ("" if self.base_batch_source == "given" else f" from {self.base_batch_source}")
@@ -244,12 +249,15 @@ def split_evenly(total: int, parts: int) -> tuple[int, ...]:
 
 
 def window_layout(
-    target_batch: int, max_micro_batch: int, world_size: int = 1
+    target_batch: int, max_micro_batch: int | Sequence[int], world_size: int = 1
 ) -> tuple[tuple[int, ...], ...]:
     """Micro-batch sizes of one window, per rank: ``layout[rank][i]``.
 
-    Every rank runs the same number of micro-batches (so collectives line up); the sizes over all
-    ranks add up to ``target_batch`` exactly, and none exceeds ``max_micro_batch``.
+    ``target_batch`` is shared among ranks (the first ``target_batch % world_size`` take one more);
+    each rank cuts its share into the fewest micro-batches of at most its own micro-batch
+    (``max_micro_batch``, one for all ranks or one per rank), as even as possible. The sizes over all
+    ranks add up to ``target_batch`` exactly. Ranks may run different numbers of micro-batches:
+    nothing inside a window depends on another rank.
 
     Raises:
         ValueError: ``target_batch < world_size`` (a rank would get no sample) or a size below 1.
@@ -258,15 +266,15 @@ def window_layout(
         >>> window_layout(250, 64)
         ((63, 63, 62, 62),)
     """
-    if max_micro_batch < 1:
-        raise ValueError(f"Invalid max_micro_batch {max_micro_batch!r}: it must be at least 1")
     if world_size < 1:
         raise ValueError(f"Invalid world_size {world_size!r}: it must be at least 1")
+    caps = [max_micro_batch] * world_size if isinstance(max_micro_batch, int) else list(max_micro_batch)
+    if len(caps) != world_size or min(caps) < 1:
+        raise ValueError(f"Invalid max_micro_batch {max_micro_batch!r}: give at least 1, one for all ranks or one per rank")
     if target_batch < world_size:
         raise ValueError(
             f"Invalid target_batch {target_batch!r} for {world_size} ranks: every rank needs at "
             f"least one sample per step; use target_batch >= {world_size}"
         )
     shares = split_evenly(target_batch, world_size)
-    steps = math.ceil(shares[0] / max_micro_batch)
-    return tuple(split_evenly(share, steps) for share in shares)
+    return tuple(split_evenly(share, math.ceil(share / cap)) for share, cap in zip(shares, caps))

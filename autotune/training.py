@@ -24,7 +24,7 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +46,24 @@ from .checks import (
     check_trainable,
     is_one_shot,
 )
-from .distributed import all_reduce_gradients, check_distinct_samples, max_over_ranks, sum_over_ranks, unwrap, world
+from .distributed import (
+    FAILED,
+    FINE,
+    OUT_OF_MEMORY,
+    Parallel,
+    agree,
+    broadcast_model,
+    bypass_nested,
+    check_distinct_samples,
+    gather,
+    is_distributed,
+    on_every_rank,
+    parallel,
+    sampler_epoch,
+    set_epoch,
+    sync_gradients,
+    world,
+)
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
 from .planner import _resolve_device, allocator_cap, plan as make_plan
@@ -142,7 +159,7 @@ def _check_plan(plan: Any, target_batch: int | None) -> None:
         )
 
 
-def _check_count(loader: Iterable[Any], count: Count | None, *, max_batches: int = 8) -> None:
+def _check_count(loader: Iterable[Any], count: Count | None, group: Any = None, *, max_batches: int = 8) -> None:
     """Call ``count`` on the first batches (generators restored after), so a bad count fails now."""
     if count is None:
         return
@@ -160,7 +177,7 @@ def _check_count(loader: Iterable[Any], count: Count | None, *, max_batches: int
                 break
     finally:
         rng.restore()
-    if seen and total == 0:
+    if seen and total == 0 and not is_distributed():  # one rank's shard may start with no items
         raise ValueError(
             f"Invalid count: it returned 0 items for each of the first {seen} batches, so there is no loss "
             "to train on; check that it counts the loss's items (e.g. int((labels != -100).sum()))"
@@ -262,20 +279,24 @@ def fit(
     check_reiterable(loader, epochs)
     check_grad_mode("fit")
     check_device_exists(device)
-    inner, ddp = unwrap(model)  # under DDP: the wrapper trains, the inner module is probed and inspected
+    par = parallel(model)  # under DDP: the inner module runs; autotune syncs once per window
+    inner = par.inner
     check_trainable(inner)
     if optimizer is not None:
         check_optimizer(inner, optimizer)
     check_scheduler(scheduler, optimizer if optimizer is not None else object())  # type: ignore[arg-type]
     precision_name = normalize_precision(precision)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    _check_count(loader, count)
+    # Every rank looks at its first batches: one whose dataset raises stops them all, together.
+    on_every_rank(_check_count, loader, count, par.group, device=None, group=par.group, what="looking at its first batches")
 
     # --- setup ----------------------------------------------------------------------------------
     device = _fit_device(model, device)
-    if ddp is None:
+    if par.ddp is None:
         model.to(device)
     _resolve_device(inner, device)  # the model has parameters, all on the device
+    if par.ddp is None and is_distributed():
+        broadcast_model(inner, par.group, device)  # the same start on every rank, as DDP makes it
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = loss_fn or default_loss
@@ -309,34 +330,55 @@ def fit(
     # --- the loop -------------------------------------------------------------------------------
     history: list[StepRecord] = []
     run = _Run(
-        model, ddp, optimizer, scheduler, loss_fn, plan, device, precision_name, scaler, clip_grad_norm,
+        par, optimizer, scheduler, loss_fn, plan, device, precision_name, scaler, clip_grad_norm,
         limit, mode, bns, _total_steps(loader, plan, epochs, max_steps), progress,
     )
+    first_epoch = sampler_epoch(loader)  # continue where an earlier fit left the sampler
+    # In a single process the short last window is dropped before it runs; with several ranks
+    # only the agreement can tell that the global window is short.
+    local_drop = drop_last and run.world_size == 1
     with run:
         for epoch in range(epochs):
-            for window in accumulate(loader, plan, count=count, drop_last=drop_last, min_micro_batch=min_micro):
-                if max_steps is not None and len(history) >= max_steps:
-                    break
+            set_epoch(loader, first_epoch + epoch)
+            windows = accumulate(
+                loader, plan, count=count, drop_last=local_drop, min_micro_batch=min_micro,
+                distributed=False, skip_empty=run.world_size == 1,
+            )
+            seen_samples = seen_items = 0
+            while max_steps is None or len(history) < max_steps:
                 start = time.perf_counter()
-                loss, window = run.micro_batches(window)
+                done = run.window(windows, drop_last=drop_last)  # micro-batches, then one agreement
+                if done is None:
+                    break  # the epoch is over on every rank
+                loss, window, agreed = done
+                seen_samples, seen_items = seen_samples + agreed.samples, seen_items + agreed.items
+                if agreed.items == 0:  # no loss item on any rank: nothing to learn from, no step
+                    run.optimizer.zero_grad(set_to_none=True)
+                    continue
                 run.check_finite(loss, window, step=len(history) + 1, epoch=epoch)
-                lr = run.step()
+                lr = run.step()  # sync, clip, step at the scaled LR, schedule, zero
                 record = StepRecord(
-                    step=len(history) + 1, epoch=epoch, samples=window.total_samples, items=window.items,
-                    loss=loss, lr=lr, micro_batch=max(m.samples for m in window), seconds=time.perf_counter() - start,
-                    micro_batches=tuple(m.samples for m in window),
+                    step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
+                    loss=loss, lr=lr, micro_batch=max((m.samples for m in window), default=0) if window else 0,
+                    seconds=time.perf_counter() - start, micro_batches=tuple(m.samples for m in window) if window else (),
                 )
                 history.append(record)
                 run.show(record)
                 if callback is not None:
                     callback(record)
+            if count is not None and seen_samples > 0 and seen_items == 0:
+                raise ValueError(
+                    f"Invalid count: it returned 0 items for every batch of the epoch ({int(seen_samples)} samples on all "
+                    "ranks), so there is no loss to train on; check that it counts the loss's items (e.g. labels != -100)"
+                )
             if max_steps is not None and len(history) >= max_steps:
                 break
+        set_epoch(loader, first_epoch + epochs)  # the next fit starts on the next epoch
 
     tuning = None
     if mode is not None and bns:
         finished = FinishedRun(
-            batches=lambda: (micro.batch for w in accumulate(loader, run.plan, min_micro_batch=min_micro) for micro in w),
+            batches=lambda: (micro.batch for w in accumulate(loader, run.plan, min_micro_batch=min_micro, distributed=False) for micro in w),
             forward=lambda m, b: _forward(m, loss_fn, b, device, precision_name),  # type: ignore[arg-type]
             loss_fn=loss_fn,
             device=device,
@@ -361,13 +403,13 @@ class _Run:
     """Setup and restore around the loop, and the two things the loop does per window.
 
     On entry: BatchNorm mode applied, the CUDA allocator capped, a progress bar, train mode. On
-    exit all of it is put back. The learning rate is scaled only inside :meth:`step`.
+    exit all of it is put back. :meth:`window` runs a window's micro-batches and the agreement with
+    the other ranks; :meth:`step` syncs the gradients and steps the optimizer at the scaled LR.
     """
 
     def __init__(
         self,
-        model: nn.Module,
-        ddp: nn.Module | None,
+        par: Parallel,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         loss_fn: LossFn,
@@ -382,12 +424,16 @@ class _Run:
         total_steps: int | None,
         progress: bool,
     ) -> None:
-        self.model, self.ddp, self.optimizer, self.scheduler = model, ddp, optimizer, scheduler
+        self.par, self.model, self.optimizer, self.scheduler = par, par.inner, optimizer, scheduler
         self.loss_fn, self.plan, self.device, self.precision = loss_fn, plan, device, precision
         self.scaler, self.clip_grad_norm, self.limit = scaler, clip_grad_norm, limit
         self.bns = bns
-        self.bnc = BNController(unwrap(model)[0], mode.name if mode is not None else None, record=bool(mode is not None and mode.records))
+        self.bnc = BNController(par.inner, mode.name if mode is not None else None, record=bool(mode is not None and mode.records))
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        # The gradients the ranks sum: every trainable parameter but those DDP was told to ignore,
+        # in the model's order (the same on every rank).
+        self.synced = [p for name, p in par.inner.named_parameters() if p.requires_grad and name not in par.ignored]
+        self.rank, self.world_size = world(par.group)
         self.total_steps, self.progress = total_steps, progress
         self.stack = ExitStack()
         # After an OOM lowered the micro-batch: the peak counted since (CPU ledger), which then
@@ -395,10 +441,12 @@ class _Run:
         self.measured: int | None = None
         self.lowered = False
         self.steps = 0  # optimizer steps taken in this run
+        self.agreed: Any = None
         # Window shapes already run under the CPU ledger: later windows of the same shapes need no
         # counting (the count is the same), which keeps its dispatch overhead off the common path.
         self.counted: set[Any] = set()
         self.last_ledger: TensorLedger | None = None
+        self.checked_samples = False
 
     def __enter__(self) -> _Run:
         from tqdm.auto import tqdm  # imported here: `import autotune` stays light
@@ -407,8 +455,8 @@ class _Run:
         stack.enter_context(self.bnc)
         cap = allocator_cap(self.limit, self.plan.set_aside) if self.limit is not None else None
         stack.enter_context(cuda_memory_fraction(self.device, cap))
-        rank, _ = world()
-        self.bar = tqdm(total=self.total_steps, unit="step", disable=not self.progress or rank != 0, delay=2.0, dynamic_ncols=True)
+        stack.enter_context(bypass_nested(self.par.nested))
+        self.bar = tqdm(total=self.total_steps, unit="step", disable=not self.progress or self.rank != 0, delay=2.0, dynamic_ncols=True)
         stack.callback(self.bar.close)
         stack.callback(self.model.train, self.model.training)
         self.model.train()
@@ -431,57 +479,114 @@ class _Run:
         self.last_ledger = ledger
         return ledger
 
-    def micro_batches(self, window: Window) -> tuple[float, Window]:
-        """Forward and weighted backward of every micro-batch; on OOM, undo and redo smaller.
+    def window(self, windows: Iterator[Window], *, drop_last: bool = False) -> tuple[float, Window | None, Any] | None:
+        """Run this rank's next window, then agree with the other ranks; redo it smaller after an OOM.
 
-        Returns the window's exact mean loss and the window as it finally ran.
+        Nothing inside the window talks to another rank. At its end one all-reduce tells every
+        rank what happened everywhere: if a rank ran out of memory, that rank (only) undoes its
+        window and redoes it with a smaller micro-batch while the others wait with their gradients
+        kept; if a rank failed, every rank raises, with that rank's message.
+
+        Returns ``(global mean loss, this rank's window, the agreement)``, or None when no rank
+        has a window left (the epoch is over for all).
         """
-        ddp = self.ddp
-        if ddp is not None and window.position == 0 and not getattr(self, "_checked_samples", False):
-            self._checked_samples = True
-            check_distinct_samples(window[0].batch)
+        failure: BaseException | None = None
+        window: Window | None = None
+        try:
+            window = next(windows, None)
+        except Exception as exc:  # the loader, the dataset or count failed on this rank
+            failure = exc
         # BN buffers, to undo a failed attempt; they are small.
         bn_saved = [[b.detach().clone() for b in m.buffers()] for m in self.bns]
+        done = False  # this rank's window has run (kept while another rank redoes its own)
+        local_loss = 0.0
         while True:
-            failed_size = window.micro_batch
-            try:
-                self.last_ledger = None
-                with self._ledger(window):
-                    total, failed_size = _run_window(self, window)
-                if self.lowered and self.last_ledger is not None:
-                    self.measured = max(self.measured or 0, self.last_ledger.peak)
-                    self.plan = dataclasses.replace(self.plan, peak_memory=self.measured)
-                return float(_global_loss(total, ddp, self.device)), window
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                failed_size = getattr(exc, "autotune_micro_batch", failed_size)
-                exc.__traceback__ = None  # drop the frames that hold the attempt's tensors
-            self.optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for m, saved in zip(self.bns, bn_saved):
-                    for b, value in zip(m.buffers(), saved):
-                        b.copy_(value)
-            release_cached(self.device)
-            floor = self.plan.min_micro_batch
-            if failed_size <= floor:
-                raise NothingFits(
-                    f"Out of memory while training at micro_batch={failed_size}: a batch of the loader is larger "
-                    "than anything the memory allows; shorten the longest samples, use "
-                    "precision='bf16', or raise memory_limit",
-                    needed=0,
-                    budget=self.plan.budget,
-                    limit=self.plan.memory_limit,
-                    micro_batch=failed_size,
-                )
-            smaller = max(floor, failed_size // 2)
-            warnings.warn(
-                f"Out of memory at micro_batch={failed_size}; retrying the window with micro_batch={smaller}",
-                AutotuneWarning,
-                stacklevel=3,
+            status = FINE
+            if failure is None and window is not None and not done:
+                try:
+                    self.last_ledger = None
+                    with self._ledger(window):
+                        local_loss = _run_micro_batches(self, window)
+                    done = True
+                    if self.lowered and self.last_ledger is not None:
+                        self.measured = max(self.measured or 0, self.last_ledger.peak)
+                        self.plan = dataclasses.replace(self.plan, peak_memory=self.measured)
+                except Exception as exc:
+                    failure = exc
+            if failure is not None:
+                status = OUT_OF_MEMORY if is_out_of_memory(failure) else FAILED
+            items = window.items if (window is not None and done) else 0
+            agreed = agree(
+                status=status, items=items, samples=window.samples if (window is not None and done) else 0,
+                loss_sum=local_loss * items, had_data=window is not None and status == FINE, params=self.synced,
+                extra=self.bnc.payload(window is not None and done) if self.world_size > 1 or self.bnc.mode == "pooled" else None,
+                device=self.device, group=self.par.group,
             )
-            self._lower(smaller)
-            window = window.with_micro_batch(smaller)
+            if agreed.status == FAILED:
+                self._raise_failure(failure if status == FAILED else None)
+            if agreed.status == OUT_OF_MEMORY:
+                if status == OUT_OF_MEMORY:
+                    assert window is not None and failure is not None
+                    window = self._retry_smaller(window, failure, bn_saved)
+                    failure, done = None, False
+                continue  # every rank agrees again once the ones that ran out of memory redid theirs
+            break
+        if not self.checked_samples:
+            self.checked_samples = True
+            check_distinct_samples(window[0].batch if (window is not None and len(window)) else None, self.device, self.par.group)
+        if agreed.ranks_with_data == 0:
+            return None
+        if drop_last and agreed.samples < self.plan.effective_batch:
+            # A short last window (over all ranks) is dropped: nothing of it may stay.
+            self.optimizer.zero_grad(set_to_none=True)
+            self._restore_bn(bn_saved)
+            return None
+        self.bnc.finish_window(agreed.extra, agreed.ranks_with_data, distributed=self.world_size > 1)
+        self.agreed = agreed
+        self.local_items = window.items if window is not None else 0
+        return agreed.loss, window, agreed
+
+    def _raise_failure(self, own: BaseException | None) -> None:
+        """Every rank stops: the failing rank with its own error, the others naming it."""
+        messages = gather(None if own is None else f"{type(own).__name__}: {own}", self.device, self.par.group)
+        if own is not None:
+            raise own
+        rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+        raise AutotuneError(f"rank {rank} failed in this window, so every rank stops: {message}")
+
+    def _restore_bn(self, saved: list[list[torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for m, values in zip(self.bns, saved):
+                for b, value in zip(m.buffers(), values):
+                    b.copy_(value)
+
+    def _retry_smaller(self, window: Window, failure: BaseException, bn_saved: list[list[torch.Tensor]]) -> Window:
+        """Undo this rank's attempt and cut its window smaller (half the micro-batch that failed)."""
+        failed_size = getattr(failure, "autotune_micro_batch", window.micro_batch)
+        failure.__traceback__ = None  # drop the frames that hold the attempt's tensors
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self._restore_bn(bn_saved)
+        release_cached(self.device)
+        floor = self.plan.min_micro_batch
+        if failed_size <= floor:
+            raise NothingFits(
+                f"Out of memory while training at micro_batch={failed_size}: a batch of the loader is larger "
+                "than anything the memory allows; shorten the longest samples, use "
+                "precision='bf16', or raise memory_limit",
+                needed=0,
+                budget=self.plan.budget,
+                limit=self.plan.memory_limit,
+                micro_batch=failed_size,
+            )
+        smaller = max(floor, failed_size // 2)
+        warnings.warn(
+            f"Out of memory at micro_batch={failed_size}; retrying the window with micro_batch={smaller}",
+            AutotuneWarning,
+            stacklevel=4,
+        )
+        self._lower(smaller)
+        return window.with_micro_batch(smaller)
 
     def _lower(self, micro_batch: int) -> None:
         """Lower the plan's micro-batch for the rest of the run; every field follows."""
@@ -491,34 +596,44 @@ class _Run:
         base = next((m for m, _ in self.bnc._saved if m is not None), None)
         self.lowered = True
         self.measured = None
+        ranks = list(plan.rank_micro_batches)
+        if ranks:
+            ranks[self.rank] = micro_batch
         self.plan = dataclasses.replace(
             plan,
             micro_batch=micro_batch,
             accumulation_steps=len(sizes),
             micro_batches=sizes,
+            rank_micro_batches=tuple(ranks),
             bn_momentum=None if (plan.bn_momentum is None or base is None) else adjusted_bn_momentum(base, len(sizes)),
             peak_memory=peak_at(plan, micro_batch),
             notes=plan.notes + (f"out of memory while training: micro-batch lowered to {micro_batch}",),
         )
 
-    def check_finite(self, loss: float, window: Window, *, step: int, epoch: int) -> None:
+    def check_finite(self, loss: float, window: Window | None, *, step: int, epoch: int) -> None:
         """Refuse to step on a non-finite loss: the weights would become NaN."""
         if math.isfinite(loss):
             return
         self.optimizer.zero_grad(set_to_none=True)
+        where = f"window {window.position} of the epoch, {window.samples} samples here" if window is not None else "no window here"
         raise AutotuneError(
-            f"Non-finite loss ({loss}) at step {step} (epoch {epoch}, window {window.position} of the epoch, "
-            f"{window.total_samples} samples): the optimizer step was not taken, so the weights are those after "
-            f"step {step - 1}; check the data of this window, lower the learning rate, or set clip_grad_norm"
+            f"Non-finite loss ({loss}) at step {step} (epoch {epoch}, {where}): the optimizer step was not taken, so "
+            f"the weights are those after step {step - 1}; check the data of this window, lower the learning rate, "
+            "or set clip_grad_norm"
         )
 
     def step(self) -> float:
-        """Unscale, clip, step at ``lr_scale`` times the scheduled LR, schedule, zero the gradients.
+        """Sync the gradients, unscale, clip, step at ``lr_scale`` times the scheduled LR, schedule,
+        zero the gradients.
 
         Returns the first param group's learning rate applied.
         """
         optimizer, scaler = self.optimizer, self.scaler
         step = self.steps + 1
+        agreed = self.agreed
+        if self.world_size > 1 and agreed is not None:
+            # This rank's mean gradient, weighted by its share of the items, summed over ranks.
+            sync_gradients(self.synced, agreed.has_grad, self.local_items / agreed.items, device=self.device, group=self.par.group)
         try:
             with self._ledger_for_step():
                 if scaler is not None:
@@ -586,69 +701,26 @@ def _forward(model: nn.Module, loss_fn: LossFn, batch: Any, device: torch.device
         return loss_fn(model, B.to_device(batch, device))
 
 
-def _status(failure: BaseException | None) -> int:
-    if failure is None:
-        return 0
-    return 1 if is_out_of_memory(failure) else 2
+def _run_micro_batches(run: _Run, window: Window) -> float:
+    """Forward and weighted backward of every micro-batch of ``window`` on this rank; no collective.
 
-
-def _global_loss(total: torch.Tensor, ddp: nn.Module | None, device: torch.device) -> float:
-    """The window's mean loss over all ranks (weights carry the world size under DDP)."""
-    if ddp is None:
-        return float(total)
-    _, world_size = world()
-    return sum_over_ranks([float(total)], device)[0] / world_size
-
-
-class _PeerOutOfMemory(torch.OutOfMemoryError):
-    """Another rank ran out of memory in this window: every rank redoes it."""
-
-
-def _run_window(run: _Run, window: Window) -> tuple[torch.Tensor, int]:
-    """Forward and backward every micro-batch of ``window``; returns its weighted loss sum.
-
-    An out-of-memory error carries the size of the micro-batch that failed
-    (``autotune_micro_batch``), so the retry starts from it.
-
-    Under DDP every micro-batch runs under ``no_sync()``, the ranks agree before each one that none
-    has run out of memory or failed, and the accumulated gradients are all-reduced once, after the
-    last one and a final agreement. A rank in trouble is therefore never waited for in a collective
-    (not even in the buffer broadcast of DDP's forward): after an out-of-memory error all ranks redo
-    the window together; after any other error every rank raises.
+    Returns the window's mean loss over this rank's items. An out-of-memory error carries the size
+    of the micro-batch that failed (``autotune_micro_batch``), so the retry starts from it.
     """
-    model, ddp, device, bnc = run.model, run.ddp, run.device, run.bnc
+    device, bnc = run.device, run.bnc
     total = torch.zeros((), device=device, dtype=torch.float64)
     bnc.start_window(window.samples)
-    failure: BaseException | None = None
-    status = 0  # under DDP, agreed before every micro-batch: 0 fine, 1 out of memory, 2 failed
-    size = window.micro_batch
     for micro in window:
-        if ddp is not None and (status := max_over_ranks(_status(failure), device)):
-            break
         bnc.before_micro(micro.samples)
-        size = micro.samples
         try:
-            with ddp.no_sync() if ddp is not None else nullcontext():  # type: ignore[operator]
-                batch = B.to_device(micro.batch, device)
-                loss = forward_backward(
-                    model, run.loss_fn, batch, weight=micro.weight, device_type=device.type,
-                    precision=run.precision, scaler=run.scaler,
-                )
-                total += loss.to(torch.float64) * micro.weight  # no sync: read once per step
+            batch = B.to_device(micro.batch, device)
+            loss = forward_backward(
+                run.model, run.loss_fn, batch, weight=micro.weight, device_type=device.type,
+                precision=run.precision, scaler=run.scaler,
+            )
         except Exception as exc:
             if is_out_of_memory(exc):
                 exc.autotune_micro_batch = micro.samples  # type: ignore[attr-defined]
-            if ddp is None:
-                raise
-            failure = exc  # told to the other ranks at the next agreement, then raised
-    if ddp is not None:
-        status = max(status, max_over_ranks(_status(failure), device))
-        if status == 2:
-            if failure is not None and not is_out_of_memory(failure):
-                raise failure
-            raise AutotuneError("Another rank failed while training (see its error); every rank stops")
-        if status == 1:
-            raise failure or _PeerOutOfMemory("another rank ran out of memory in this window")
-        all_reduce_gradients(ddp)
-    bnc.end_window()
-    return total, size
+            raise
+        total += loss.to(torch.float64) * micro.weight  # no sync: read once per window
+    return float(total)

@@ -47,7 +47,7 @@ def main() -> None:
         loader,
         target_batch=1024,  # global: over all ranks
         optimizer=optimizer,
-        memory_limit="2560KiB" if not cuda else None,  # small on purpose on CPUs, to show accumulation
+        memory_limit="3MiB" if not cuda else None,  # small on purpose on CPUs, to show accumulation
         epochs=10,
         progress=rank == 0,
     )

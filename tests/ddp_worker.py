@@ -1,120 +1,300 @@
-"""A rank of the two-process DDP tests (started by torch.multiprocessing.spawn)."""
+"""Ranks of the multi-process tests (gloo, CPU, float64), started by ``launch`` with a hard timeout.
+
+Each scenario builds its model and data on every rank, trains with ``autotune.fit`` and saves what
+the test compares: the parameters, the plan, the history, BatchNorm buffers, the collectives made.
+"""
 
 from __future__ import annotations
 
+import datetime
 import os
+import socket
+import time
+import traceback
+import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 import autotune
 
 PAD = -100
-TARGET = 48
+
+
+# --- models ----------------------------------------------------------------------------------
 
 
 class TokenModel(nn.Module):
-    def __init__(self):
+    """Per-token: each token's logits depend on that token only (padding never changes a loss)."""
+
+    def __init__(self, vocab: int = 13, dim: int = 16) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Embedding(13, 16)
-        self.mix = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 13)
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
 
-    def forward(self, tokens):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.mix(self.embed(tokens))))
 
 
-def token_data(n=96, length=10):
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 13, (n, length), generator=g)
-    targets = torch.randint(0, 13, (n, length), generator=g)
-    lengths = torch.randint(1, length + 1, (n,), generator=g)
-    for i, real in enumerate(lengths):
-        targets[i, real:] = PAD
-    return TensorDataset(tokens, targets)
+class WithUnused(TokenModel):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.unused = nn.Linear(16, 16)  # never called: no rank ever has its gradient
 
 
-def token_loss(model, batch):
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8, momentum=0.3)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.lin(x))))
+
+
+class Outer(nn.Module):
+    """A module holding a DDP-wrapped block: DDP nested inside the model."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.block = inner
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.block(tokens)
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def token_samples(n: int, *, lengths: tuple[int, int] = (10, 10), seed: int = 3, empty_every: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences of random length in ``lengths``, targets padded with PAD after a random real length."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        tokens = torch.randint(0, 13, (length,), generator=g)
+        targets = torch.randint(0, 13, (length,), generator=g)
+        real = int(torch.randint(1, length + 1, (1,), generator=g))
+        targets[real:] = PAD
+        if empty_every and i % empty_every == 0:
+            targets[:] = PAD  # no item in this sample
+        out.append((tokens, targets))
+    return out
+
+
+class Samples(Dataset):
+    def __init__(self, samples: list[Any], bad: int | None = None) -> None:
+        self.samples, self.bad = samples, bad
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Any:
+        if i == self.bad:
+            raise ValueError(f"a bad sample at index {i}")
+        return self.samples[i]
+
+
+def pad_collate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic padding: each loader batch padded to its own longest sample."""
+    longest = max(t.shape[0] for t, _ in batch)
+    tokens = torch.zeros(len(batch), longest, dtype=torch.long)
+    targets = torch.full((len(batch), longest), PAD, dtype=torch.long)
+    for i, (t, y) in enumerate(batch):
+        tokens[i, : t.shape[0]] = t
+        targets[i, : y.shape[0]] = y
+    return tokens, targets
+
+
+def token_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     tokens, targets = batch
     return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=PAD)
 
 
-def count_tokens(batch):
+def count_tokens(batch: Any) -> int:
     return int((batch[1] != PAD).sum())
 
 
-def long_tail_data():
-    """64 samples of 10 tokens, then 32 of 30: the probe sees only the short ones."""
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for i in range(96):
-        length = 10 if i < 64 else 30
-        out.append((torch.randint(0, 13, (length,), generator=g), torch.randint(0, 13, (length,), generator=g)))
-    return out
+def rank_indices(n: int, rank: int, world: int, how: str) -> list[int]:
+    """The indices of the samples each rank sees, in order (the tests' reference uses the same)."""
+    if how == "strided":  # shards of different lengths
+        return list(range(rank, n, world))
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
+    return list(sampler)
 
 
-def run(rank: int, world_size: int, port: int, outdir: str, limits: list[str], case: str = "basic") -> None:
+# --- launching -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, outdir: str, scenario: str, config: dict[str, Any], *, timeout: float = 60.0) -> float:
+    """Run ``scenario`` on ``world`` ranks; fail (and kill them) if they take longer than ``timeout``.
+
+    Returns the wall time. A hang or a collective mismatch fails the test in seconds instead of
+    blocking: every rank's process group has a 20 s timeout too.
+    """
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    start = time.perf_counter()
+    ctx = mp.start_processes(run, args=(world, port, outdir, scenario, config), nprocs=world, join=False, start_method="spawn")
+    deadline = start + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.perf_counter())):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{scenario} on {world} ranks did not finish within {timeout:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return time.perf_counter() - start
+
+
+def run(rank: int, world: int, port: int, outdir: str, scenario: str, config: dict[str, Any]) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    out: dict[str, Any] = {}
     try:
         torch.set_default_dtype(torch.float64)
         torch.set_num_threads(1)
-        model = DistributedDataParallel(TokenModel())
-        n_params = sum(p.numel() for p in model.parameters())
-        syncs = []  # all-reduces of the whole gradient (flags and counts are a few numbers)
-        original = dist.all_reduce
-
-        def counting_all_reduce(tensor, *args, **kwargs):
-            if tensor.numel() == n_params:
-                syncs.append(tensor.numel())
-            return original(tensor, *args, **kwargs)
-
-        dist.all_reduce = counting_all_reduce
-        data = long_tail_data() if case == "long_tail" else token_data()
-        sampler = None if case == "same_samples" else DistributedSampler(data, shuffle=False)
-        loader = DataLoader(data, batch_size=4, sampler=sampler)
-        warned = []
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        import warnings
-
-        calls = []
-
-        def loss_fn(model, batch):
-            calls.append(1)
-            if case == "error" and rank == 1 and len(calls) == 2:  # the first window's second micro-batch
-                raise ValueError("a bug on rank 1")
-            return token_loss(model, batch)
-
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                plan = None
-                if case == "error":  # plan first, so that the failure comes while training
-                    plan = autotune.plan(model, loader, target_batch=TARGET, optimizer=opt, loss_fn=token_loss,
-                                         memory_limit=limits[rank], headroom=0, lr_rule="none")
-                result = autotune.fit(
-                    model, loader, None if plan else TARGET, optimizer=opt, loss_fn=loss_fn, count=count_tokens,
-                    memory_limit=limits[rank], headroom=0, lr_rule="none", progress=False, plan=plan,
-                )
+                out = SCENARIOS[scenario](rank, world, config)
             except Exception as exc:
-                torch.save({"error": f"{type(exc).__name__}: {exc}"}, os.path.join(outdir, f"rank{rank}.pt"))
-                return
-        warned = [str(w.message) for w in caught if issubclass(w.category, autotune.AutotuneWarning)]
-        torch.save(
-            {
-                "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
-                "plan": result.plan.to_dict(),
-                "history": [r.__dict__ for r in result.history],
-                "syncs": len(syncs),
-                "warnings": warned,
-            },
-            os.path.join(outdir, f"rank{rank}.pt"),
-        )
+                out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "at": time.time()}
+        out["warnings"] = [str(w.message) for w in caught]
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+# --- scenarios -------------------------------------------------------------------------------
+
+
+def _counting_collectives() -> list[str]:
+    calls: list[str] = []
+    for name in ("all_reduce", "broadcast", "all_gather_object", "all_gather", "barrier"):
+        original = getattr(dist, name)
+
+        def counted(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return calls
+
+
+def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
+    """Token data, per-rank limits, optional wrappers, injected OOM, bad samples; everything exact."""
+    samples = token_samples(c["n"], lengths=tuple(c.get("lengths", (10, 10))), empty_every=c.get("empty_every", 0))
+    data = Samples(samples, bad=c.get("bad") if rank == c.get("bad_rank") else None)
+    indices = rank_indices(len(samples), rank, world, c.get("shards", "sampler"))
+    loader = DataLoader(Subset(data, indices), batch_size=c.get("loader_batch", 4), collate_fn=pad_collate)
+    model: nn.Module = (WithUnused if c.get("unused") else TokenModel)()
+    wrap = c.get("wrap", "ddp")
+    if wrap == "ddp":
+        model = DistributedDataParallel(model, gradient_as_bucket_view=c.get("bucket_view", False))
+    elif wrap == "compiled":
+        model = torch.compile(DistributedDataParallel(model), backend="eager")
+    elif wrap == "nested":
+        model = Outer(DistributedDataParallel(model))
+    elif wrap == "plain-perturbed":  # different starting weights: fit makes them rank 0's, as DDP would
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank * 0.1)
+    inner = model.block.module if wrap == "nested" else getattr(getattr(model, "_orig_mod", model), "module", model)
+    opt = (torch.optim.AdamW(inner.parameters(), lr=0.05, weight_decay=0.1) if c.get("optimizer") == "adamw"
+           else torch.optim.SGD(inner.parameters(), lr=0.5))
+    calls = []
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        calls.append(batch[0].shape[0])
+        if rank == c.get("oom_rank") and len(calls) == c.get("oom_at"):
+            raise torch.OutOfMemoryError("injected: out of memory on this rank")
+        return token_loss(model, batch)
+
+    plan = None
+    if "oom_rank" in c:  # plan first, so that the injected failure comes while training
+        plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=token_loss,
+                             memory_limit=c["limits"][rank], headroom=0, lr_rule="none")
+        calls.clear()
+    collectives = _counting_collectives()
+    result = autotune.fit(
+        model, loader, None if plan else c["target"], optimizer=opt, loss_fn=loss_fn, count=count_tokens if c.get("count", True) else None,
+        memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False, epochs=c.get("epochs", 1), plan=plan,
+    )
+    return {
+        "params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
+        "grads_none": [n for n, p in inner.named_parameters() if p.grad is None],
+        "plan": result.plan.to_dict(),
+        "history": [r.__dict__ for r in result.history],
+        "collectives": collectives,
+        "indices": indices,
+    }
+
+
+def train_bn(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(c["n"], 6, generator=g) * 2 + 1, torch.randint(0, 3, (c["n"],), generator=g)
+    indices = rank_indices(c["n"], rank, world, "strided")
+    loader = DataLoader(Subset(TensorDataset(x, y), indices), batch_size=5)
+    model = DistributedDataParallel(BNNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, memory_limit=c["limits"][rank],
+                         headroom=0, lr_rule="none")
+    collectives = _counting_collectives()
+    result = autotune.fit(model, loader, plan=plan, optimizer=opt, bn=c["bn"], progress=False, max_steps=c.get("steps"))
+    return {
+        "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+        "plan": result.plan.to_dict(),
+        "history": [r.__dict__ for r in result.history],
+        "collectives": collectives,
+        "indices": indices,
+    }
+
+
+def train_epochs(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
+    """Shuffled DistributedSampler over two epochs: once fit(epochs=2), once fit(epochs=1) twice."""
+    samples = token_samples(c["n"])
+    out: dict[str, Any] = {}
+    for name, calls in (("one", [2]), ("two", [1, 1])):
+        sampler = DistributedSampler(Samples(samples), num_replicas=world, rank=rank, shuffle=True, seed=7)
+        loader = DataLoader(Samples(samples), batch_size=4, sampler=sampler, collate_fn=pad_collate)
+        model = DistributedDataParallel(TokenModel())
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=token_loss, memory_limit="64MiB", lr_rule="none")
+        for epochs in calls:
+            autotune.fit(model, loader, plan=plan, optimizer=opt, loss_fn=token_loss, count=count_tokens, epochs=epochs, progress=False)
+        out[name] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        out[f"{name}_epoch"] = sampler.epoch
+    return out
+
+
+def comm_hook(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = DistributedDataParallel(TokenModel())
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    loader = [(torch.randint(0, 13, (4, 5)), torch.randint(0, 13, (4, 5)))]
+    autotune.fit(model, loader, 8, loss_fn=token_loss, progress=False)
+    return {}
+
+
+SCENARIOS = {"tokens": train_tokens, "bn": train_bn, "epochs": train_epochs, "comm_hook": comm_hook}

@@ -1,110 +1,245 @@
-"""Two processes on the CPU with gloo: DDP training with fit equals single-process big-batch training."""
+"""Data-parallel training on 2 and 3 CPU ranks (gloo, float64) against a single-process big-batch
+reference written here, apart from autotune.
 
-import socket
+Every multi-process test runs under a hard timeout (``ddp_worker.launch``): a hang or a collective
+mismatch fails the test in seconds instead of blocking.
+"""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import ddp_worker as W
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def shares(target, world):
+    base, extra = divmod(target, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
 
 
-def reference(samples, steps):
-    """Single process: SGD on consecutive global windows of TARGET samples, exact token means."""
+def reference(config, world, *, model_class=W.TokenModel):
+    """Single process: the global window k is rank r's k-th run of share_r samples, for every r;
+    one optimizer step on the exact token mean of each global window (no step for a window with no
+    token), until no rank has data."""
     torch.set_default_dtype(torch.float64)
     try:
-        model = W.TokenModel()
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        for step in range(steps):
-            window = samples[step * W.TARGET : (step + 1) * W.TARGET]
-            opt.zero_grad()
-            total, items = 0.0, 0
-            for x, y in window:  # one sample at a time: lengths may differ
-                real = y != W.PAD
-                total = total + F.cross_entropy(model(x.unsqueeze(0))[0][real], y[real], reduction="sum")
-                items += int(real.sum())
-            (total / items).backward()
-            opt.step()
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        samples = W.token_samples(config["n"], lengths=tuple(config.get("lengths", (10, 10))), empty_every=config.get("empty_every", 0))
+        seqs = [[samples[i] for i in W.rank_indices(len(samples), r, world, config.get("shards", "sampler"))] for r in range(world)]
+        share = shares(config["target"], world)
+        model = model_class()
+        if config.get("optimizer") == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        steps = 0
+        for _ in range(config.get("epochs", 1)):
+            k = 0
+            while any(k * share[r] < len(seqs[r]) for r in range(world)):
+                window = [s for r in range(world) for s in seqs[r][k * share[r] : (k + 1) * share[r]]]
+                k += 1
+                total, items = 0.0, 0
+                for x, y in window:  # one sample at a time: lengths differ
+                    real = y != W.PAD
+                    if real.any():
+                        total = total + F.cross_entropy(model(x.unsqueeze(0))[0][real], y[real], reduction="sum")
+                        items += int(real.sum())
+                if items == 0:
+                    continue
+                opt.zero_grad(set_to_none=True)
+                (total / items).backward()
+                opt.step()
+                steps += 1
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, steps
     finally:
         torch.set_default_dtype(torch.float32)
 
 
-def test_ddp_fit_equals_big_batch_and_ranks_agree(tmp_path):
-    # Rank 1 has less memory: both ranks must use the micro-batch that fits rank 1.
-    limits = ["64MiB", "110KiB"]
-    torch.multiprocessing.spawn(W.run, args=(2, free_port(), str(tmp_path), limits), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    p0, p1 = r0["plan"], r1["plan"]
-
-    assert p0["micro_batch"] == p1["micro_batch"]
-    assert p0["limiting_rank"] == p1["limiting_rank"] == 1
-    own_max_rank0 = max(t["batch_size"] for t in p0["trials"] if t["fits"] and not t["estimate"])
-    assert own_max_rank0 > p0["micro_batch"]  # rank 0 alone could have used more
-    assert p0["effective_batch"] == W.TARGET and p0["world_size"] == 2
-    assert sum(p0["micro_batches"]) + sum(p1["micro_batches"]) == W.TARGET
-    assert p0["accumulation_steps"] > 1
-
-    steps = len(r0["history"])
-    assert steps == 2 and all(h["samples"] == W.TARGET for h in r0["history"])
-    # no_sync: one all-reduce of the gradients per optimizer step, not one per micro-batch
-    assert r0["syncs"] == r1["syncs"] == steps
-
-    want = reference(list(W.token_data()), steps)
-    for name, value in want.items():
-        assert (r0["params"][name] - value).abs().max().item() <= 1e-10, name
-        assert torch.equal(r0["params"][name], r1["params"][name])
-    # the logged loss is the exact global token mean of the window
-    assert r0["history"][0]["loss"] == pytest.approx(r1["history"][0]["loss"], abs=1e-12)
+def results(tmp_path, world):
+    out = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, o in enumerate(out):
+        assert "error" not in o, f"rank {r}: {o.get('traceback', o.get('error'))}"
+    return out
 
 
-def test_out_of_memory_on_one_rank_is_retried_by_all(tmp_path):
-    # Later samples are three times longer than anything probed; only rank 1's tight limit breaks.
-    limits = ["64MiB", "110KiB"]
-    torch.multiprocessing.spawn(W.run, args=(2, free_port(), str(tmp_path), limits, "long_tail"), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert any("Out of memory" in w for w in r0["warnings"])  # rank 0 retried for rank 1's sake
-    assert any("Out of memory" in w for w in r1["warnings"])
-    assert r0["plan"]["micro_batch"] == r1["plan"]["micro_batch"]
-    assert sum(h["samples"] for h in r0["history"]) == 96  # every sample once
-    want = reference(W.long_tail_data(), len(r0["history"]))
-    for name, value in want.items():
-        assert (r0["params"][name] - value).abs().max().item() <= 1e-10, name
-        assert torch.equal(r0["params"][name], r1["params"][name])
+def assert_exact(outs, config, world, **kw):
+    want, steps = reference(config, world, **kw)
+    for o in outs:
+        assert len(o["history"]) == steps
+        for name, value in want.items():
+            assert (o["params"][name] - value).abs().max().item() <= 1e-10, name
+    for o in outs[1:]:
+        assert all(torch.equal(o["params"][k], outs[0]["params"][k]) for k in want)
 
 
-def test_every_rank_getting_the_same_samples_is_warned_about(tmp_path):
-    torch.multiprocessing.spawn(W.run, args=(2, free_port(), str(tmp_path), ["64MiB", "64MiB"], "same_samples"), nprocs=2, join=True)
-    for r in (0, 1):
-        warned = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["warnings"]
-        assert any("Every rank got the same first batch" in w and "DistributedSampler" in w for w in warned)
+BASE = dict(lengths=(10, 10), limits=["64MiB"] * 3)
 
 
-def test_an_error_on_one_rank_is_raised_on_all(tmp_path):
-    # Rank 1's loss raises in the middle of a window: no rank may be left waiting in a collective.
-    torch.multiprocessing.spawn(W.run, args=(2, free_port(), str(tmp_path), ["64MiB", "110KiB"], "error"), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert r1["error"] == "ValueError: a bug on rank 1"
-    assert r0["error"].startswith("AutotuneError: Another rank failed while training")
+@pytest.mark.parametrize(
+    "world, n, target",
+    [(2, 82, 49), (2, 100, 49), (3, 100, 49), (3, 97, 64)],
+    ids=["W2-N82-T49", "W2-N100-T49", "W3-N100-T49", "W3-N97-T64"],
+)
+def test_any_target_and_world_size_at_the_end_of_an_epoch(tmp_path, world, n, target):
+    """T % W != 0 used to desynchronise the ranks at the end of 87-100% of epochs."""
+    config = {**BASE, "n": n, "target": target, "limits": ["120KiB", "64MiB", "64MiB"]}
+    W.launch(world, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, world)
+    assert_exact(outs, config, world)
+    # two collectives per optimizer step (the agreement and one gradient bucket), and one agreement
+    # that finds the epoch over on every rank
+    for o in outs:
+        assert o["collectives"].count("all_reduce") == 2 * len(o["history"]) + 1
+
+
+def test_per_rank_limits_give_per_rank_micro_batches(tmp_path):
+    config = {**BASE, "n": 96, "target": 48, "limits": ["64MiB", "100KiB"]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    ranks = outs[0]["plan"]["rank_micro_batches"]
+    assert ranks == outs[1]["plan"]["rank_micro_batches"] and ranks[0] > ranks[1]
+    assert outs[0]["plan"]["micro_batch"] == ranks[0] and outs[1]["plan"]["micro_batch"] == ranks[1]
+    assert len(outs[0]["history"][0]["micro_batches"]) < len(outs[1]["history"][0]["micro_batches"])
+    assert_exact(outs, config, 2)
+
+
+def test_an_out_of_memory_error_on_one_rank_is_redone_there_only(tmp_path):
+    config = {**BASE, "n": 100, "target": 49, "oom_rank": 1, "oom_at": 3, "limits": ["64MiB", "64MiB"]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    assert any("Out of memory" in w for w in outs[1]["warnings"])
+    assert not any("Out of memory" in w for w in outs[0]["warnings"])  # rank 0 kept its window
+    assert outs[1]["plan"]["micro_batch"] < outs[0]["plan"]["micro_batch"]
+    assert_exact(outs, config, 2)
+
+
+def test_dynamic_padding_and_a_long_tail(tmp_path):
+    """Each loader batch padded to its own longest sample: ranks cut different numbers of micro-batches."""
+    config = {**BASE, "n": 90, "target": 40, "lengths": (2, 40), "limits": ["64MiB", "200KiB", "64MiB"]}
+    W.launch(3, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 3)
+    counts = {len(h["micro_batches"]) for o in outs for h in o["history"]}
+    assert len(counts) > 1  # the ranks really ran different numbers of micro-batches
+    assert_exact(outs, config, 3)
+
+
+def test_micro_batches_and_windows_without_items(tmp_path):
+    config = {**BASE, "n": 60, "target": 12, "empty_every": 3, "loader_batch": 1, "limits": ["64MiB", "64MiB"]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    assert_exact(results(tmp_path, 2), config, 2)
+
+
+def test_shards_of_different_lengths(tmp_path):
+    config = {**BASE, "n": 97, "target": 30, "shards": "strided", "limits": ["64MiB", "64MiB"]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    assert len(outs[0]["indices"]) == 49 and len(outs[1]["indices"]) == 48
+    assert_exact(outs, config, 2)
+
+
+@pytest.mark.parametrize("bad, when", [(81, "in this window"), (41, "looking at its first batches")], ids=["training", "first-batches"])
+def test_a_bad_sample_on_one_rank_stops_every_rank_within_seconds(tmp_path, bad, when):
+    config = {**BASE, "n": 96, "target": 24, "bad": bad, "bad_rank": 1, "limits": ["64MiB", "64MiB"]}
+    seconds = W.launch(2, str(tmp_path), "tokens", config, timeout=40)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert outs[1]["error"] == f"ValueError: a bad sample at index {bad}"
+    assert outs[0]["error"].startswith(f"AutotuneError: rank 1 failed {when}") and f"a bad sample at index {bad}" in outs[0]["error"]
+    assert abs(outs[0]["at"] - outs[1]["at"]) < 10
+    assert seconds < 40
+
+
+@pytest.mark.parametrize("wrap", ["compiled", "nested", "plain-perturbed"])
+def test_compiled_nested_and_plain_models_are_recognised(tmp_path, wrap):
+    config = {**BASE, "n": 64, "target": 25, "wrap": wrap, "limits": ["64MiB", "64MiB"]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    assert_exact(results(tmp_path, 2), config, 2)
+
+
+def test_an_unused_parameter_is_left_alone_by_adamw(tmp_path):
+    config = {**BASE, "n": 64, "target": 25, "unused": True, "optimizer": "adamw", "limits": ["64MiB", "64MiB"]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    torch.set_default_dtype(torch.float64)
+    try:
+        start = W.WithUnused()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for o in outs:
+        assert "unused.weight" in o["grads_none"]
+        assert torch.equal(o["params"]["unused.weight"], start.unused.weight)  # weight decay never touched it
+    assert_exact(outs, config, 2, model_class=W.WithUnused)
+
+
+def test_gradient_as_bucket_view_at_a_tight_limit_trains_without_running_out(tmp_path):
+    config = {**BASE, "n": 64, "target": 32, "bucket_view": True, "limits": ["120KiB", "120KiB"]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    assert not any("Out of memory" in w for o in outs for w in o["warnings"])
+    assert any(name == "the gradient sync's bucket" for name, _ in outs[0]["plan"]["set_aside"])
+    assert_exact(outs, config, 2)
+
+
+def test_sampler_epochs_continue_across_fit_calls(tmp_path):
+    W.launch(2, str(tmp_path), "epochs", {"n": 40, "target": 16})
+    outs = results(tmp_path, 2)
+    for o in outs:
+        assert all(torch.equal(o["one"][k], o["two"][k]) for k in o["one"])
+        assert o["one_epoch"] == o["two_epoch"] == 2  # set_epoch(0), (1), then ready for epoch 2
+
+
+def test_batchnorm_statistics_agree_across_ranks(tmp_path):
+    config = {"n": 40, "target": 20, "bn": "adjust", "limits": ["64MiB", "5KiB"]}
+    W.launch(2, str(tmp_path), "bn", config)
+    outs = results(tmp_path, 2)
+    for name in ("bn.running_mean", "bn.running_var"):
+        assert torch.equal(outs[0]["params"][name], outs[1]["params"][name])
+    for o in outs:
+        assert o["collectives"].count("all_reduce") == 2 * len(o["history"]) + 1  # the statistics ride the agreement
+
+
+def test_pooled_batchnorm_is_one_global_big_batch_forward(tmp_path):
+    config = {"n": 40, "target": 20, "bn": "pooled", "steps": 1, "limits": ["64MiB", "5KiB"]}
+    W.launch(2, str(tmp_path), "bn", config)
+    outs = results(tmp_path, 2)
+    assert outs[0]["plan"]["rank_micro_batches"][0] != outs[0]["plan"]["rank_micro_batches"][1]
+    torch.set_default_dtype(torch.float64)
+    try:
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(40, 6, generator=g) * 2 + 1
+        window = torch.cat([x[W.rank_indices(40, r, 2, "strided")][: shares(20, 2)[r]] for r in range(2)])
+        z = W.BNNet().lin(window).detach()  # the BatchNorm's input, at the weights before the step
+        mean, var = z.mean(0), z.var(0, unbiased=True)
+        for o in outs:
+            assert (o["params"]["bn.running_mean"] - 0.3 * mean).abs().max().item() <= 1e-10
+            assert (o["params"]["bn.running_var"] - (0.7 + 0.3 * var)).abs().max().item() <= 1e-10
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_communication_hook_is_refused(tmp_path):
+    W.launch(2, str(tmp_path), "comm_hook", {})
+    for r in range(2):
+        out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert out["error"].startswith("ValueError: Invalid model: its DDP wrapper has a communication hook")
+
+
+def test_data_parallel_is_refused():
+    import autotune
+
+    model = nn.DataParallel(nn.Linear(4, 2))
+    with pytest.raises(TypeError, match="nn.DataParallel is not supported"):
+        autotune.plan(model, [(torch.randn(4, 4), torch.randn(4, 2))], target_batch=8)
 
 
 def test_fsdp_is_refused_with_a_clear_error():
     import os
 
-    from torch import nn
-
     import autotune
 
     fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(W.free_port())
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))

@@ -18,11 +18,17 @@ def test_window_layout_reaches_the_target_exactly(world):
             sizes = [s for rank in layout for s in rank]
             assert sum(sizes) == target
             assert max(sizes) <= cap
-            assert max(sizes) - min(sizes) <= 1
-            # every rank runs the same number of micro-batches, the fewest that respect the cap
-            assert len({len(rank) for rank in layout}) == 1
-            assert len(layout[0]) == math.ceil(math.ceil(target / world) / cap)
+            # each rank: the fewest micro-batches that respect the cap, as even as possible
+            for rank, share in zip(layout, [target // world + (r < target % world) for r in range(world)]):
+                assert sum(rank) == share and len(rank) == math.ceil(share / cap)
+                assert max(rank) - min(rank) <= 1
             assert len(layout) == world
+
+
+def test_window_layout_with_a_micro_batch_per_rank():
+    layout = window_layout(49, [20, 7], 2)  # shares 25 and 24
+    assert layout == ((13, 12), (6, 6, 6, 6))
+    assert [sum(r) for r in layout] == [25, 24]
 
 
 def test_window_layout_rejects_fewer_samples_than_ranks():
