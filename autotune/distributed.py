@@ -1,22 +1,19 @@
-"""Data-parallel training without collectives inside a window: one agreement, one gradient sync.
+"""Data-parallel training without collectives inside a window: one exchange at its end.
 
 Inside a window every rank runs its own micro-batches forward and backward on the inner module (no
 DDP forward, no buffer broadcast, no agreement per micro-batch), with its own micro-batch size and
 its own number of micro-batches, weighting each micro-batch by its share of the rank's items. At the
-window's end:
-
-1. **One agreement** (:func:`agree`): a single small all-reduce carries everything the ranks must
-   agree on: each rank's status (fine, out of memory, failed), items, samples, loss, whether it had
-   data, which parameters have a gradient, and its BatchNorm statistics.
-2. **One gradient sync** (:func:`sync_gradients`): each rank scales its local mean gradient by its
-   share of the global items, ``N_r / N``, and the gradients are summed in place, bucket by bucket
-   (the extra memory is one bucket), which gives exactly the global mean.
-
-Two collectives per optimizer step (one per bucket of ``BUCKET_BYTES`` for the gradients), whatever
-the number of micro-batches and ranks; nothing inside a window depends on another rank, so ranks
-cannot disagree on counts: uneven shards, dynamic padding, per-rank micro-batches and out-of-memory
-retries on one rank are all exact. A rank out of data takes part with nothing; an error on one rank
-reaches every rank at the next agreement. Everything here is a no-op in a single process.
+window's end, **one exchange** (:class:`GradientSync`): each rank's gradients, multiplied by its item count, go
+into flat buckets, the first one headed by everything the ranks must agree on (each rank's status:
+fine, out of memory or failed; its items, samples and loss; whether it had data; which parameters
+have a gradient). The buckets are summed and divided by the global item count, which gives exactly
+the global mean; if a rank is not fine, nothing is written back and every rank keeps its own
+gradients. One collective per optimizer step for a model whose gradients fit one bucket of
+``BUCKET_BYTES`` (one per bucket otherwise), plus one for BatchNorm statistics, whatever the number
+of micro-batches and ranks. Nothing inside a window depends on another rank, so ranks cannot
+disagree on counts: uneven shards, dynamic padding, per-rank micro-batches and out-of-memory retries
+on one rank are all exact. A rank out of data takes part with nothing; an error on one rank reaches
+every rank at the next exchange. Everything here is a no-op in a single process.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from torch import nn
 __all__ = [
     "BUCKET_BYTES",
     "Agreement",
-    "agree",
+    "GradientSync",
     "broadcast_model",
     "check_distinct_samples",
     "gather",
@@ -40,7 +37,6 @@ __all__ = [
     "on_every_rank",
     "set_epoch",
     "sum_over_ranks",
-    "sync_gradients",
     "unwrap",
     "world",
 ]
@@ -234,7 +230,7 @@ def sampler_epoch(loader: Any) -> int:
     return 0
 
 
-# --- the agreement at the end of a window ----------------------------------------------------
+# --- the exchange at the end of a window -------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -247,121 +243,150 @@ class Agreement:
         samples: samples over all ranks.
         loss: the global mean loss (items-weighted).
         ranks_with_data: how many ranks had a window.
-        has_grad: per parameter, whether any rank has a gradient for it.
-        extra: the summed extra payload (BatchNorm statistics).
+        synced: whether the gradients are now the global mean on every rank.
     """
 
     status: int
-    items: float
-    samples: float
+    items: int
+    samples: int
     loss: float
     ranks_with_data: int
-    has_grad: list[bool]
-    extra: torch.Tensor
+    synced: bool
 
 
-def agree(
-    *,
-    status: int,
-    items: int,
-    samples: int,
-    loss_sum: float,
-    had_data: bool,
-    params: Sequence[torch.Tensor],
-    extra: torch.Tensor | None = None,
-    device: torch.device | None = None,
-    group: Any = None,
-) -> Agreement:
-    """One all-reduce of everything the ranks must agree on after a window (see the module doc)."""
-    extra = torch.zeros(0, dtype=torch.float64) if extra is None else extra.detach().to(torch.float64).flatten().cpu()
-    head = [float(status == FINE), float(status == OUT_OF_MEMORY), float(status == FAILED), float(items), float(samples), float(loss_sum), float(had_data)]
-    grads = [float(p.grad is not None) for p in params]
-    t = torch.tensor(head + grads, dtype=torch.float64)
-    t = torch.cat([t, extra])
-    if is_distributed():
-        t = t.to(_where(device, group))
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
-        t = t.cpu()
-    fine, oom, failed, total_items, total_samples, total_loss, with_data = t[:7].tolist()
-    code = FAILED if failed else (OUT_OF_MEMORY if oom else FINE)
-    n = len(params)
-    return Agreement(
-        status=code,
-        items=total_items,
-        samples=total_samples,
-        loss=total_loss / total_items if total_items else float("nan"),
-        ranks_with_data=int(round(with_data)),
-        has_grad=[v > 0 for v in t[7 : 7 + n].tolist()],
-        extra=t[7 + n :],
-    )
+# Counts travel split in two, each exactly representable in a float32 sum up to 2**24 per part.
+_SPLIT = 4096
+_HEAD = 9  # fine, oom, failed, items (hi, lo), samples (hi, lo), loss sum, had data
 
 
-def sync_gradients(
-    params: Sequence[torch.Tensor],
-    has_grad: Sequence[bool],
-    scale: float,
-    *,
-    device: torch.device | None = None,
-    group: Any = None,
-    bucket_bytes: int = BUCKET_BYTES,
-) -> int:
-    """Scale the local gradients by ``scale`` and sum them over ranks, in place, bucket by bucket.
+class GradientSync:
+    """The end-of-window exchange: the ranks' status and their gradients, in the same buckets.
 
-    A parameter no rank has a gradient for keeps ``grad=None`` (so weight decay leaves it alone, as
-    without autotune); one that only other ranks have takes part with zeros. The extra memory is one
-    bucket (a flat copy of at most ``bucket_bytes``; none for a bucket of a single tensor).
+    Each rank copies its gradients, multiplied by its item count ``N_r``, into flat buckets of at
+    most ``bucket_bytes`` (in float32 at least, so that low-precision gradients cannot overflow),
+    the first bucket headed by what the ranks must agree on: status, items, samples, loss, whether
+    it had data, and which parameters have a gradient. The first bucket is summed; if every rank is
+    fine the gradients become the global mean (divided by ``N``) and the other buckets follow; if
+    not, nothing is written back, so each rank keeps its own gradients (a rank that ran out of
+    memory redoes its window; the others wait with theirs). One collective per bucket, whatever
+    the number of micro-batches and ranks: for most models one per optimizer step.
 
-    Returns:
-        The number of all-reduce calls made (one per bucket).
+    In a single process it makes no collective and changes nothing.
     """
-    if not is_distributed():
-        for p in params:
-            if p.grad is not None and scale != 1.0:
-                p.grad.mul_(scale)
-        return 0
-    where = _where(device, group)
-    live = []
-    for p, any_grad in zip(params, has_grad):
-        if not any_grad:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        elif scale != 1.0:
-            p.grad.mul_(scale)
-        live.append(p.grad)
-    calls = 0
-    for bucket in _buckets(live, bucket_bytes):
-        if len(bucket) == 1 and bucket[0].is_contiguous() and bucket[0].device == where:
-            torch.distributed.all_reduce(bucket[0], group=group)
-        else:
-            flat = torch._utils._flatten_dense_tensors([g.to(where) for g in bucket]) if bucket[0].device != where else torch._utils._flatten_dense_tensors(bucket)
-            torch.distributed.all_reduce(flat, group=group)
-            for g, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                g.copy_(synced)
+
+    def __init__(self, params: Sequence[torch.Tensor], *, device: torch.device | None = None, group: Any = None,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.params = list(params)
+        self.group = group
+        self.distributed = is_distributed()
+        self.where = _where(device, group) if self.distributed else torch.device("cpu")
+        self.buckets = list(_buckets_of(self.params, bucket_bytes))
+        self.collectives = 0  # made so far (for the benchmark and the tests)
+
+    def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool) -> Agreement:
+        """Agree on the window and, if every rank is fine, make the gradients the global mean."""
+        if not self.distributed:
+            fine = status == FINE
+            return Agreement(status, items, samples, loss_sum / items if items else float("nan"), int(had_data), fine)
+        fine_here = status == FINE
+        head = [float(status == FINE), float(status == OUT_OF_MEMORY), float(status == FAILED),
+                float(items // _SPLIT), float(items % _SPLIT), float(samples // _SPLIT), float(samples % _SPLIT),
+                float(loss_sum), float(had_data and fine_here)]
+        flags = [float(fine_here and p.grad is not None) for p in self.params]
+        flat = self._flat(0, head + flags, float(items) if fine_here else 0.0)
+        self._all_reduce(flat)
+        values = flat[: _HEAD + len(self.params)].tolist()
+        fine, oom, failed = values[0], values[1], values[2]
+        total_items = int(round(values[3])) * _SPLIT + int(round(values[4]))
+        total_samples = int(round(values[5])) * _SPLIT + int(round(values[6]))
+        with_data = int(round(values[8]))
+        code = FAILED if failed else (OUT_OF_MEMORY if oom else FINE)
+        loss = values[7] / total_items if total_items else float("nan")
+        if code != FINE or with_data == 0 or total_items == 0:
+            return Agreement(code, total_items, total_samples, loss, with_data, False)
+        has_grad = [v > 0 for v in values[_HEAD:]]
+        self._write_back(0, flat, 1.0 / total_items, has_grad)
+        del flat
+        for b in range(1, len(self.buckets)):
+            flat = self._flat(b, [], float(items))
+            self._all_reduce(flat)
+            self._write_back(b, flat, 1.0 / total_items, has_grad)
             del flat
-        calls += 1
-    return calls
+        return Agreement(code, total_items, total_samples, loss, with_data, True)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small float64 tensor over ranks (BatchNorm statistics)."""
+        if not self.distributed or values.numel() == 0:
+            return values
+        t = values.to(self.where, torch.float64)
+        self._all_reduce(t)
+        return t.cpu()
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        self.collectives += 1
+
+    def _flat(self, b: int, head: list[float], scale: float) -> torch.Tensor:
+        """Bucket ``b``: ``head``, then each gradient times ``scale`` (zeros where there is none)."""
+        indices, dtype = self.buckets[b]
+        sizes = [self.params[i].numel() for i in indices]
+        flat = torch.empty(len(head) + sum(sizes), dtype=dtype, device=self.where)
+        if head:
+            flat[: len(head)] = torch.tensor(head, dtype=dtype)
+        offset = len(head)
+        for i, n in zip(indices, sizes):
+            g = self.params[i].grad
+            part = flat[offset : offset + n]
+            if g is None or scale == 0.0:
+                part.zero_()
+            else:
+                part.copy_(g.reshape(-1)).mul_(scale)
+            offset += n
+        return flat
+
+    def _write_back(self, b: int, flat: torch.Tensor, scale: float, has_grad: Sequence[bool]) -> None:
+        """The summed gradients of bucket ``b``, times ``scale``, into ``.grad`` (None stays None
+        where no rank has a gradient)."""
+        indices, _ = self.buckets[b]
+        offset = _HEAD + len(self.params) if b == 0 else 0
+        for i in indices:
+            p = self.params[i]
+            n = p.numel()
+            if has_grad[i]:
+                summed = flat[offset : offset + n].view(p.shape).mul_(scale)
+                if p.grad is None:
+                    p.grad = summed.to(p.dtype).to(p.device).clone()
+                else:
+                    p.grad.copy_(summed)
+            offset += n
 
 
-def _buckets(grads: Iterable[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
-    """Consecutive gradients of one dtype and device, at most ``bucket_bytes`` per bucket."""
-    bucket: list[torch.Tensor] = []
+def _buckets_of(params: Sequence[torch.Tensor], bucket_bytes: int) -> Iterable[tuple[list[int], torch.dtype]]:
+    """Consecutive parameters of one gradient dtype, at most ``bucket_bytes`` per bucket (the first
+    always exists, for the head, even when it holds no parameter)."""
+    bucket: list[int] = []
+    dtype: torch.dtype | None = None
     size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if bucket and (size + nbytes > bucket_bytes or g.dtype != bucket[0].dtype or g.device != bucket[0].device):
-            yield bucket
+    emitted = False
+    for i, p in enumerate(params):
+        wide = torch.promote_types(p.dtype, torch.float32)
+        nbytes = p.numel() * wide.itemsize
+        if bucket and (size + nbytes > bucket_bytes or wide != dtype):
+            yield bucket, dtype  # type: ignore[misc]
+            emitted = True
             bucket, size = [], 0
-        bucket.append(g)
+        bucket.append(i)
+        dtype = wide
         size += nbytes
-    if bucket:
-        yield bucket
+    if bucket or not emitted:
+        yield bucket, dtype or torch.float32
 
 
 def bucket_bytes_needed(params: Iterable[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> int:
-    """The largest flat copy :func:`sync_gradients` makes for these parameters (what the probe sets aside)."""
-    grads = [p for p in params if p.requires_grad]
-    return max((sum(g.numel() * g.element_size() for g in b) for b in _buckets(grads, bucket_bytes) if len(b) > 1), default=0)
+    """The largest flat bucket :class:`GradientSync` makes for these parameters (what the probe
+    sets aside for the sync)."""
+    trainable = [p for p in params if p.requires_grad]
+    return max((sum(trainable[i].numel() for i in idx) * dtype.itemsize for idx, dtype in _buckets_of(trainable, bucket_bytes)), default=0)
 
 
 def on_every_rank(fn: Any, *args: Any, device: torch.device | None = None, group: Any = None, what: str = "") -> Any:

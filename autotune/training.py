@@ -50,8 +50,8 @@ from .distributed import (
     FAILED,
     FINE,
     OUT_OF_MEMORY,
+    GradientSync,
     Parallel,
-    agree,
     broadcast_model,
     bypass_nested,
     check_distinct_samples,
@@ -61,7 +61,6 @@ from .distributed import (
     parallel,
     sampler_epoch,
     set_epoch,
-    sync_gradients,
     world,
 )
 from .errors import AutotuneError, AutotuneWarning, NothingFits
@@ -356,7 +355,7 @@ def fit(
                     run.optimizer.zero_grad(set_to_none=True)
                     continue
                 run.check_finite(loss, window, step=len(history) + 1, epoch=epoch)
-                lr = run.step()  # sync, clip, step at the scaled LR, schedule, zero
+                lr = run.step()  # clip, step at the scaled LR, schedule, zero
                 record = StepRecord(
                     step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
                     loss=loss, lr=lr, micro_batch=max((m.samples for m in window), default=0) if window else 0,
@@ -430,9 +429,13 @@ class _Run:
         self.bns = bns
         self.bnc = BNController(par.inner, mode.name if mode is not None else None, record=bool(mode is not None and mode.records))
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        in_optimizer = {id(p) for p in self.params}
+        # Trainable parameters the optimizer does not step: their gradients are zeroed with the rest.
+        self.outside = [p for p in par.inner.parameters() if p.requires_grad and id(p) not in in_optimizer]
         # The gradients the ranks sum: every trainable parameter but those DDP was told to ignore,
         # in the model's order (the same on every rank).
         self.synced = [p for name, p in par.inner.named_parameters() if p.requires_grad and name not in par.ignored]
+        self.sync = GradientSync(self.synced, device=device, group=par.group)
         self.rank, self.world_size = world(par.group)
         self.total_steps, self.progress = total_steps, progress
         self.stack = ExitStack()
@@ -516,11 +519,9 @@ class _Run:
             if failure is not None:
                 status = OUT_OF_MEMORY if is_out_of_memory(failure) else FAILED
             items = window.items if (window is not None and done) else 0
-            agreed = agree(
+            agreed = self.sync.exchange(
                 status=status, items=items, samples=window.samples if (window is not None and done) else 0,
-                loss_sum=local_loss * items, had_data=window is not None and status == FINE, params=self.synced,
-                extra=self.bnc.payload(window is not None and done) if self.world_size > 1 or self.bnc.mode == "pooled" else None,
-                device=self.device, group=self.par.group,
+                loss_sum=local_loss * items, had_data=window is not None and status == FINE,
             )
             if agreed.status == FAILED:
                 self._raise_failure(failure if status == FAILED else None)
@@ -541,9 +542,11 @@ class _Run:
             self.optimizer.zero_grad(set_to_none=True)
             self._restore_bn(bn_saved)
             return None
-        self.bnc.finish_window(agreed.extra, agreed.ranks_with_data, distributed=self.world_size > 1)
+        # BatchNorm statistics: pooled, or averaged over the ranks that had data (one more collective).
+        payload = self.bnc.payload(window is not None) if (self.world_size > 1 or self.bnc.mode == "pooled") else None
+        summed = self.sync.sum(payload) if payload is not None else None
+        self.bnc.finish_window(summed, agreed.ranks_with_data, distributed=self.world_size > 1)
         self.agreed = agreed
-        self.local_items = window.items if window is not None else 0
         return agreed.loss, window, agreed
 
     def _raise_failure(self, own: BaseException | None) -> None:
@@ -623,17 +626,13 @@ class _Run:
         )
 
     def step(self) -> float:
-        """Sync the gradients, unscale, clip, step at ``lr_scale`` times the scheduled LR, schedule,
-        zero the gradients.
+        """Unscale, clip, step at ``lr_scale`` times the scheduled LR, schedule, zero the gradients
+        (the exchange at the window's end already made them the global mean).
 
         Returns the first param group's learning rate applied.
         """
         optimizer, scaler = self.optimizer, self.scaler
         step = self.steps + 1
-        agreed = self.agreed
-        if self.world_size > 1 and agreed is not None:
-            # This rank's mean gradient, weighted by its share of the items, summed over ranks.
-            sync_gradients(self.synced, agreed.has_grad, self.local_items / agreed.items, device=self.device, group=self.par.group)
         try:
             with self._ledger_for_step():
                 if scaler is not None:
@@ -678,7 +677,8 @@ class _Run:
         if self.scheduler is not None:
             self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)  # parameters outside the optimizer do not pile up
+        for p in self.outside:  # parameters outside the optimizer do not pile up gradients either
+            p.grad = None
         return lr
 
     def _ledger_for_step(self) -> Any:
