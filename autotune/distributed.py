@@ -281,6 +281,8 @@ class GradientSync:
         self.distributed = is_distributed()
         self.where = _where(device, group) if self.distributed else torch.device("cpu")
         self.buckets = list(_buckets_of(self.params, bucket_bytes))
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.collectives = 0  # made so far (for the benchmark and the tests)
 
     def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool) -> Agreement:
@@ -306,12 +308,13 @@ class GradientSync:
             return Agreement(code, total_items, total_samples, loss, with_data, False)
         has_grad = [v > 0 for v in values[_HEAD:]]
         self._write_back(0, flat, 1.0 / total_items, has_grad)
-        del flat
         for b in range(1, len(self.buckets)):
             flat = self._flat(b, [], float(items))
             self._all_reduce(flat)
             self._write_back(b, flat, 1.0 / total_items, has_grad)
-            del flat
+        if len(self.buckets) > 1:
+            self._buffers.clear()  # several buckets: keep none between steps (at most one at a time)
+            self._views.clear()
         return Agreement(code, total_items, total_samples, loss, with_data, True)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
@@ -329,13 +332,23 @@ class GradientSync:
     def _flat(self, b: int, head: list[float], scale: float) -> torch.Tensor:
         """Bucket ``b``: ``head``, then each gradient times ``scale`` (zeros where there is none)."""
         indices, dtype = self.buckets[b]
+        grads = [self.params[i].grad for i in indices]
         sizes = [self.params[i].numel() for i in indices]
-        flat = torch.empty(len(head) + sum(sizes), dtype=dtype, device=self.where)
+        # One buffer per bucket, kept: allocating (and first touching) a fresh one every step costs
+        # page faults a hand-written DDP loop, with its persistent buckets, does not pay.
+        flat = self._buffers.get(b)
+        if flat is None or flat.numel() != len(head) + sum(sizes):
+            flat = self._buffers[b] = torch.empty(len(head) + sum(sizes), dtype=dtype, device=self.where)
+        if scale != 0.0 and all(g is not None and g.dtype == dtype and g.device == self.where for g in grads):
+            # The common case in two C++ calls: concatenate into the buffer, then scale.
+            parts = [torch.tensor(head, dtype=dtype, device=self.where)] if head else []
+            torch.cat(parts + [g.reshape(-1) for g in grads], out=flat)  # type: ignore[union-attr]
+            flat[len(head):].mul_(scale)
+            return flat
         if head:
             flat[: len(head)] = torch.tensor(head, dtype=dtype)
         offset = len(head)
-        for i, n in zip(indices, sizes):
-            g = self.params[i].grad
+        for g, n in zip(grads, sizes):
             part = flat[offset : offset + n]
             if g is None or scale == 0.0:
                 part.zero_()
@@ -349,11 +362,20 @@ class GradientSync:
         where no rank has a gradient)."""
         indices, _ = self.buckets[b]
         offset = _HEAD + len(self.params) if b == 0 else 0
-        for i in indices:
-            p = self.params[i]
+        body = flat[offset:]
+        body.mul_(scale)
+        params = [self.params[i] for i in indices]
+        if all(has_grad[i] for i in indices) and all(p.grad is not None and p.grad.dtype == body.dtype and p.grad.device == body.device for p in params):
+            views = self._views.get(b)
+            if views is None or views[0] is not flat:
+                views = self._views[b] = (flat, torch._utils._unflatten_dense_tensors(body, [p.grad for p in params]))
+            torch._foreach_copy_([p.grad for p in params], views[1])  # type: ignore[misc]
+            return
+        offset = 0
+        for i, p in zip(indices, params):
             n = p.numel()
             if has_grad[i]:
-                summed = flat[offset : offset + n].view(p.shape).mul_(scale)
+                summed = body[offset : offset + n].view(p.shape)
                 if p.grad is None:
                     p.grad = summed.to(p.dtype).to(p.device).clone()
                 else:

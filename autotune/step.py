@@ -137,7 +137,7 @@ def forward_backward(
             "parameter it depends on is trainable (a frozen model: requires_grad=False), or loss_fn detaches it "
             "(.detach(), .item(), torch.no_grad() inside it); return a loss computed from the model's output"
         )
-    weighted = loss * weight
+    weighted = loss * weight if weight != 1.0 else loss
     if scaler is not None:
         weighted = scaler.scale(weighted)
     weighted.backward()

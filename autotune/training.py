@@ -692,6 +692,8 @@ class _Run:
 
     def show(self, record: StepRecord) -> None:
         """Advance the progress bar."""
+        if self.bar.disable:
+            return
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record.loss:.4g}", samples_s=f"{record.samples / max(record.seconds, 1e-9):.0f}", refresh=False)
 
@@ -722,5 +724,5 @@ def _run_micro_batches(run: _Run, window: Window) -> float:
             if is_out_of_memory(exc):
                 exc.autotune_micro_batch = micro.samples  # type: ignore[attr-defined]
             raise
-        total += loss.to(torch.float64) * micro.weight  # no sync: read once per window
+        total += loss * micro.weight  # float64: no sync here, read once per window
     return float(total)

@@ -1,4 +1,4 @@
-"""DDP with autotune: every rank probes its own device, the ranks agree, and training is exact.
+"""DDP with autotune: every rank probes its own device and uses its own micro-batch; training is exact.
 
 Runs on CPUs (gloo) or GPUs (NCCL, one process per GPU):
 
@@ -47,6 +47,7 @@ def main() -> None:
         loader,
         target_batch=1024,  # global: over all ranks
         optimizer=optimizer,
+        base_batch=32,  # the batch the learning rate was tuned at
         memory_limit="3MiB" if not cuda else None,  # small on purpose on CPUs, to show accumulation
         epochs=10,
         progress=rank == 0,
