@@ -35,7 +35,7 @@ def real_peak(model, optimizer, loss_fn, batch, precision=None):
         for i in range(2):
             with torch.autocast("cpu", dtype=precision, enabled=precision is not None):
                 loss = loss_fn(model, batch)
-            (loss * 1.0).backward()  # as training backpropagates a micro-batch's weighted loss
+            loss.backward()  # a micro-batch of weight 1, as the trial step runs it
             del loss
             if i == 0:
                 opt.step()
