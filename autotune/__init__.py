@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from .accumulate import Micro, Window, accumulate
+from .batches import pad_to_longest
 from .bn import AdjustBN, PooledBN, PreciseBN
 from .errors import AutotuneError, NothingFits
 from .planner import plan
@@ -36,6 +37,7 @@ __all__ = [
     "accumulate",
     "fit",
     "format_bytes",
+    "pad_to_longest",
     "parse_bytes",
     "plan",
     "tune_bn_momentum",

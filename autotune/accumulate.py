@@ -57,6 +57,7 @@ from .plans import Plan, split_evenly
 __all__ = ["Micro", "Window", "accumulate"]
 
 Count = Callable[[Any], Any]
+Pad = Callable[[list[Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -126,16 +127,22 @@ class Window(Sequence[Micro]):
         count: Count | None = None,
         distributed: bool = False,
         min_micro_batch: int = 1,
+        cap: Callable[[int], int] | None = None,
+        pad: Pad | None = None,
     ) -> None:
         self._pieces = pieces
         self._count = count
         self._distributed = distributed
         self._sizes = sizes
+        self._cap = cap if cap is not None else (lambda size: micro_batch)
+        self._pad = pad
         self.position = position
         self.micro_batch = micro_batch
         self.min_micro_batch = min_micro_batch
         self.samples = sum(B.batch_size(p) for p in pieces)
-        batches, self.dropped = self._cut(pieces, sizes)
+        batches, self.dropped = self._join(pieces) if pad is not None else self._cut(pieces, sizes)
+        if batches:
+            self.micro_batch = max(B.batch_size(b) for b in batches)
         if self.dropped:
             self.samples -= self.dropped
             warnings.warn(
@@ -161,7 +168,8 @@ class Window(Sequence[Micro]):
         )
 
     def _cut(self, pieces: list[Any], sizes: Sequence[int] | None) -> tuple[list[Any], int]:
-        """Micro-batches of the pieces: each run of joinable pieces cut on its own."""
+        """Micro-batches of the pieces: each run of joinable pieces cut on its own, by the
+        micro-batch its shape allows."""
         runs: list[list[Any]] = []
         last_shape: Any = None
         for piece in pieces:
@@ -175,19 +183,59 @@ class Window(Sequence[Micro]):
         dropped = 0
         for run in runs:
             n = sum(B.batch_size(p) for p in run)
-            if len(runs) == 1 and sizes is not None and sum(sizes) == n and max(sizes) <= self.micro_batch and min(sizes) >= self.min_micro_batch:
-                run_sizes: Sequence[int] = sizes  # the plan's layout (equal counts on every rank)
+            cap = max(1, self._cap(B.per_sample_numel(run[0])))
+            if len(runs) == 1 and sizes is not None and sum(sizes) == n and max(sizes) <= cap and min(sizes) >= self.min_micro_batch:
+                run_sizes: Sequence[int] = sizes  # the plan's layout
             else:
-                run_sizes, lost = cut_sizes(n, self.micro_batch, self.min_micro_batch)
+                run_sizes, lost = cut_sizes(n, cap, self.min_micro_batch)
                 dropped += lost
             out.extend(_slices(run, run_sizes))
         return out, dropped
 
+    def _join(self, pieces: list[Any]) -> tuple[list[Any], int]:
+        """Micro-batches across pieces of different lengths, padded to the longest in each (``pad``):
+        the window's pieces from the shortest to the longest, each micro-batch as large as its
+        padded shape allows."""
+        assert self._pad is not None
+        micros: list[tuple[list[Any], int, int]] = []  # (parts, samples, per-sample size)
+        parts: list[Any] = []
+        held, size = 0, 0
+        # Shortest first: pieces of similar lengths go together, so little padding is added. The
+        # order of samples inside a window does not change its gradient.
+        for piece in sorted(pieces, key=B.per_sample_numel):
+            n, piece_size = B.batch_size(piece), B.per_sample_numel(piece)
+            start = 0
+            while start < n:
+                joined = max(size, piece_size)
+                room = max(1, self._cap(joined)) - held
+                if room <= 0:
+                    micros.append((parts, held, size))
+                    parts, held, size = [], 0, 0
+                    continue
+                take = min(room, n - start)
+                parts.append(piece if (start == 0 and take == n) else B.slice_batch(piece, start, start + take))
+                held, size, start = held + take, joined, start + take
+        if parts:
+            micros.append((parts, held, size))
+        dropped = 0
+        if len(micros) > 1 and micros[-1][1] < self.min_micro_batch:  # a lone sample: join the one before
+            last, before = micros[-1], micros[-2]
+            if before[1] + last[1] <= max(1, self._cap(max(before[2], last[2]))):
+                micros[-2:] = [(before[0] + last[0], before[1] + last[1], max(before[2], last[2]))]
+        if micros and micros[-1][1] < self.min_micro_batch:
+            dropped = micros[-1][1]
+            micros.pop()
+        return [self._pad(parts) if len(parts) > 1 else parts[0] for parts, _, _ in micros], dropped
+
     def with_micro_batch(self, micro_batch: int) -> Window:
         """The same samples cut into micro-batches of at most ``micro_batch`` (e.g. after an OOM)."""
+        return self.with_cap(lambda size: min(micro_batch, self._cap(size)))
+
+    def with_cap(self, cap: Callable[[int], int]) -> Window:
+        """The same samples cut by another micro-batch for each per-sample size."""
         return Window(
-            self._pieces, position=self.position, micro_batch=micro_batch, count=self._count,
-            distributed=self._distributed, min_micro_batch=self.min_micro_batch,
+            self._pieces, position=self.position, micro_batch=self.micro_batch, count=self._count,
+            distributed=self._distributed, min_micro_batch=self.min_micro_batch, cap=cap, pad=self._pad,
         )
 
     def __getitem__(self, i: int) -> Micro:  # type: ignore[override]
@@ -233,6 +281,8 @@ def accumulate(
     distributed: bool | None = None,
     min_micro_batch: int | None = None,
     skip_empty: bool = True,
+    pad: Pad | None = None,
+    cap: Callable[[int], int] | None = None,
 ) -> Iterator[Window]:
     """Re-batch ``loader`` into optimizer-step windows of micro-batches with exact loss weights.
 
@@ -256,6 +306,13 @@ def accumulate(
             models with BatchNorm; 1 when ``plan`` is an int).
         skip_empty: skip windows with no items (the default); False yields them too, with no
             micro-batches, so that ranks of a data-parallel run stay in step.
+        pad: ``pad(batches) -> batch``, joins batches padded to different lengths into one (e.g.
+            :func:`autotune.pad_to_longest`): micro-batches are then not held to the loader's
+            batches, and pieces of different lengths are joined up to the micro-batch their padded
+            shape allows. Without it, batches of different per-sample shapes are never joined.
+        cap: ``cap(per_sample_size) -> int``, the micro-batch for each shape (default: the plan's
+            :meth:`Plan.micro_batch_for`, which sizes each shape by its own memory when the plan
+            has a shape model).
 
     Yields:
         :class:`Window` objects; iterate one to get its :class:`Micro` batches.
@@ -271,9 +328,11 @@ def accumulate(
     """
     if isinstance(plan, Plan):
         micro_batch = plan.micro_batch
-        sizes: tuple[int, ...] | None = plan.micro_batches
+        sizes: tuple[int, ...] | None = plan.micro_batches if plan.shape_model is None else None
         window_size = sum(plan.micro_batches)
         min_size = plan.min_micro_batch
+        if cap is None and plan.shape_model is not None:
+            cap = plan.micro_batch_for
     elif not isinstance(plan, bool) and isinstance(plan, int) and plan >= 1:
         if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
             raise ValueError(f"Invalid target_batch {target_batch!r}: with a micro-batch size as plan, give target_batch >= 1")
@@ -294,7 +353,7 @@ def accumulate(
             break
         window = Window(
             pieces, position=index, micro_batch=micro_batch, sizes=sizes if full else None, count=count,
-            distributed=distributed, min_micro_batch=min_size,
+            distributed=distributed, min_micro_batch=min_size, cap=cap, pad=pad,
         )
         index += 1
         samples += window.total_samples

@@ -17,10 +17,13 @@ import torch
 __all__ = [
     "batch_size",
     "concat",
+    "length_dims",
+    "pad_to_longest",
     "map_tensors",
     "per_sample_numel",
     "repeat_lists",
     "repeat_to",
+    "resize_length",
     "sample_shapes",
     "slice_batch",
     "tensors",
@@ -180,6 +183,120 @@ def _join_lists(batches: Sequence[Batch]) -> list[Any]:
         values = [v for part in parts for v in part]
         joined.append(type(parts[0])(values))
     return joined
+
+
+def length_dims(batches: Sequence[Batch]) -> list[tuple[int, int]]:
+    """The ``(tensor index, dim)`` pairs that hold a variable length, from a few batches.
+
+    A dim (past the batch dim) whose size differs between the batches varies; when none does,
+    integer tensors of two or more dims are taken as token sequences, their dim 1 the length.
+    Every dim of the first batch whose size equals a varying dim's size in it goes with it (ids,
+    attention mask and labels grow together). Empty for fixed-shape data (images).
+    """
+    columns = [tensors(b) for b in batches]
+    first = columns[0]
+    varying: set[tuple[int, int]] = set()
+    for i, t in enumerate(first):
+        for d in range(1, t.dim()):
+            if any(len(c) > i and c[i].dim() == t.dim() and c[i].shape[d] != t.shape[d] for c in columns[1:]):
+                varying.add((i, d))
+    if not varying:
+        varying = {(i, 1) for i, t in enumerate(first) if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex())}
+    sizes = {first[i].shape[d] for i, d in varying}
+    # dim 1 of any tensor of the same length goes with them (ids, attention mask, labels, embeddings)
+    family = {(i, 1) for i, t in enumerate(first) if t.dim() >= 2 and t.shape[1] in sizes}
+    return sorted(varying | family)
+
+
+def resize_length(batch: Batch, dims: Sequence[tuple[int, int]], length: int) -> Batch:
+    """``batch`` with the length ``dims`` cut or tiled to ``length`` (a template for estimates:
+    the values are the batch's own, repeated)."""
+    wanted = {}
+    for i, d in dims:
+        wanted.setdefault(i, []).append(d)
+    counter = iter(range(10**9))
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        i = next(counter)
+        for d in wanted.get(i, ()):
+            n = t.shape[d]
+            if length <= n:
+                t = t.narrow(d, 0, length)
+            else:
+                index = torch.arange(length, device=t.device) % n
+                t = t.index_select(d, index)
+        return t
+
+    return map_tensors(batch, resize)
+
+
+def pad_to_longest(batches: Sequence[Batch], *, values: Mapping[Any, float] | Sequence[float] | None = None, default: float = 0) -> Batch:
+    """Join batches padded to different lengths into one, padding each to the longest first.
+
+    Every dim past the batch dim whose size differs between the batches is padded on the right.
+    The padding value of each tensor comes from ``values`` (by key for dict batches, by position
+    for tuples and lists); else it is ``-100`` (the ignore index of ``cross_entropy``) for
+    ``labels`` and for an integer tensor the collate already padded with -100, and ``default`` (0)
+    for everything else, ``input_ids`` and ``attention_mask`` included.
+
+    Example:
+        >>> a = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
+        >>> b = {"input_ids": torch.ones(1, 5, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long)}
+        >>> joined = pad_to_longest([a, b])
+        >>> joined["labels"].tolist()[0]
+        [1, 1, 1, -100, -100]
+    """
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+    columns = [tensors(b) for b in batches]
+    if len({len(c) for c in columns}) != 1:
+        raise ValueError("Cannot join batches of different structures; every batch must hold the same tensors")
+    keys = _tensor_keys(first)
+    fills = []
+    for position, key in enumerate(keys):
+        if isinstance(values, Mapping) and key in values:
+            fills.append(values[key])
+        elif isinstance(values, Sequence) and not isinstance(values, str) and position < len(values):
+            fills.append(values[position])
+        elif key == "labels" or any(_holds(c[position], -100) for c in columns):
+            fills.append(-100)  # labels, or a tensor the collate already padded with the ignore index
+        else:
+            fills.append(default)
+    joined = []
+    for parts, fill in zip(zip(*columns), fills):
+        shape = [max(p.shape[d] for p in parts) for d in range(parts[0].dim())]
+        padded = []
+        for p in parts:
+            pad: list[int] = []
+            for d in range(p.dim() - 1, 0, -1):  # F.pad wants the last dim first
+                pad += [0, shape[d] - p.shape[d]]
+            padded.append(torch.nn.functional.pad(p, pad, value=fill) if any(pad) else p)
+        joined.append(torch.cat(padded, dim=0))
+    it = iter(joined)
+    lists = iter(_join_lists(batches))
+    return _map(first, lambda _t: next(it), lambda _values: next(lists), batch_size(first))
+
+
+def _holds(t: torch.Tensor, value: int) -> bool:
+    return not (t.is_floating_point() or t.is_complex()) and t.dtype != torch.bool and bool((t == value).any())
+
+
+def _tensor_keys(batch: Batch) -> list[Any]:
+    """The dict key (or None) of each tensor of ``batch``, in order."""
+    keys: list[Any] = []
+    if isinstance(batch, Mapping):
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor):
+                keys.append(k)
+            else:
+                keys.extend(_tensor_keys(v))
+        return keys
+    if isinstance(batch, (list, tuple)):
+        for v in batch:
+            keys.extend([None] if isinstance(v, torch.Tensor) else _tensor_keys(v))
+        return keys
+    return [None] if isinstance(batch, torch.Tensor) else []
 
 
 def to_device(batch: Batch, device: torch.device | str) -> Batch:

@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--format", choices=("lightning", "accelerate", "hf", "deepspeed", "keras"), help="print only that framework's config")
     r.add_argument("--plot", metavar="PNG", type=Path, help="plot peak memory against batch size (needs matplotlib)")
     r.add_argument("--epochs", type=int, metavar="N", help="the run's length, to cap the recommended warm-up at 10%% of it")
+    r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
     r.add_argument("--debug", action="store_true", help="show the traceback of an error in your model or loader")
     return parser
@@ -379,6 +380,7 @@ def _report(args: argparse.Namespace) -> int:
         raise UsageError(f"Invalid --lr {args.lr}: it must be positive")
     if args.plot:
         _check_plot_path(args.plot)
+    lengths = _lengths(args.lengths) if args.lengths else []
     try:
         device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     except RuntimeError:
@@ -429,6 +431,7 @@ def _report(args: argparse.Namespace) -> int:
         "lr_rule": args.lr_rule,
         "base_batch": base_batch,
         "epochs": args.epochs,
+        "lengths": lengths,
         "torch": torch.__version__,
         "autotune": autotune.__version__,
     })
@@ -450,7 +453,7 @@ def _report(args: argparse.Namespace) -> int:
             model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn,
             device=device, memory_limit=limit, headroom=args.headroom, lr_rule=args.lr_rule,
             base_batch=base_batch, precision=args.precision, verify=on_device, on_trial=progress,
-            epochs=args.epochs,
+            epochs=args.epochs, lengths=lengths or None,
         )
         if limit_note:
             import dataclasses
@@ -468,18 +471,42 @@ def _report(args: argparse.Namespace) -> int:
         if not args.no_cache:
             cache.store(key, render_json(plan, device=facts, breakdown=breakdown))
 
+    by_length = _by_length(plan, loader, lengths)
     if args.plot:
-        _plot(plan, args.plot)
+        _plot(plan, args.plot, by_length)
     if args.json:
-        print(json.dumps(render_json(plan, device=facts, breakdown=breakdown, cached=cached), indent=2))
+        print(json.dumps(render_json(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length), indent=2))
     elif args.format:
         print(framework_configs(plan)[args.format])
     else:
-        print(render_text(plan, device=facts, breakdown=breakdown, cached=cached))
+        print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length))
     return 0
 
 
-def _plot(plan: Any, path: Path) -> None:
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(p) for p in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or any(n < 1 for n in lengths):
+        raise UsageError(f"Invalid --lengths {text!r}: give positive lengths separated by commas, e.g. 128,512,2048")
+    return sorted(set(lengths))
+
+
+def _by_length(plan: Any, loader: Any, lengths: list[int]) -> list[tuple[int, int]]:
+    """(length, micro-batch) for each asked length: the first batch resized to it."""
+    if not lengths:
+        return []
+    from . import batches as B
+
+    first = next(iter(loader))
+    dims = B.length_dims([first])
+    if not dims:
+        raise UsageError("Invalid --lengths: the inputs have no length dimension (integer sequences, or --loader batches of varying length)")
+    return [(n, plan.micro_batch_for(B.per_sample_numel(B.resize_length(first, dims, n)))) for n in lengths]
+
+
+def _plot(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()) -> None:
     try:
         import matplotlib
 
@@ -489,7 +516,16 @@ def _plot(plan: Any, path: Path) -> None:
         raise UsageError("--plot needs matplotlib: pip install 'torch-autotune[plot]'") from None
     from .report import fitted_line
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if by_length:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        ax2.plot([n for n, _ in by_length], [m for _, m in by_length], "o-", color="C2")
+        ax2.set_xscale("log", base=2)
+        ax2.set_yscale("log", base=2)
+        ax2.set_xlabel("sequence length")
+        ax2.set_ylabel("micro-batch that fits")
+        ax2.set_title("Micro-batch by length")
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
     mib = 2**20
     for estimate, marker, label in ((True, "o", "estimate"), (False, "s", "real step")):
         pts = [t for t in plan.trials if t.estimate is estimate]

@@ -230,12 +230,14 @@ class Estimator:
                     out[k] = _fake_like(v)
         return out
 
-    def __call__(self, b: int) -> int:
-        """Peak bytes of the trial step with ``b`` samples."""
+    def __call__(self, b: int, template: Any = None) -> int:
+        """Peak bytes of the trial step with ``b`` samples shaped like the workload's batch (or
+        like ``template``, e.g. the batch at another length)."""
         work = self.work
+        template = work.batch if template is None else template
         with self.mode:
-            batch = B.map_tensors(work.batch, lambda t: _fake_like(t, (b, *t.shape[1:])))
-        batch = B.repeat_lists(batch, B.batch_size(work.batch), b)
+            batch = B.map_tensors(template, lambda t: _fake_like(t, (b, *t.shape[1:])))
+        batch = B.repeat_lists(batch, B.batch_size(template), b)
         for p in self.params:
             p.grad = None
         self.optimizer.state = defaultdict(dict, {p: dict(s) for p, s in self.initial_state.items()})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,9 @@ from .distributed import BUCKET_BYTES, bucket_bytes_needed, bypass_nested, gathe
 from .errors import AutotuneError, NothingFits
 from .memory import cuda_memory_fraction, default_headroom, default_limit, outside_allocator, storage_bytes
 from .plans import Plan, Trial, budget_of, split_evenly, window_layout
+from . import batches as B
 from .probe import Snapshot, Workload, min_micro_batch, probe, sample_batch
+from .shapes import fit_shape_model
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
 from .step import LossFn, default_loss, normalize_precision
 from .units import format_bytes, parse_bytes
@@ -118,6 +120,8 @@ def plan(
     estimate: bool = True,
     max_probe_batches: int = 8,
     epochs: int | None = None,
+    by_shape: bool = True,
+    lengths: Sequence[int] | None = None,
     on_trial: Callable[[Trial], Any] | None = None,
 ) -> Plan:
     """Find the largest micro-batch that fits and plan training at ``target_batch`` samples per step.
@@ -158,6 +162,11 @@ def plan(
         estimate: False skips the estimate and searches with real trials only.
         max_probe_batches: how many batches of ``loader`` to look at for the worst case.
         epochs: the run's length, if known: the recommended warm-up is then capped at 10% of it.
+        by_shape: for data whose samples vary in length (sequences), also build a model of memory
+            against length (a few estimates) so that ``plan.micro_batch_for(batch)`` sizes each
+            batch by its own shape; False uses ``micro_batch`` for every shape.
+        lengths: lengths (of the varying dimension) the shape model must cover, besides a quarter,
+            half, once and twice the longest seen.
         on_trial: called with each :class:`Trial` as it is made (e.g. to show progress).
 
     Returns:
@@ -217,11 +226,12 @@ def plan(
     error: BaseException | None = None
     found = None
     budget = 0
+    shape_model = None
     set_aside: list[tuple[str, int]] = []
     # The snapshot comes first: looking at the loader draws from the RNGs (shuffling).
     snapshot = Snapshot(model, optimizer, loader)
     try:
-        batch, first_size, _ = sample_batch(loader, max_batches=max_probe_batches)
+        batch, first_size, _, dims = sample_batch(loader, max_batches=max_probe_batches)
         work = Workload(
             model=model,
             optimizer=optimizer,
@@ -262,8 +272,10 @@ def plan(
         with cuda_memory_fraction(device, allocator_cap(limit, set_aside) if (memory_limit is not None and verify) else None):
             with bypass_nested(par.nested):
                 found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
-        if found.batch_size == 0:
-            raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside)
+                if found.batch_size == 0:
+                    raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside)
+                if by_shape and dims:
+                    shape_model = _shape_model(work, dims, found, budget, upper, lengths)
     except Exception as exc:
         error = exc
     finally:
@@ -343,9 +355,37 @@ def plan(
         min_micro_batch=min_micro_batch(model),
         base_batch_source=source,
         set_aside=tuple(set_aside),
+        shape_model=shape_model,
         trials=tuple(work.trials),
         notes=tuple(notes),
     )
+
+
+def _shape_model(work: Workload, dims: list[tuple[int, int]], found: Any, budget: int, upper: int, lengths: Sequence[int] | None) -> Any:
+    """The shape model from estimates at a few lengths around the probed (longest) one; None when
+    the step cannot be estimated (real trials only)."""
+    estimator = work.estimator
+    if estimator is None:
+        work.notes.append("no model of memory against length: the step could not be estimated; every shape uses micro_batch")
+        return None
+    longest = max(t.shape[d] for t, (i, d) in ((B.tensors(work.batch)[i], (i, d)) for i, d in dims))
+    wanted = {max(1, longest // 4), max(1, longest // 2), longest, 2 * longest, *(lengths or ())}
+    templates = {}
+    for length in sorted(wanted):
+        template = B.resize_length(work.batch, dims, length)
+        templates[B.per_sample_numel(template)] = template
+    lower = min_micro_batch(work.model)
+    model = fit_shape_model(
+        lambda samples, size: estimator(samples, templates[size]),
+        sorted(templates),
+        probed_size=B.per_sample_numel(work.batch),
+        probed_micro_batch=found.batch_size,
+        probed_real_peak=found.peak,
+        budget=budget,
+        lower=lower,
+        upper=upper,
+    )
+    return model
 
 
 def _nothing_fits(

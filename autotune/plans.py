@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
 
+from .shapes import ShapeModel
 from .units import format_bytes
 
 __all__ = ["Plan", "Trial", "budget_of", "peak_at", "split_evenly", "window_layout"]
@@ -72,6 +73,9 @@ class Plan:
             or ``"the first batch's size"``.
         set_aside: bytes taken out of the limit before the headroom, by reason (e.g. the CUDA
             context of an estimate-only plan, DDP's gradient buckets).
+        shape_model: for data whose samples vary in length, how memory grows with the per-sample
+            size (see :mod:`autotune.shapes`); :meth:`micro_batch_for` reads it. None for
+            fixed-shape data.
         bn_mode: how BatchNorm statistics are kept in training (``"adjust"``, ``"pooled"``,
             ``"precise"``, ``"optuna"``), None without BatchNorm or when left alone.
         memory_limit: the limit in bytes.
@@ -110,6 +114,7 @@ class Plan:
     min_micro_batch: int = 1
     base_batch_source: str = "given"
     set_aside: tuple[tuple[str, int], ...] = ()
+    shape_model: ShapeModel | None = None
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -120,6 +125,29 @@ class Plan:
         This is exactly the budget the probe searched under.
         """
         return budget_of(self.memory_limit, sum(b for _, b in self.set_aside), self.headroom)
+
+    def micro_batch_for(self, shape: Any) -> int:
+        """The largest micro-batch that fits for samples of this shape.
+
+        Args:
+            shape: a batch (its per-sample shape is read), or a per-sample size in elements (summed
+                over the batch's tensors; e.g. ``3 * 512`` for ids, mask and labels of 512 tokens).
+
+        Returns:
+            ``micro_batch`` for fixed-shape data (no shape model); else the count the shape model
+            allows: more than ``micro_batch`` for shorter samples, less for longer ones.
+
+        Example:
+            >>> plan.micro_batch_for(batch)  # doctest: +SKIP
+            24
+        """
+        if self.shape_model is None:
+            return self.micro_batch
+        if isinstance(shape, bool) or not isinstance(shape, (int, float)):
+            from . import batches as B
+
+            shape = B.per_sample_numel(shape)
+        return self.shape_model.micro_batch(float(shape))
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
@@ -142,6 +170,8 @@ class Plan:
             values["notes"] = tuple(str(n) for n in values.get("notes", ()))
             values["set_aside"] = tuple((str(name), int(b)) for name, b in values.get("set_aside", ()))
             values["rank_micro_batches"] = tuple(int(v) for v in values.get("rank_micro_batches", ()))
+            model = values.get("shape_model")
+            values["shape_model"] = ShapeModel.from_dict(model) if model else None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"Invalid plan data: {exc}") from None
         plan = cls(**values)
@@ -181,6 +211,7 @@ class Plan:
         data["notes"] = list(self.notes)
         data["set_aside"] = [list(pair) for pair in self.set_aside]
         data["rank_micro_batches"] = list(self.rank_micro_batches)
+        data["shape_model"] = self.shape_model.to_dict() if self.shape_model is not None else None
         data["budget"] = self.budget
         return data
 
@@ -205,6 +236,8 @@ class Plan:
             f"trials: {sum(not t.estimate for t in self.trials)} real, "
             f"{sum(t.estimate for t in self.trials)} estimates",
         ]
+        if self.shape_model is not None:
+            lines.append(f"micro-batch by shape: per-sample sizes {', '.join(map(str, self.shape_model.sizes))} estimated; plan.micro_batch_for(batch)")
         if not self.verified:
             lines.append("estimate, not verified on a device")
         lines.extend(f"note: {n}" for n in self.notes)

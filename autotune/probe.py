@@ -164,12 +164,14 @@ def held_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator
         yield from (v for v in s.values() if isinstance(v, torch.Tensor))
 
 
-def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, int, int]:
+def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, int, int, list[tuple[int, int]]]:
     """Look at the first batches of ``loader`` and keep the worst case.
 
     Returns:
-        ``(batch, first_batch_size, batches_seen)`` where ``batch`` is the batch with the most
-        elements per sample (the longest sequences when lengths vary).
+        ``(batch, first_batch_size, batches_seen, length_dims)`` where ``batch`` is the batch with
+        the most elements per sample (the longest sequences when lengths vary) and
+        ``length_dims`` the ``(tensor, dim)`` pairs that hold a variable length (see
+        :func:`autotune.batches.length_dims`; empty for fixed-shape data).
 
     Raises:
         TypeError: ``loader`` is a one-shot iterator (probing would consume its samples).
@@ -182,6 +184,7 @@ def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, i
             "a torch.utils.data.DataLoader"
         )
     worst, worst_numel, first_size, seen = None, -1, 0, 0
+    shapes: list[Any] = []  # one small template per distinct per-sample shape
     for batch in loader:
         size = B.batch_size(batch)
         numel = B.per_sample_numel(batch)
@@ -189,6 +192,8 @@ def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, i
             first_size = size
         if numel > worst_numel:
             worst, worst_numel = batch, numel
+        if all(B.sample_shapes(batch) != B.sample_shapes(s) for s in shapes):
+            shapes.append(B.slice_batch(batch, 0, 1))
         seen += 1
         if seen >= max_batches:
             break
@@ -197,7 +202,8 @@ def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, i
             "Invalid loader: it yielded no batches; check the dataset is not empty and, with "
             "drop_last=True, that it holds at least one full batch"
         )
-    return worst, first_size, seen
+    others = [s for s in shapes if B.sample_shapes(s) != B.sample_shapes(worst)]
+    return worst, first_size, seen, B.length_dims([worst, *others])
 
 
 @dataclass
@@ -216,6 +222,8 @@ class Workload:
     # Budget the process's resident growth too, not only tensor bytes (the CPU's physical memory
     # as the limit: allocator overhead there is what the OOM killer sees).
     resident: bool = False
+    # The estimator the probe used (None when the step could not be estimated), for the shape model.
+    estimator: Any = None
 
     def record(self, trial: Trial) -> None:
         """Keep a trial and tell the ``on_trial`` callback, if any."""
@@ -310,6 +318,7 @@ def probe(
             start = time.perf_counter()
             first = estimator_(lower)  # fail here, not inside the search, if the step cannot be estimated
             seconds = time.perf_counter() - start
+            work.estimator = estimator_
         except Exception as exc:
             if not is_estimate_error(exc):
                 raise  # the user's code failed for its own reasons: say so now, not after real trials

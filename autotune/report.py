@@ -9,7 +9,7 @@ does, within the micro-batch that fits, or says plainly why none does.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -168,8 +168,10 @@ def render_text(
     device: Mapping[str, Any] | None = None,
     breakdown: MemoryBreakdown | None = None,
     cached: bool = False,
+    by_length: Sequence[tuple[int, int]] = (),
 ) -> str:
-    """The full report: device, plan, memory breakdown, trials and framework configs."""
+    """The full report: device, plan, memory breakdown, micro-batch by length (when asked), trials
+    and framework configs."""
     lines: list[str] = []
     if cached:
         lines.append("(answered from the cache; run with --no-cache to probe again)")
@@ -213,6 +215,13 @@ def render_text(
         lines.append(_row("activations + temp.", "unknown" if breakdown.activations is None else format_bytes(breakdown.activations)))
         if breakdown.per_sample is not None:
             lines.append(_row("per sample", format_bytes(breakdown.per_sample)))
+    if by_length:
+        lines.append("")
+        lines.append("Micro-batch by length" + ("" if plan.shape_model is not None else " (no shape model: fixed-shape data)"))
+        lines.append(f"  {'length':>8} {'micro-batch':>12} {'accumulation steps':>19}")
+        share = sum(plan.micro_batches)
+        for length, micro in by_length:
+            lines.append(f"  {length:>8} {micro:>12} {-(-share // micro):>19}")
     lines.append("")
     lines.append("Trials")
     lines.append(f"  {'batch':>7} {'peak':>12} {'fits':>5}  {'kind':<9}{'seconds':>8}")
@@ -237,6 +246,7 @@ def render_json(
     device: Mapping[str, Any] | None = None,
     breakdown: MemoryBreakdown | None = None,
     cached: bool = False,
+    by_length: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
     """The plan's ``to_dict()`` with the device facts, the memory breakdown and the equal split."""
     split = equal_split(plan)
@@ -246,6 +256,7 @@ def render_json(
         "memory": asdict(breakdown) if breakdown else None,
         "equal_split": asdict(split),
         "cached": cached,
+        "micro_batch_by_length": [{"length": length, "micro_batch": micro} for length, micro in by_length],
     }
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import batches as B
-from .accumulate import Count, Window, accumulate
+from .accumulate import Count, Pad, Window, accumulate
 from .bn import BNController, FinishedRun, batchnorms, resolve_bn
 from .checks import (
     check_count_value,
@@ -200,6 +200,7 @@ def fit(
     lr_rule: str = "auto",
     base_batch: int | None = None,
     count: Count | None = None,
+    pad: Pad | None = None,
     drop_last: bool = False,
     scheduler: Any = None,
     scaler: torch.amp.GradScaler | None = None,
@@ -239,6 +240,10 @@ def fit(
             learning rate by a batch size it had to guess.
         count: ``count(batch) -> int``, loss items in a batch (e.g. non-padding tokens); default:
             samples.
+        pad: ``pad(batches) -> batch`` joining batches padded to different lengths (e.g.
+            :func:`autotune.pad_to_longest`), so that micro-batches are not held to the loader's
+            batches: pieces of different lengths are joined up to the micro-batch their padded
+            shape allows. Without it, batches of different shapes are never joined.
         drop_last: drop each epoch's short last window.
         scheduler: any torch LR scheduler of ``optimizer`` except ``ReduceLROnPlateau`` (step that
             one yourself between calls); stepped once per optimizer step.
@@ -341,7 +346,7 @@ def fit(
             set_epoch(loader, first_epoch + epoch)
             windows = accumulate(
                 loader, plan, count=count, drop_last=local_drop, min_micro_batch=min_micro,
-                distributed=False, skip_empty=run.world_size == 1,
+                distributed=False, skip_empty=run.world_size == 1, pad=pad, cap=run.cap,
             )
             seen_samples = seen_items = 0
             while max_steps is None or len(history) < max_steps:
@@ -377,7 +382,7 @@ def fit(
     tuning = None
     if mode is not None and bns:
         finished = FinishedRun(
-            batches=lambda: (micro.batch for w in accumulate(loader, run.plan, min_micro_batch=min_micro, distributed=False) for micro in w),
+            batches=lambda: (micro.batch for w in accumulate(loader, run.plan, min_micro_batch=min_micro, distributed=False, pad=pad, cap=run.cap) for micro in w),
             forward=lambda m, b: _forward(m, loss_fn, b, device, precision_name),  # type: ignore[arg-type]
             loss_fn=loss_fn,
             device=device,
@@ -450,6 +455,17 @@ class _Run:
         self.counted: set[Any] = set()
         self.last_ledger: TensorLedger | None = None
         self.checked_samples = False
+        # Out-of-memory corrections of the shape model: (per-sample size, micro-batch) pairs that
+        # cap that size and longer ones; shorter shapes keep their own micro-batches.
+        self.corrections: list[tuple[int, int]] = []
+
+    def cap(self, size: int) -> int:
+        """The micro-batch for samples of per-sample ``size``: the plan's, less what OOMs taught."""
+        cap = self.plan.micro_batch_for(size)
+        for at, limit in self.corrections:
+            if size >= at:
+                cap = min(cap, limit)
+        return cap
 
     def __enter__(self) -> _Run:
         from tqdm.auto import tqdm  # imported here: `import autotune` stays light
@@ -564,11 +580,17 @@ class _Run:
                     b.copy_(value)
 
     def _retry_smaller(self, window: Window, failure: BaseException, bn_saved: list[list[torch.Tensor]]) -> Window:
-        """Undo this rank's attempt and cut its window smaller (half the micro-batch that failed)."""
+        """Undo this rank's attempt and cut its window smaller (half the micro-batch that failed).
+
+        With a shape model only the failed shape and longer ones get the smaller micro-batch;
+        shorter ones keep theirs. Without one (fixed shapes) the plan's micro-batch is lowered.
+        """
         failed_size = getattr(failure, "autotune_micro_batch", window.micro_batch)
+        failed_shape = getattr(failure, "autotune_micro_size", 0)
         failure.__traceback__ = None  # drop the frames that hold the attempt's tensors
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+        for p in self.outside:
+            p.grad = None
         self._restore_bn(bn_saved)
         release_cached(self.device)
         floor = self.plan.min_micro_batch
@@ -588,8 +610,18 @@ class _Run:
             AutotuneWarning,
             stacklevel=4,
         )
-        self._lower(smaller)
-        return window.with_micro_batch(smaller)
+        if self.plan.shape_model is None:
+            self._lower(smaller)
+            return window.with_micro_batch(smaller)
+        self.corrections.append((failed_shape, smaller))
+        self.plan = dataclasses.replace(
+            self.plan,
+            notes=self.plan.notes + (
+                f"out of memory while training at micro-batch {failed_size} of per-sample size {failed_shape}: "
+                f"that size and longer ones capped at {smaller}",
+            ),
+        )
+        return window.with_cap(self.cap)
 
     def _lower(self, micro_batch: int) -> None:
         """Lower the plan's micro-batch for the rest of the run; every field follows."""
@@ -723,6 +755,7 @@ def _run_micro_batches(run: _Run, window: Window) -> float:
         except Exception as exc:
             if is_out_of_memory(exc):
                 exc.autotune_micro_batch = micro.samples  # type: ignore[attr-defined]
+                exc.autotune_micro_size = B.per_sample_numel(micro.batch)  # type: ignore[attr-defined]
             raise
         total += loss * micro.weight  # float64: no sync here, read once per window
     return float(total)

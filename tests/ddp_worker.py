@@ -76,12 +76,16 @@ class Outer(nn.Module):
 # --- data ------------------------------------------------------------------------------------
 
 
-def token_samples(n: int, *, lengths: tuple[int, int] = (10, 10), seed: int = 3, empty_every: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Sequences of random length in ``lengths``, targets padded with PAD after a random real length."""
+def token_samples(n: int, *, lengths: tuple[int, int] = (10, 10), seed: int = 3, empty_every: int = 0,
+                  by_parity: list[tuple[int, int]] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences of random length in ``lengths`` (or, with ``by_parity``, in ``by_parity[i % 2]``:
+    strided shards then give each rank its own length distribution), targets padded with PAD after
+    a random real length."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        low, high = by_parity[i % 2] if by_parity else lengths
+        length = int(torch.randint(low, high + 1, (1,), generator=g))
         tokens = torch.randint(0, 13, (length,), generator=g)
         targets = torch.randint(0, 13, (length,), generator=g)
         real = int(torch.randint(1, length + 1, (1,), generator=g))
@@ -203,7 +207,8 @@ def _counting_collectives() -> list[str]:
 
 def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     """Token data, per-rank limits, optional wrappers, injected OOM, bad samples; everything exact."""
-    samples = token_samples(c["n"], lengths=tuple(c.get("lengths", (10, 10))), empty_every=c.get("empty_every", 0))
+    samples = token_samples(c["n"], lengths=tuple(c.get("lengths", (10, 10))), empty_every=c.get("empty_every", 0),
+                            by_parity=c.get("by_parity"))
     data = Samples(samples, bad=c.get("bad") if rank == c.get("bad_rank") else None)
     indices = rank_indices(len(samples), rank, world, c.get("shards", "sampler"))
     loader = DataLoader(Subset(data, indices), batch_size=c.get("loader_batch", 4), collate_fn=pad_collate)
@@ -231,6 +236,7 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         return token_loss(model, batch)
 
     plan = None
+    pad = autotune.pad_to_longest if c.get("pad") else None
     if "oom_rank" in c:  # plan first, so that the injected failure comes while training
         plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=token_loss,
                              memory_limit=c["limits"][rank], headroom=0, lr_rule="none")
@@ -239,6 +245,7 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     result = autotune.fit(
         model, loader, None if plan else c["target"], optimizer=opt, loss_fn=loss_fn, count=count_tokens if c.get("count", True) else None,
         memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False, epochs=c.get("epochs", 1), plan=plan,
+        pad=pad,
     )
     return {
         "params": {k: v.detach().clone() for k, v in inner.state_dict().items()},

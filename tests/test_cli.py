@@ -328,3 +328,23 @@ def test_nothing_fits_names_command_line_flags(capsys):
     code, _, err = run(capsys, "report", "--demo", "--memory-limit", "1MiB")
     assert code == 1
     assert "--precision bf16" in err and "--memory-limit" in err and "precision='bf16'" not in err
+
+
+def test_micro_batch_by_length(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    args = ["report", f"{HF}:gpt2", *TEXT, "--target-batch", "512", "--memory-limit", "64MiB", "--lengths", "16,32,128", "--no-cache"]
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)$", out.split("Micro-batch by length", 1)[1].split("Trials", 1)[0], flags=re.M)
+    micro = {int(length): int(m) for length, m, _ in rows}
+    assert list(micro) == [16, 32, 128] and micro[16] > micro[32] > micro[128]
+    code, out, _ = run(capsys, *args, "--json")
+    data = json.loads(out)
+    assert [r["length"] for r in data["micro_batch_by_length"]] == [16, 32, 128]
+    # the synthetic batch holds ids, mask and targets of 32 tokens each
+    assert Plan.from_dict(data["plan"]).micro_batch_for(3 * 32) == data["micro_batch_by_length"][1]["micro_batch"]
+    path = tmp_path / "lengths.png"
+    code, _, _ = run(capsys, *args, "--plot", str(path))
+    assert code == 0 and path.read_bytes()[:4] == b"\x89PNG"
+    code, _, err = run(capsys, "report", "--demo", "--lengths", "16,x")
+    assert code == 2 and "Invalid --lengths '16,x'" in err

@@ -26,7 +26,8 @@ def reference(config, world, *, model_class=W.TokenModel):
     token), until no rank has data."""
     torch.set_default_dtype(torch.float64)
     try:
-        samples = W.token_samples(config["n"], lengths=tuple(config.get("lengths", (10, 10))), empty_every=config.get("empty_every", 0))
+        samples = W.token_samples(config["n"], lengths=tuple(config.get("lengths", (10, 10))), empty_every=config.get("empty_every", 0),
+                                  by_parity=config.get("by_parity"))
         seqs = [[samples[i] for i in W.rank_indices(len(samples), r, world, config.get("shards", "sampler"))] for r in range(world)]
         share = shares(config["target"], world)
         model = model_class()
@@ -123,6 +124,19 @@ def test_dynamic_padding_and_a_long_tail(tmp_path):
     counts = {len(h["micro_batches"]) for o in outs for h in o["history"]}
     assert len(counts) > 1  # the ranks really ran different numbers of micro-batches
     assert_exact(outs, config, 3)
+
+
+def test_shape_sized_micro_batches_on_ranks_with_different_lengths(tmp_path):
+    """Rank 0 holds short sequences, rank 1 long ones: each sizes its micro-batches by its own shapes
+    and joins loader batches of different lengths by padding; still exact."""
+    config = {**BASE, "n": 80, "target": 40, "shards": "strided", "by_parity": [(2, 8), (24, 40)], "pad": True,
+              "loader_batch": 2, "limits": ["300KiB", "300KiB"]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    short, long_ = (max(s for h in o["history"] for s in h["micro_batches"]) for o in outs)
+    assert short > long_ and short > 2  # joined past the loader's batches of 2, sized by length
+    assert outs[0]["plan"]["shape_model"] is not None
+    assert_exact(outs, config, 2)
 
 
 def test_micro_batches_and_windows_without_items(tmp_path):

@@ -217,10 +217,13 @@ def token_loss(model, batch):
 def test_after_a_retry_every_field_of_the_plan_describes_what_training_used():
     model = TokenBN()
     seen = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fixed = autotune.plan(model, token_loader(), target_batch=56, optimizer=opt, loss_fn=token_loss, memory_limit="400KiB",
+                          headroom=0, lr_rule="none", by_shape=False)  # one size for every shape: the long batches OOM
     with pytest.warns(autotune.AutotuneWarning, match="Out of memory"):
-        result = autotune.fit(model, token_loader(), 56, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=token_loss,
-                              count=lambda b: b["targets"].numel(), memory_limit="400KiB", headroom=0, lr_rule="none",
-                              progress=False, callback=lambda r: seen.append(model.bn.momentum))
+        result = autotune.fit(model, token_loader(), optimizer=opt, loss_fn=token_loss, plan=fixed,
+                              count=lambda b: b["targets"].numel(), memory_limit="400KiB", progress=False,
+                              callback=lambda r: seen.append(model.bn.momentum))
     plan = result.plan
     last = result.history[-1]
     assert plan.micro_batch == last.micro_batch < result.history[0].micro_batch
@@ -233,12 +236,12 @@ def test_after_a_retry_every_field_of_the_plan_describes_what_training_used():
 
 def test_the_retry_halves_the_micro_batch_that_failed_not_the_plans_cap():
     model = TokenBN()
-    twin = copy.deepcopy(model)
-    cap = autotune.plan(twin, token_loader(), target_batch=56, optimizer=torch.optim.SGD(twin.parameters(), lr=0.1),
-                        loss_fn=token_loss, memory_limit="400KiB", headroom=0, lr_rule="none").micro_batch
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fixed = autotune.plan(model, token_loader(), target_batch=56, optimizer=opt, loss_fn=token_loss, memory_limit="400KiB",
+                          headroom=0, lr_rule="none", by_shape=False)
+    cap = fixed.micro_batch
     with pytest.warns(autotune.AutotuneWarning) as caught:
-        autotune.fit(model, token_loader(), 56, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=token_loss,
-                     memory_limit="400KiB", headroom=0, lr_rule="none", progress=False)
+        autotune.fit(model, token_loader(), optimizer=opt, loss_fn=token_loss, memory_limit="400KiB", progress=False, plan=fixed)
     sizes = [int(w.message.args[0].split("micro_batch=")[1].split(";")[0]) for w in caught if "Out of memory" in str(w.message)]
     retried = [int(str(w.message).rsplit("micro_batch=", 1)[1]) for w in caught if "Out of memory" in str(w.message)]
     assert sizes and all(r == max(2, s // 2) for s, r in zip(sizes, retried))

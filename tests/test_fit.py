@@ -110,10 +110,13 @@ def test_out_of_memory_while_training_redoes_the_window_with_a_smaller_micro_bat
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # One micro-batch for every shape (by_shape=False): the later, longer batches run out of memory.
+    fixed = autotune.plan(model, loader, target_batch=56, optimizer=opt, loss_fn=loss_fn, memory_limit="400KiB",
+                          headroom=0, lr_rule="none", by_shape=False)
     with pytest.warns(autotune.AutotuneWarning, match=r"Out of memory at micro_batch=\d+; retrying the window"):
         result = autotune.fit(
-            model, loader, 56, optimizer=opt, loss_fn=loss_fn, count=count_tokens, memory_limit="400KiB",
-            headroom=0, lr_rule="none", progress=False,
+            model, loader, optimizer=opt, loss_fn=loss_fn, count=count_tokens, memory_limit="400KiB",
+            progress=False, plan=fixed,
         )
     planned = autotune.plan(start, loader, target_batch=56, optimizer=torch.optim.SGD(start.parameters(), lr=0.1), loss_fn=loss_fn, memory_limit="400KiB", headroom=0)
     assert result.plan.micro_batch < planned.micro_batch  # lowered, and the result says so
@@ -262,9 +265,12 @@ def test_out_of_memory_retry_leaves_batchnorm_as_if_the_attempt_never_happened()
     def loss_fn(model, batch):
         return F.cross_entropy(model(batch["tokens"]).flatten(0, 1), batch["targets"].flatten())
 
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fixed = autotune.plan(model, loader, target_batch=56, optimizer=opt, loss_fn=loss_fn, memory_limit="400KiB",
+                          headroom=0, lr_rule="none", by_shape=False)
     with pytest.warns(autotune.AutotuneWarning, match="Out of memory"):
-        result = autotune.fit(model, loader, 56, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
-                              count=count_tokens, memory_limit="400KiB", headroom=0, lr_rule="none", progress=False)
+        result = autotune.fit(model, loader, optimizer=opt, loss_fn=loss_fn, count=count_tokens, memory_limit="400KiB",
+                              progress=False, plan=fixed)
     sizes = [r.micro_batch for r in result.history]
     assert sizes[0] > sizes[-1]  # the later, longer window was redone with a smaller micro-batch
 

@@ -1,0 +1,181 @@
+"""Memory as a function of samples and shape, for data whose samples vary in length.
+
+For a fixed per-sample shape the peak of a training step is affine in the number of samples,
+``peak(b) = F + b * f``. With variable-length data (sequences padded per batch) both terms depend on
+the length: activations grow linearly with it (MLPs, convolutions, flash attention) or
+quadratically (attention that materialises its scores). The shape model measures ``F`` and ``f``
+by estimates at a few lengths, two sample counts each, and fits each as a quadratic in the
+per-sample size ``s`` (elements per sample over all tensors of the batch, which is proportional to
+the length):
+
+    peak(b, s) = F(s) + b * f(s),   F(s) = F0 + F1 s + F2 s**2,   f(s) = f0 + f1 s + f2 s**2
+
+It is calibrated by the real trial at the probed (worst) shape, ``real = scale * estimate``, as the
+search calibrates a single shape, and answers :meth:`ShapeModel.micro_batch`: the largest count that
+fits for a size. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ShapeModel", "fit_quadratic", "fit_shape_model", "sample_counts"]
+
+
+def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares ``(c0, c1, c2)`` of ``y = c0 + c1 x + c2 x**2`` (a line through fewer than 3 points).
+
+    Example:
+        >>> [round(c, 6) for c in fit_quadratic([1, 2, 3, 4], [3, 7, 13, 21])]
+        [1.0, 1.0, 1.0]
+    """
+    n = len(xs)
+    if n == 0:
+        raise ValueError("Invalid points: fit_quadratic needs at least one point")
+    if n == 1:
+        return float(ys[0]), 0.0, 0.0
+    if n == 2 or len(set(xs)) < 3:
+        (x0, y0), (x1, y1) = (xs[0], ys[0]), (xs[-1], ys[-1])
+        slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+        return y0 - slope * x0, slope, 0.0
+    # Normal equations on scaled x (sizes reach millions: squares would lose precision otherwise).
+    scale = max(abs(x) for x in xs) or 1.0
+    u = [x / scale for x in xs]
+    s = [sum(v**k for v in u) for k in range(5)]
+    t = [sum(y * v**k for v, y in zip(u, ys)) for k in range(3)]
+    a = [[s[0], s[1], s[2]], [s[1], s[2], s[3]], [s[2], s[3], s[4]]]
+    c = _solve3(a, t)
+    return c[0], c[1] / scale, c[2] / scale**2
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a 3x3 linear system by Gaussian elimination with partial pivoting."""
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0:
+            raise ValueError("Invalid points: the quadratic fit is singular")
+        for r in range(col + 1, 3):
+            factor = m[r][col] / m[col][col]
+            for k in range(col, 4):
+                m[r][k] -= factor * m[col][k]
+    out = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        out[r] = (m[r][3] - sum(m[r][k] * out[k] for k in range(r + 1, 3))) / m[r][r]
+    return out
+
+
+def _poly(c: Sequence[float], x: float) -> float:
+    return c[0] + c[1] * x + c[2] * x * x
+
+
+@dataclass(frozen=True)
+class ShapeModel:
+    """Peak bytes of a training step as a function of samples ``b`` and per-sample size ``s``.
+
+    Attributes:
+        fixed: ``(F0, F1, F2)``: the part of the peak that does not grow with the samples.
+        per_sample: ``(f0, f1, f2)``: bytes each sample adds.
+        scale: real peak over estimated peak at the probed shape (the calibration).
+        budget: bytes a step may use.
+        lower: the smallest micro-batch (2 with BatchNorm).
+        upper: the largest (this rank's share of the target batch).
+        probed_size: the per-sample size the real trial ran at.
+        probed_micro_batch: the micro-batch verified there; never exceeded at that size or longer.
+        sizes: the per-sample sizes the estimates were taken at.
+    """
+
+    fixed: tuple[float, float, float]
+    per_sample: tuple[float, float, float]
+    scale: float
+    budget: int
+    lower: int
+    upper: int
+    probed_size: int
+    probed_micro_batch: int
+    sizes: tuple[int, ...] = ()
+
+    def peak(self, samples: int, size: float) -> float:
+        """Predicted real peak bytes of a step with ``samples`` of per-sample size ``size``."""
+        return self.scale * (_poly(self.fixed, size) + samples * _poly(self.per_sample, size))
+
+    def micro_batch(self, size: float) -> int:
+        """The largest micro-batch whose step fits the budget at per-sample size ``size``.
+
+        Never below ``lower`` (an out-of-memory retry handles a shape nothing fits) nor above
+        ``upper``; at the probed size or longer, never above the verified micro-batch.
+        """
+        per = _poly(self.per_sample, size)
+        room = self.budget / self.scale - _poly(self.fixed, size)
+        if per <= 0:
+            b = self.upper
+        else:
+            b = math.floor(room / per) if room > 0 else 0
+        if size >= self.probed_size:
+            b = min(b, self.probed_micro_batch)
+        return max(self.lower, min(self.upper, b))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The model as a JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        for k in ("fixed", "per_sample", "sizes"):
+            data[k] = list(data[k])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShapeModel:
+        """The model back from :meth:`to_dict`'s output."""
+        values = dict(data)
+        for k in ("fixed", "per_sample"):
+            values[k] = tuple(float(v) for v in values[k])
+        values["sizes"] = tuple(int(v) for v in values.get("sizes", ()))
+        return cls(**values)
+
+
+def sample_counts(size: int, probed_size: int, probed_micro_batch: int, lower: int, upper: int) -> tuple[int, int]:
+    """Two sample counts to estimate at a size: near where that size fills the memory, where the
+    peak is affine in the samples (small counts can peak in the optimizer step instead)."""
+    near = max(lower, min(upper, round(probed_micro_batch * probed_size / max(size, 1))))
+    b1 = max(lower, near // 2)
+    b2 = max(near, b1 + 1)
+    return b1, b2
+
+
+def fit_shape_model(
+    estimate: Callable[[int, int], int],
+    sizes: Sequence[int],
+    *,
+    probed_size: int,
+    probed_micro_batch: int,
+    probed_real_peak: int,
+    budget: int,
+    lower: int,
+    upper: int,
+) -> ShapeModel:
+    """Build a :class:`ShapeModel` from estimates ``estimate(samples, size) -> bytes`` at ``sizes``.
+
+    Sizes whose estimate raises (longer than the model accepts, e.g. past its position embeddings)
+    are left out; at least one size must remain.
+    """
+    points: list[tuple[int, float, float]] = []
+    for size in sorted(set(sizes)):
+        b1, b2 = sample_counts(size, probed_size, probed_micro_batch, lower, upper)
+        try:
+            p1, p2 = estimate(b1, size), estimate(b2, size)
+        except Exception:  # a length the model cannot take: it will not be trained at either
+            continue
+        per = (p2 - p1) / (b2 - b1)
+        points.append((size, p1 - b1 * per, per))
+    if not points:
+        raise ValueError("Invalid sizes: no per-sample size could be estimated for the shape model")
+    xs = [p[0] for p in points]
+    fixed = fit_quadratic(xs, [p[1] for p in points])
+    per_sample = fit_quadratic(xs, [p[2] for p in points])
+    raw = _poly(fixed, probed_size) + probed_micro_batch * _poly(per_sample, probed_size)
+    scale = max(1.0, probed_real_peak / raw) if raw > 0 else 1.0
+    return ShapeModel(fixed, per_sample, scale, budget, lower, upper, probed_size, probed_micro_batch, tuple(xs))
