@@ -313,12 +313,12 @@ def test_the_cache_key_covers_the_free_memory_when_no_limit_is_given(capsys, mon
     free = {"bytes": 8 * 2**30}
     monkeypatch.setattr(autotune.memory, "default_limit", lambda device, held: free["bytes"])
     monkeypatch.setattr(autotune.planner, "default_limit", lambda device, held: free["bytes"])
-    _, first, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "4096", "--device", "cpu", "--json")
+    _, first, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
     free["bytes"] = 8 * 2**30 + 5 * 2**20  # a small fluctuation: the same entry
-    _, again, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "4096", "--device", "cpu", "--json")
+    _, again, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
     assert json.loads(again)["cached"] is True
     free["bytes"] = 40 * 2**20  # far less free memory: a fresh probe with a smaller answer
-    _, small, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "4096", "--device", "cpu", "--json")
+    _, small, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
     assert json.loads(small)["cached"] is False
     assert json.loads(small)["plan"]["micro_batch"] < json.loads(first)["plan"]["micro_batch"]
     assert json.loads(small)["plan"]["memory_limit"] <= 40 * 2**20
@@ -338,13 +338,12 @@ def test_micro_batch_by_length(capsys, tmp_path):
     rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)$", out.split("Micro-batch by length", 1)[1].split("Trials", 1)[0], flags=re.M)
     micro = {int(length): int(m) for length, m, _ in rows}
     assert list(micro) == [16, 32, 128] and micro[16] > micro[32] > micro[128]
-    code, out, _ = run(capsys, *args, "--json")
+    path = tmp_path / "lengths.png"
+    code, out, _ = run(capsys, *args, "--json", "--plot", str(path))
     data = json.loads(out)
     assert [r["length"] for r in data["micro_batch_by_length"]] == [16, 32, 128]
     # the synthetic batch holds ids, mask and targets of 32 tokens each
     assert Plan.from_dict(data["plan"]).micro_batch_for(3 * 32) == data["micro_batch_by_length"][1]["micro_batch"]
-    path = tmp_path / "lengths.png"
-    code, _, _ = run(capsys, *args, "--plot", str(path))
     assert code == 0 and path.read_bytes()[:4] == b"\x89PNG"
     code, _, err = run(capsys, "report", "--demo", "--lengths", "16,x")
     assert code == 2 and "Invalid --lengths '16,x'" in err

@@ -273,9 +273,10 @@ def test_worst_case_batch_is_probed():
     short_only = [tokens(8, 12) for _ in range(3)]
     mixed = [tokens(8, 12), tokens(8, 40), tokens(8, 12)]
     limit = "24MiB"
-    short = autotune.plan(model, short_only, target_batch=512, memory_limit=limit, headroom=0)
-    worst = autotune.plan(model, mixed, target_batch=512, memory_limit=limit, headroom=0)
-    longest = autotune.plan(model, [tokens(8, 40)], target_batch=512, memory_limit=limit, headroom=0)
+    common = dict(target_batch=512, memory_limit=limit, headroom=0, by_shape=False)  # the shape model: test_shapes.py
+    short = autotune.plan(model, short_only, **common)
+    worst = autotune.plan(model, mixed, **common)
+    longest = autotune.plan(model, [tokens(8, 40)], **common)
     assert worst.micro_batch == longest.micro_batch < short.micro_batch
 
 
