@@ -14,6 +14,7 @@ from .planner import plan
 from .plans import Plan, Trial
 from .training import AutotuneWarning, FitResult, StepRecord, fit
 from .tune import BNTuning, OptunaBN, tune_bn_momentum
+from .whatif import WhatIf, WhatIfRow, what_if
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -32,6 +33,8 @@ __all__ = [
     "PreciseBN",
     "StepRecord",
     "Trial",
+    "WhatIf",
+    "WhatIfRow",
     "Window",
     "__version__",
     "accumulate",
@@ -41,4 +44,5 @@ __all__ = [
     "parse_bytes",
     "plan",
     "tune_bn_momentum",
+    "what_if",
 ]

@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--format", choices=("lightning", "accelerate", "hf", "deepspeed", "keras"), help="print only that framework's config")
     r.add_argument("--plot", metavar="PNG", type=Path, help="plot peak memory against batch size (needs matplotlib)")
     r.add_argument("--epochs", type=int, metavar="N", help="the run's length, to cap the recommended warm-up at 10%% of it")
+    r.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing on the model's blocks")
+    r.add_argument("--what-if", action="store_true", help="also print the largest micro-batch with bf16, activation checkpointing and an optimizer with less state (estimates)")
     r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
     r.add_argument("--debug", action="store_true", help="show the traceback of an error in your model or loader")
@@ -432,6 +433,7 @@ def _report(args: argparse.Namespace) -> int:
         "base_batch": base_batch,
         "epochs": args.epochs,
         "lengths": lengths,
+        "checkpointing": args.checkpointing,
         "torch": torch.__version__,
         "autotune": autotune.__version__,
     })
@@ -440,20 +442,11 @@ def _report(args: argparse.Namespace) -> int:
     if cached_entry is not None:
         plan, breakdown = cached_entry
     else:
-        started = time.perf_counter()
-
-        def progress(trial: autotune.Trial) -> None:
-            # Only once the probe takes more than a moment; real steps are the slow part.
-            if not trial.estimate or time.perf_counter() - started > 1.0:
-                kind = "estimate" if trial.estimate else "real step"
-                verdict = "fits" if trial.fits else "does not fit"
-                print(f"autotune: {kind} at micro-batch {trial.batch_size}: {verdict} ({autotune.format_bytes(trial.peak_memory)})", file=sys.stderr)
-
         plan = autotune.plan(
             model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn,
             device=device, memory_limit=limit, headroom=args.headroom, lr_rule=args.lr_rule,
-            base_batch=base_batch, precision=args.precision, verify=on_device, on_trial=progress,
-            epochs=args.epochs, lengths=lengths or None,
+            base_batch=base_batch, precision=args.precision, verify=on_device, progress=0.0,
+            epochs=args.epochs, lengths=lengths or None, checkpointing=args.checkpointing,
         )
         if limit_note:
             import dataclasses
@@ -472,14 +465,24 @@ def _report(args: argparse.Namespace) -> int:
             cache.store(key, render_json(plan, device=facts, breakdown=breakdown))
 
     by_length = _by_length(plan, loader, lengths)
+    table = None
+    if args.what_if:
+        table = autotune.what_if(model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn, plan=plan)
     if args.plot:
         _plot(plan, args.plot, by_length)
     if args.json:
-        print(json.dumps(render_json(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length), indent=2))
+        data = render_json(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length)
+        if table is not None:
+            data["what_if"] = table.to_dict()
+        print(json.dumps(data, indent=2))
     elif args.format:
         print(framework_configs(plan)[args.format])
     else:
         print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length))
+        if table is not None:
+            print()
+            print("What if (estimates; the verified row ran for real)")
+            print("\n".join("  " + line for line in str(table).splitlines()))
     return 0
 
 
@@ -552,11 +555,27 @@ def _nothing_fits_message(err: Any) -> str:
     """A NothingFits error in the command line's words: flags, not Python keywords."""
     from .units import format_bytes
 
-    return (
+    text = (
         f"even micro-batch {err.micro_batch} needs {'at least ' if err.measured else 'an estimated '}"
         f"{format_bytes(err.needed)}, the budget is {format_bytes(err.budget)} (of --memory-limit "
-        f"{format_bytes(err.limit)}, less the headroom and what is set aside): try --precision bf16, a larger "
-        "--memory-limit, shorter inputs (--input-shape), or activation checkpointing in the model"
+        f"{format_bytes(err.limit)}, less the headroom and what is set aside)"
+    )
+    best = err.what_if.smallest_change() if err.what_if is not None else None
+    if best is None and err.what_if is not None:
+        return text + ": no combination of --precision bf16, --checkpointing and --optimizer sgd fits either (estimated); use a larger --memory-limit or a smaller model"
+    if best is None:
+        return text + ": try --precision bf16, --checkpointing, a larger --memory-limit, or shorter inputs (--input-shape)"
+    flags = []
+    if best.precision != "fp32":
+        flags.append(f"--precision {best.precision}")
+    if best.checkpointing:
+        flags.append("--checkpointing")
+    if "(given)" not in best.optimizer:
+        flags.append("--optimizer sgd")
+    fitting = "; ".join(f"{r.describe()}: {r.micro_batch}" for r in err.what_if.fitting())
+    return (
+        text + f": with {' '.join(flags)} an estimated {best.micro_batch} samples per micro-batch fit "
+        f"(what fits, estimated: {fitting})"
     )
 
 

@@ -6,6 +6,8 @@ the fix); everything autotune decides on its own derives from :class:`AutotuneEr
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["AutotuneError", "AutotuneWarning", "NothingFits"]
 
 
@@ -24,12 +26,16 @@ class NothingFits(AutotuneError, RuntimeError):
         limit: the memory limit in bytes.
         micro_batch: the smallest micro-batch tried (1, or 2 for models with BatchNorm).
         measured: whether ``needed`` comes from a real step (else from an estimate).
+        what_if: the what-if table (:class:`autotune.WhatIf`: other precisions, activation
+            checkpointing, an optimizer with less state), when the step could be estimated.
     """
 
     def __init__(
-        self, message: str, *, needed: int, budget: int, limit: int, micro_batch: int = 1, measured: bool = True
+        self, message: str, *, needed: int, budget: int, limit: int, micro_batch: int = 1, measured: bool = True,
+        what_if: Any = None,
     ) -> None:
         super().__init__(message)
+        self.what_if = what_if
         self.needed = needed
         self.budget = budget
         self.limit = limit

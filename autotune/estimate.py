@@ -31,6 +31,7 @@ trial measures the rest.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections import defaultdict
@@ -188,15 +189,28 @@ class Estimator:
     Args:
         work: the workload (model, optimizer, loss, worst-case batch, device, precision).
         step: the trial step ``step(model, optimizer, loss_fn, batch, device_type, precision)``.
+        precision: estimate under this precision instead of the workload's (a what-if).
+        checkpointing: estimate with activation checkpointing on the copy's blocks.
+        optimizer: ``optimizer(param_groups) -> Optimizer``, another optimizer for the copy (a
+            what-if), instead of the workload's own class and settings; its initial state is empty.
 
     Attributes:
         backends: the attention kernels a CUDA target was modelled with, one per attention call of
             the last estimate (empty for other targets).
     """
 
-    def __init__(self, work: Workload, step: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        work: Workload,
+        step: Callable[..., None],
+        *,
+        precision: str | None = None,
+        checkpointing: bool | None = None,
+        optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
+    ) -> None:
         self.work = work
         self.step = step
+        self.precision = precision or work.precision
         self.target = work.device.type
         self.mode = _fake_mode()
         memo: dict[int, Any] = {}
@@ -207,11 +221,20 @@ class Estimator:
                 memo[id(b)] = _fake_like(b)
         self.model = copy.deepcopy(work.model, memo)
         self.params = list(self.model.parameters())
-        groups = optimizer_for_device(work.optimizer, self.target)
-        for settings, g in zip(groups, work.optimizer.param_groups):
-            settings["params"] = [memo[id(p)] for p in g["params"]]
-        self.optimizer = type(work.optimizer)(groups)  # type: ignore[call-arg]
-        self.initial_state = {memo[id(p)]: self._fake_state(s) for p, s in work.optimizer.state.items()}
+        self._stack = contextlib.ExitStack()
+        if checkpointing if checkpointing is not None else getattr(work, "checkpointing", False):
+            from .checkpointing import activation_checkpointing
+
+            self._stack.enter_context(activation_checkpointing(self.model))  # a throwaway copy: never undone
+        if optimizer is not None:
+            self.optimizer = optimizer([{"params": [memo[id(p)] for p in g["params"]]} for g in work.optimizer.param_groups])
+            self.initial_state = {}
+        else:
+            groups = optimizer_for_device(work.optimizer, self.target)
+            for settings, g in zip(groups, work.optimizer.param_groups):
+                settings["params"] = [memo[id(p)] for p in g["params"]]
+            self.optimizer = type(work.optimizer)(groups)  # type: ignore[call-arg]
+            self.initial_state = {memo[id(p)]: self._fake_state(s) for p, s in work.optimizer.state.items()}
         self.block = CUDA_BLOCK if self.target == "cuda" else 1
         self.backends: list[str] = []
 
@@ -247,7 +270,7 @@ class Estimator:
         ledger.track(B.tensors(batch))
         attention = _CudaAttention() if self.target == "cuda" else None
         with self.mode, (attention if attention is not None else _nothing()), ledger:
-            self.step(self.model, self.optimizer, work.loss_fn, batch, "cpu", work.precision)
+            self.step(self.model, self.optimizer, work.loss_fn, batch, "cpu", self.precision)
         self.backends = attention.backends if attention is not None else []
         return ledger.peak
 

@@ -16,8 +16,9 @@ from .errors import AutotuneError, NothingFits
 from .memory import cuda_memory_fraction, default_headroom, default_limit, outside_allocator, storage_bytes
 from .plans import Plan, Trial, budget_of, split_evenly, window_layout
 from . import batches as B
-from .probe import Snapshot, Workload, min_micro_batch, probe, sample_batch
+from .probe import Progress, Snapshot, Workload, _trial_step, min_micro_batch, probe, sample_batch
 from .shapes import fit_shape_model
+from .whatif import estimate_rows
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
 from .step import LossFn, default_loss, normalize_precision
 from .units import format_bytes, parse_bytes
@@ -122,6 +123,8 @@ def plan(
     epochs: int | None = None,
     by_shape: bool = True,
     lengths: Sequence[int] | None = None,
+    checkpointing: bool = False,
+    progress: bool | float = True,
     on_trial: Callable[[Trial], Any] | None = None,
 ) -> Plan:
     """Find the largest micro-batch that fits and plan training at ``target_batch`` samples per step.
@@ -167,7 +170,12 @@ def plan(
             batch by its own shape; False uses ``micro_batch`` for every shape.
         lengths: lengths (of the varying dimension) the shape model must cover, besides a quarter,
             half, once and twice the longest seen.
-        on_trial: called with each :class:`Trial` as it is made (e.g. to show progress).
+        checkpointing: plan for activation checkpointing on the model's blocks (see
+            :mod:`autotune.checkpointing`; ``fit(checkpointing=True)`` trains that way).
+        progress: once probing takes more than a second (or this many seconds), say on stderr
+            which size is being tried and whether it is an estimate or a real step (before a real
+            step starts, and its outcome after); False is silent.
+        on_trial: called with each :class:`Trial` as it is made.
 
     Returns:
         A frozen :class:`Plan`.
@@ -230,6 +238,7 @@ def plan(
     set_aside: list[tuple[str, int]] = []
     # The snapshot comes first: looking at the loader draws from the RNGs (shuffling).
     snapshot = Snapshot(model, optimizer, loader)
+    shown = Progress(progress is not False and rank == 0, delay=None if isinstance(progress, bool) else float(progress))
     try:
         batch, first_size, _, dims = sample_batch(loader, max_batches=max_probe_batches)
         work = Workload(
@@ -239,8 +248,10 @@ def plan(
             batch=batch,
             device=device,
             precision=precision_name,
-            on_trial=on_trial,
+            on_trial=_both(on_trial, shown.done),
+            on_start=shown.starting,
             resident=device.type == "cpu" and limit is None,
+            checkpointing=checkpointing,
         )
         held = storage_bytes(work.held_tensors())
         if limit is None:
@@ -273,7 +284,10 @@ def plan(
             with bypass_nested(par.nested):
                 found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
                 if found.batch_size == 0:
-                    raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside)
+                    table = None
+                    if work.estimator is not None:  # say what would fit instead
+                        table = estimate_rows(work, _trial_step, budget=budget, upper=upper, lower=min_micro_batch(work.model))
+                    raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside, table=table)
                 if by_shape and dims:
                     shape_model = _shape_model(work, dims, found, budget, upper, lengths)
     except Exception as exc:
@@ -356,9 +370,19 @@ def plan(
         base_batch_source=source,
         set_aside=tuple(set_aside),
         shape_model=shape_model,
+        checkpointing=checkpointing,
         trials=tuple(work.trials),
         notes=tuple(notes),
     )
+
+
+def _both(first: Callable[[Trial], Any] | None, second: Callable[[Trial], Any]) -> Callable[[Trial], Any]:
+    def call(trial: Trial) -> None:
+        if first is not None:
+            first(trial)
+        second(trial)
+
+    return call
 
 
 def _shape_model(work: Workload, dims: list[tuple[int, int]], found: Any, budget: int, upper: int, lengths: Sequence[int] | None) -> Any:
@@ -389,7 +413,8 @@ def _shape_model(work: Workload, dims: list[tuple[int, int]], found: Any, budget
 
 
 def _nothing_fits(
-    trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]]
+    trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
+    table: Any = None,
 ) -> NothingFits:
     """The error for a probe that found no size: measured numbers when a real step ran."""
     real = [t for t in trials if not t.estimate]
@@ -401,11 +426,32 @@ def _nothing_fits(
     return NothingFits(
         f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
         f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
-        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}: try precision='bf16', a "
-        "smaller model, activation checkpointing (torch.utils.checkpoint), or a larger memory_limit",
+        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}: "
+        + (_smallest_change(table) or "try precision='bf16', a smaller model, activation checkpointing, or a larger memory_limit"),
         needed=needed,
         budget=budget,
         limit=limit,
         micro_batch=smallest,
         measured=measured,
+        what_if=table,
+    )
+
+
+def _smallest_change(table: Any) -> str | None:
+    """The message's advice from the what-if table: the fewest changes that make a micro-batch fit."""
+    if table is None:
+        return None
+    best = table.smallest_change()
+    if best is None:
+        return "no combination of bf16, activation checkpointing and an optimizer with less state fits either: use a larger memory_limit, a smaller model, or shard it"
+    kwargs = []
+    if best.precision != "fp32":
+        kwargs.append(f"precision={best.precision!r}")
+    if best.checkpointing:
+        kwargs.append("checkpointing=True")
+    if "(given)" not in best.optimizer:
+        kwargs.append(f"an optimizer like {best.optimizer}")
+    return (
+        f"with {best.describe()} an estimated {best.micro_batch} samples per micro-batch fit ({', '.join(kwargs)}; "
+        "err.what_if holds the table of what fits)"
     )

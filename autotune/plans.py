@@ -73,6 +73,8 @@ class Plan:
             or ``"the first batch's size"``.
         set_aside: bytes taken out of the limit before the headroom, by reason (e.g. the CUDA
             context of an estimate-only plan, DDP's gradient buckets).
+        checkpointing: whether the plan was made with activation checkpointing on the model's
+            blocks (``fit`` then trains that way).
         shape_model: for data whose samples vary in length, how memory grows with the per-sample
             size (see :mod:`autotune.shapes`); :meth:`micro_batch_for` reads it. None for
             fixed-shape data.
@@ -115,6 +117,7 @@ class Plan:
     base_batch_source: str = "given"
     set_aside: tuple[tuple[str, int], ...] = ()
     shape_model: ShapeModel | None = None
+    checkpointing: bool = False
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
 

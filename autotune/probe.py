@@ -39,9 +39,12 @@ from .errors import AutotuneError
 from .estimate import Estimator, is_estimate_error
 from .rng import RNGState
 from .search import Measurement, SearchResult, estimated_max, largest_fitting
+from .units import format_bytes
 from .step import LossFn, Precision, forward_backward
 
 __all__ = [
+    "EXACT_AT_ZERO_LR",
+    "Progress",
     "Snapshot",
     "Workload",
     "estimate_peak",
@@ -63,24 +66,47 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _exact_at_zero_lr() -> tuple[type, ...]:
+    """``torch.optim`` optimizers whose step leaves every parameter bitwise unchanged at ``lr=0``.
+
+    Each applies its update as ``p += -lr * ...`` and weight decay as ``p *= 1 - lr * wd`` or
+    through the update, and ``tests/test_no_copy.py`` checks them bitwise (single tensor, foreach
+    and fused). Not here: optimizers with LR-free updates (Rprop, LBFGS), ASGD (its ``eta`` state
+    carries the learning rate of earlier steps), and any subclass, whose step may differ.
+    """
+    o = torch.optim
+    names = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
+    return tuple(getattr(o, n) for n in names if hasattr(o, n))
+
+
+EXACT_AT_ZERO_LR = _exact_at_zero_lr()
+
+
 class Snapshot:
     """Exactly what a trial can change, copied to CPU, and put back bitwise by :meth:`restore`.
 
-    Covers parameter values, buffers, ``.grad`` (None stays None; an existing gradient keeps its
-    tensor object), the optimizer's per-parameter state (same tensor objects, values restored;
+    Covers buffers, ``.grad`` that existed (None stays None; an existing gradient keeps its tensor
+    object), the optimizer's existing per-parameter state (same tensor objects, values restored;
     entries the trial added are removed), its param-group settings, the modules' train/eval flags,
     and the random number generators (torch CPU and CUDA, Python, numpy, and the loader's own
     generators: see :class:`autotune.rng.RNGState`).
+
+    Parameter values are copied only when the trial could change them: a trial of an optimizer in
+    :data:`EXACT_AT_ZERO_LR` steps with a learning rate of exactly 0 (``zero_lr``), which leaves
+    every parameter bitwise as it was, so a model whose weights fill the host memory is never
+    copied there. Other optimizers (their own LR-free updates, schedule-free or D-Adaptation
+    variants, subclasses) keep the full copy.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.zero_lr = type(optimizer) in EXACT_AT_ZERO_LR
         self.params = _unique(
             [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
         )
         with torch.no_grad():
-            self.values = [p.detach().to("cpu", copy=True) for p in self.params]
+            self.values = None if self.zero_lr else [p.detach().to("cpu", copy=True) for p in self.params]
             self.grads = [
                 None if p.grad is None else (p.grad, p.grad.detach().to("cpu", copy=True))
                 for p in self.params
@@ -96,6 +122,14 @@ class Snapshot:
         self.training = [(m, m.training) for m in model.modules()]
         self.rng = RNGState(loader)
 
+    def prepare_trial(self) -> None:
+        """Before a real trial: every param group's learning rate to exactly 0 (zero_lr only)."""
+        if not self.zero_lr:
+            return
+        for g in self.optimizer.param_groups:
+            lr = g.get("lr")
+            g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+
     @staticmethod
     def _save(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -106,7 +140,7 @@ class Snapshot:
         """Put everything back as it was when the snapshot was taken."""
         opt = self.optimizer
         with torch.no_grad():
-            for p, v in zip(self.params, self.values):
+            for p, v in zip(self.params, self.values or ()):
                 p.copy_(v)
             for p, g in zip(self.params, self.grads):
                 if g is None:
@@ -206,6 +240,41 @@ def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> tuple[Any, i
     return worst, first_size, seen, B.length_dims([worst, *others])
 
 
+class Progress:
+    """One line per trial on stderr, once probing has taken more than ``delay`` seconds.
+
+    A real trial is announced before it starts: for a big model one step can take a minute.
+    """
+
+    DELAY = 1.0  # seconds of probing before anything is shown
+
+    def __init__(self, enabled: bool = True, *, delay: float | None = None, stream: Any = None) -> None:
+        self.enabled = enabled
+        self.delay = self.DELAY if delay is None else delay
+        self.stream = stream
+        self.start = time.perf_counter()
+
+    def _show(self) -> bool:
+        return self.enabled and time.perf_counter() - self.start > self.delay
+
+    def _print(self, text: str) -> None:
+        import sys
+
+        print(f"autotune: {text}", file=self.stream or sys.stderr, flush=True)
+
+    def starting(self, b: int) -> None:
+        """A real trial of ``b`` samples starts."""
+        if self._show():
+            self._print(f"real step at micro-batch {b} ...")
+
+    def done(self, trial: Trial) -> None:
+        """A trial (estimate or real step) is done."""
+        if self._show() or (self.enabled and not trial.estimate and trial.seconds > self.delay):
+            kind = "estimate" if trial.estimate else "real step"
+            verdict = "fits" if trial.fits else "does not fit"
+            self._print(f"{kind} at micro-batch {trial.batch_size}: {verdict} ({format_bytes(trial.peak_memory)}, {trial.seconds:.2f} s)")
+
+
 @dataclass
 class Workload:
     """What a trial runs: the model, its optimizer, the loss and one worst-case batch."""
@@ -219,11 +288,15 @@ class Workload:
     trials: list[Trial] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     on_trial: Callable[[Trial], Any] | None = None
+    # Told before each real trial starts (a step of a big model can take a minute).
+    on_start: Callable[[int], Any] | None = None
     # Budget the process's resident growth too, not only tensor bytes (the CPU's physical memory
     # as the limit: allocator overhead there is what the OOM killer sees).
     resident: bool = False
     # The estimator the probe used (None when the step could not be estimated), for the shape model.
     estimator: Any = None
+    # Activation checkpointing on the model's blocks during trials (and on the estimate's copy).
+    checkpointing: bool = False
 
     def record(self, trial: Trial) -> None:
         """Keep a trial and tell the ``on_trial`` callback, if any."""
@@ -243,9 +316,17 @@ def _trial_step(
     batch: Any,
     device_type: str,
     precision: Precision,
+    finite: bool = False,
 ) -> None:
     model.train()
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+    if finite:
+        # At a learning rate of 0 a non-finite gradient would still reach the weights (0 * inf is
+        # nan): the trial's gradients are its own, and only their memory matters.
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
     optimizer.step()
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
 
@@ -345,13 +426,20 @@ def probe(
         return SearchResult(size, points.get(size, points[lower]), None, size)
 
     def real(b: int) -> Measurement:
-        return _real_trial(work, b, budget, snapshot)
+        if not work.checkpointing:
+            return _real_trial(work, b, budget, snapshot)
+        from .checkpointing import activation_checkpointing
+
+        with activation_checkpointing(work.model):
+            return _real_trial(work, b, budget, snapshot)
 
     return largest_fitting(real, upper=upper, budget=budget, estimate=estimator, lower=lower, max_real=max_real)
 
 
 def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Measurement:
     device = work.device
+    if work.on_start is not None:
+        work.on_start(b)
     release_cached(device)
     # A compact copy: a slice of a larger tensor would count the whole of its storage.
     batch = B.map_tensors(B.to_device(B.repeat_to(work.batch, b), device), _compact)
@@ -365,9 +453,10 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Meas
     resident = ResidentPeak() if (device.type == "cpu" and work.resident) else None
     start = time.perf_counter()
     fits = True
+    snapshot.prepare_trial()
     try:
         with ledger, (resident if resident is not None else contextlib.nullcontext()):
-            _trial_step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision)
+            _trial_step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision, finite=snapshot.zero_lr)
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
         if not is_out_of_memory(exc):

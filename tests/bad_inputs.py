@@ -274,7 +274,7 @@ CLI: list[tuple[str, list[str], int, str]] = [
     ("`--plot` into a missing directory", ["report", "--demo", "--plot", "/nonexistent/dir/m.png"], 2, "does not exist"),
     ("`--plot` onto a directory", ["report", "--demo", "--plot", "{tmp}"], 2, "it is a directory"),
     ("an estimate the meta device cannot make (`--device cuda`)", ["report", "{models}:needs_values", "--input-shape", "4", "--target-batch", "8", "--device", "cuda", "--memory-limit", "80GiB"], 2, "Cannot estimate this model without running it"),
-    ("a limit nothing fits in", ["report", "--demo", "--memory-limit", "1MiB"], 1, "try --precision bf16, a larger --memory-limit"),
+    ("a limit nothing fits in", ["report", "--demo", "--memory-limit", "1MiB"], 1, "use a larger --memory-limit"),
 ]
 
 

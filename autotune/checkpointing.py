@@ -1,0 +1,80 @@
+"""Activation checkpointing applied for a run and taken away after it.
+
+Checkpointing keeps only each block's inputs during the forward pass and recomputes the block during
+backward: activation memory drops to about one block's worth, for roughly a third more compute.
+:func:`activation_checkpointing` turns it on for a model and off again when the block ends:
+
+- a Hugging Face model that supports it: its own ``gradient_checkpointing_enable()`` (and
+  ``gradient_checkpointing_disable()`` afterwards, unless it was on already);
+- any other model: every block of its largest ``nn.ModuleList`` (the transformer layers), or else
+  every child of a top-level ``nn.Sequential``, runs under ``torch.utils.checkpoint.checkpoint``
+  (non-reentrant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+__all__ = ["activation_checkpointing", "blocks"]
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks checkpointing wraps: the children of the model's largest ``nn.ModuleList`` (by
+    parameters), else the children of a top-level ``nn.Sequential``; empty when there are none."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) >= 2]
+    if lists:
+        largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+        return list(largest)
+    if isinstance(model, nn.Sequential) and len(model) >= 2:
+        return list(model)
+    return []
+
+
+@contextlib.contextmanager
+def activation_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Checkpoint the model's blocks while the block runs; put the model back afterwards.
+
+    Raises:
+        ValueError: the model has no blocks autotune can find (wrap yours with
+            ``torch.utils.checkpoint.checkpoint`` yourself).
+    """
+    hf_enable = getattr(model, "gradient_checkpointing_enable", None)
+    if callable(hf_enable) and getattr(model, "supports_gradient_checkpointing", False):
+        was_on = bool(getattr(model, "is_gradient_checkpointing", False))
+        if not was_on:
+            hf_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            yield
+        finally:
+            if not was_on:
+                model.gradient_checkpointing_disable()  # type: ignore[operator]
+        return
+    found = blocks(model)
+    if not found:
+        raise ValueError(
+            f"Invalid checkpointing=True for {type(model).__name__}: it has no nn.ModuleList of blocks (or "
+            "top-level nn.Sequential) to checkpoint; wrap your blocks with torch.utils.checkpoint.checkpoint"
+        )
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(forward: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+        return run
+
+    wrapped = []
+    try:
+        for block in found:
+            if "forward" in block.__dict__:  # already wrapped by someone: leave it
+                continue
+            block.forward = checkpointed(block.forward)  # type: ignore[method-assign]
+            wrapped.append(block)
+        yield
+    finally:
+        for block in wrapped:
+            del block.forward
