@@ -55,6 +55,20 @@ def one(args: tuple[str, str, int, int, int], out) -> None:
     ids = torch.randint(0, 8000, (target, 128), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     gc.collect()
+    import psutil
+
+    import autotune.probe as probe
+
+    before = psutil.Process().memory_info().rss
+    at_trial: list[int] = []
+    real_trial = probe._real_trial
+
+    def recorded(*args, **kwargs):  # what planning holds when its real trial begins
+        gc.collect()
+        at_trial.append(psutil.Process().memory_info().rss - before)
+        return real_trial(*args, **kwargs)
+
+    probe._real_trial = recorded
     with ResidentPeak() as resident:
         if what == "plan":
             plan = autotune.plan(model, [batch], target_batch=target, optimizer=opt, memory_limit="16GiB", headroom=0,
@@ -65,10 +79,11 @@ def one(args: tuple[str, str, int, int, int], out) -> None:
             model(**batch).loss.backward()
             opt.step()
             model(**batch).loss.backward()
-    out.put((resident.growth, sum(p.numel() for p in model.parameters()), sum(p.numel() * 4 for p in model.parameters())))
+    out.put((resident.growth, sum(p.numel() for p in model.parameters()), sum(p.numel() * 4 for p in model.parameters()),
+             at_trial[0] if at_trial else 0))
 
 
-def measure(what: str, name: str, layers: int, dim: int, target: int) -> tuple[int, int, int]:
+def measure(what: str, name: str, layers: int, dim: int, target: int) -> tuple[int, int, int, int]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     p = ctx.Process(target=one, args=((what, name, layers, dim, target), out))
@@ -88,16 +103,19 @@ def main() -> None:
     mib = 2**20
     rows = []
     for name in ("AdamW", "SGD momentum", "AdamW subclass (copied)"):
-        planned = statistics.median(measure("plan", name, args.layers, args.dim, args.target)[0] for _ in range(args.repeats))
+        runs = [measure("plan", name, args.layers, args.dim, args.target) for _ in range(args.repeats)]
+        planned = statistics.median(r[0] for r in runs)
+        held = statistics.median(r[3] for r in runs)
         step = statistics.median(measure("step", name, args.layers, args.dim, args.target)[0] for _ in range(args.repeats))
-        _, n, param_bytes = measure("step", name, args.layers, args.dim, 1)
-        rows.append((name, planned, step, planned - step, (planned - step) / param_bytes))
+        _, n, param_bytes, _ = runs[0]
+        rows.append((name, planned, step, planned - step, (planned - step) / param_bytes, held, held / param_bytes))
     print(f"GPT-2-shaped, {args.layers} layers of width {args.dim}: {n / 1e6:.0f}M parameters, {param_bytes / mib:.0f} MiB; "
           f"{args.target} sequences of 128 tokens")
-    print("| optimizer | resident growth: plan | resident growth: the same step by hand | added by planning | share of the parameter bytes |")
-    print("|---|---|---|---|---|")
-    for name, planned, step, added, share in rows:
-        print(f"| {name} | {planned / mib:.0f} MiB | {step / mib:.0f} MiB | {added / mib:.0f} MiB | {100 * share:.1f}% |")
+    print("| optimizer | held by plan when its real trial starts | share of the parameter bytes | peak growth: plan | peak growth: the same step by hand | difference | share |")
+    print("|---|---|---|---|---|---|---|")
+    for name, planned, step, added, share, held, held_share in rows:
+        print(f"| {name} | {held / mib:.0f} MiB | {100 * held_share:.1f}% | {planned / mib:.0f} MiB | {step / mib:.0f} MiB | "
+              f"{added / mib:.0f} MiB | {100 * share:.1f}% |")
 
 
 if __name__ == "__main__":
