@@ -347,3 +347,13 @@ def test_micro_batch_by_length(capsys, tmp_path):
     assert code == 0 and path.read_bytes()[:4] == b"\x89PNG"
     code, _, err = run(capsys, "report", "--demo", "--lengths", "16,x")
     assert code == 2 and "Invalid --lengths '16,x'" in err
+
+
+def test_what_if_table_and_checkpointing_flag(capsys):
+    code, out, err = run(capsys, "report", "--demo", "--what-if", "--json", "--no-cache")
+    assert code == 0, err
+    rows = json.loads(out)["what_if"]["rows"]
+    assert len(rows) == 8 and rows[0]["verified"] and rows[0]["changes"] == 0
+    assert {(r["precision"], r["checkpointing"]) for r in rows} == {("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)}
+    code, out, _ = run(capsys, "report", "--demo", "--checkpointing", "--json", "--no-cache")
+    assert code == 0 and json.loads(out)["plan"]["checkpointing"] is True
