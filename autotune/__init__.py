@@ -10,6 +10,7 @@ from .accumulate import Micro, Window, accumulate
 from .batches import pad_to_longest
 from .bn import AdjustBN, PooledBN, PreciseBN
 from .errors import AutotuneError, NothingFits
+from .noise import NoiseScale, noise_scale
 from .planner import plan
 from .plans import Plan, Trial
 from .training import AutotuneWarning, FitResult, StepRecord, fit
@@ -26,6 +27,7 @@ __all__ = [
     "BNTuning",
     "FitResult",
     "Micro",
+    "NoiseScale",
     "NothingFits",
     "OptunaBN",
     "Plan",
@@ -40,6 +42,7 @@ __all__ = [
     "accumulate",
     "fit",
     "format_bytes",
+    "noise_scale",
     "pad_to_longest",
     "parse_bytes",
     "plan",

@@ -7,6 +7,7 @@ error (with a one-line reason).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import itertools
@@ -60,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plot", metavar="PNG", type=Path, help="plot peak memory against batch size (needs matplotlib)")
     r.add_argument("--epochs", type=int, metavar="N", help="the run's length, to cap the recommended warm-up at 10%% of it")
     r.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing on the model's blocks")
+    r.add_argument("--follow-batch", action="store_true", help="Adam family: move betas, eps and weight decay to the target batch too (Malladi et al. 2022)")
+    r.add_argument("--noise-scale", action="store_true", help="also measure the gradient noise scale on the --loader batches, and say whether the target is far from it")
     r.add_argument("--what-if", action="store_true", help="also print the largest micro-batch with bf16, activation checkpointing and an optimizer with less state (estimates)")
     r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
@@ -381,6 +384,8 @@ def _report(args: argparse.Namespace) -> int:
         raise UsageError(f"Invalid --lr {args.lr}: it must be positive")
     if args.plot:
         _check_plot_path(args.plot)
+    if args.noise_scale and not args.loader:
+        raise UsageError("--noise-scale measures gradients on real data: give --loader module:callable too")
     lengths = _lengths(args.lengths) if args.lengths else []
     try:
         device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -434,6 +439,7 @@ def _report(args: argparse.Namespace) -> int:
         "epochs": args.epochs,
         "lengths": lengths,
         "checkpointing": args.checkpointing,
+        "follow_batch": args.follow_batch,
         "torch": torch.__version__,
         "autotune": autotune.__version__,
     })
@@ -447,10 +453,9 @@ def _report(args: argparse.Namespace) -> int:
             device=device, memory_limit=limit, headroom=args.headroom, lr_rule=args.lr_rule,
             base_batch=base_batch, precision=args.precision, verify=on_device, progress=0.0,
             epochs=args.epochs, lengths=lengths or None, checkpointing=args.checkpointing,
+            follow_batch=args.follow_batch,
         )
         if limit_note:
-            import dataclasses
-
             plan = dataclasses.replace(plan, notes=(limit_note, *plan.notes))
         first = next(iter(loader))
         work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=first, device=device)
@@ -468,12 +473,22 @@ def _report(args: argparse.Namespace) -> int:
     table = None
     if args.what_if:
         table = autotune.what_if(model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn, plan=plan)
+    noise = None
+    if args.noise_scale:
+        from . import batches as B
+        from .noise import advice
+
+        first_size = B.batch_size(next(iter(loader)))
+        noise = autotune.noise_scale(model, loader, micro_batch=max(1, min(plan.micro_batch, first_size)), micro_batches=4,
+                                     windows=30, loss_fn=loss_fn, device=device if on_device else None)
     if args.plot:
         _plot(plan, args.plot, by_length)
     if args.json:
         data = render_json(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length)
         if table is not None:
             data["what_if"] = table.to_dict()
+        if args.noise_scale:
+            data["noise_scale"] = None if noise is None else {**dataclasses.asdict(noise), "advice": advice(noise, args.target_batch)}
         print(json.dumps(data, indent=2))
     elif args.format:
         print(framework_configs(plan)[args.format])
@@ -483,6 +498,15 @@ def _report(args: argparse.Namespace) -> int:
             print()
             print("What if (estimates; the verified row ran for real)")
             print("\n".join("  " + line for line in str(table).splitlines()))
+        if args.noise_scale:
+            print()
+            print("Gradient noise scale")
+            if noise is None:
+                print("  not measurable here: the gradient is too small against its noise on these batches")
+            else:
+                print(f"  {noise}")
+                said = advice(noise, args.target_batch)
+                print(f"  {said}" if said else f"  target {args.target_batch} is within 2x of it: a good batch for this model")
     return 0
 
 

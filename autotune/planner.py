@@ -20,6 +20,7 @@ from .probe import Progress, Snapshot, Workload, _trial_step, min_micro_batch, p
 from .shapes import fit_shape_model
 from .whatif import estimate_rows
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
+from .scaling import follow_batch as follow_batch_settings
 from .step import LossFn, default_loss, normalize_precision
 from .units import format_bytes, parse_bytes
 
@@ -124,6 +125,7 @@ def plan(
     by_shape: bool = True,
     lengths: Sequence[int] | None = None,
     checkpointing: bool = False,
+    follow_batch: bool = False,
     progress: bool | float = True,
     on_trial: Callable[[Trial], Any] | None = None,
 ) -> Plan:
@@ -172,6 +174,9 @@ def plan(
             half, once and twice the longest seen.
         checkpointing: plan for activation checkpointing on the model's blocks (see
             :mod:`autotune.checkpointing`; ``fit(checkpointing=True)`` trains that way).
+        follow_batch: for Adam-family optimizers, move betas, epsilon and (decoupled) weight decay
+            to the target batch too, by the square-root SDE rule of Malladi et al. 2022 (see
+            :class:`autotune.scaling.OptimizerSettings`); ``fit`` applies them around each step.
         progress: once probing takes more than a second (or this many seconds), say on stderr
             which size is being tried and whether it is an estimate or a real step (before a real
             step starts, and its outcome after); False is silent.
@@ -327,6 +332,19 @@ def plan(
     betas = optimizer.param_groups[0].get("betas")
     per_epoch = _steps_per_epoch(loader, base_batch, target_batch)
     warmup = warmup_steps(scale, rule, beta2=float(betas[1]) if betas else None, steps_per_epoch=per_epoch)  # type: ignore[arg-type]
+    settings = None
+    if follow_batch:
+        group = optimizer.param_groups[0]
+        if not betas or rule != "sqrt":
+            notes.append(f"follow_batch needs an Adam-family optimizer (betas, the square-root rule); {type(optimizer).__name__} keeps its settings")
+        else:
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+            settings = follow_batch_settings(
+                target_batch / base_batch, betas=(float(betas[0]), float(betas[1])), eps=float(group.get("eps", 1e-8)),
+                weight_decay=float(group.get("weight_decay", 0.0)), decoupled=decoupled, effective_batch=target_batch,
+            )
+            warmup = settings.warmup_steps if scale > 1 else None
+            notes.extend(settings.notes)
     warmup, capped = cap_warmup(warmup, epochs * per_epoch if (epochs and per_epoch) else None)
     if capped:
         notes.append(capped)
@@ -371,6 +389,7 @@ def plan(
         set_aside=tuple(set_aside),
         shape_model=shape_model,
         checkpointing=checkpointing,
+        optimizer_settings=settings,
         trials=tuple(work.trials),
         notes=tuple(notes),
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
 
+from .scaling import OptimizerSettings
 from .shapes import ShapeModel
 from .units import format_bytes
 
@@ -75,6 +76,9 @@ class Plan:
             context of an estimate-only plan, DDP's gradient buckets).
         checkpointing: whether the plan was made with activation checkpointing on the model's
             blocks (``fit`` then trains that way).
+        optimizer_settings: Adam-family betas, epsilon and weight decay moved to the target batch
+            (``plan(..., follow_batch=True)``; see :class:`autotune.scaling.OptimizerSettings`),
+            applied by ``fit`` around every optimizer step; None otherwise.
         shape_model: for data whose samples vary in length, how memory grows with the per-sample
             size (see :mod:`autotune.shapes`); :meth:`micro_batch_for` reads it. None for
             fixed-shape data.
@@ -118,6 +122,7 @@ class Plan:
     set_aside: tuple[tuple[str, int], ...] = ()
     shape_model: ShapeModel | None = None
     checkpointing: bool = False
+    optimizer_settings: OptimizerSettings | None = None
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -175,6 +180,11 @@ class Plan:
             values["rank_micro_batches"] = tuple(int(v) for v in values.get("rank_micro_batches", ()))
             model = values.get("shape_model")
             values["shape_model"] = ShapeModel.from_dict(model) if model else None
+            settings = values.get("optimizer_settings")
+            values["optimizer_settings"] = (
+                OptimizerSettings(**{**settings, "betas": tuple(settings["betas"]), "notes": tuple(settings.get("notes", ()))})
+                if settings else None
+            )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"Invalid plan data: {exc}") from None
         plan = cls(**values)
@@ -215,6 +225,9 @@ class Plan:
         data["set_aside"] = [list(pair) for pair in self.set_aside]
         data["rank_micro_batches"] = list(self.rank_micro_batches)
         data["shape_model"] = self.shape_model.to_dict() if self.shape_model is not None else None
+        if self.optimizer_settings is not None:
+            data["optimizer_settings"] = {**dataclasses.asdict(self.optimizer_settings), "betas": list(self.optimizer_settings.betas),
+                                          "notes": list(self.optimizer_settings.notes)}
         data["budget"] = self.budget
         return data
 
@@ -239,6 +252,13 @@ class Plan:
             f"trials: {sum(not t.estimate for t in self.trials)} real, "
             f"{sum(t.estimate for t in self.trials)} estimates",
         ]
+        if self.optimizer_settings is not None:
+            o = self.optimizer_settings
+            lines.append(
+                f"optimizer settings for the batch (Malladi et al. 2022): betas ({o.betas[0]:.6g}, {o.betas[1]:.6g}), "
+                f"eps {o.eps:.3g}" + ("" if o.weight_decay is None else f", weight decay {o.weight_decay:.6g}")
+                + f"; warm-up {o.warmup_steps} steps ({o.warmup_samples} samples)"
+            )
         if self.shape_model is not None:
             lines.append(f"micro-batch by shape: per-sample sizes {', '.join(map(str, self.shape_model.sizes))} estimated; plan.micro_batch_for(batch)")
         if not self.verified:

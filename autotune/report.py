@@ -122,17 +122,38 @@ def framework_configs(plan: Plan) -> dict[str, str]:
         head += f"\n# {split.note}"
     short = "drop_last=True: these loops divide every window by the same count, so a short last window would be mis-weighted"
     keras_opt = _KERAS_OPTIMIZERS.get(plan.optimizer.lower(), "AdamW")
+    o = plan.optimizer_settings
+    torch_args = f"lr={lr}"
+    keras_args = f"learning_rate={lr}"
+    hf_args: list[str] = []
+    ds_params: dict[str, Any] = {"lr": float(lr)}
+    if o is not None:
+        lr_note += f"\n# betas, eps and weight decay for the batch: square-root rule of Malladi et al. 2022 (x{o.kappa:.4g} batch)"
+        torch_args += f", betas=({o.betas[0]:.6g}, {o.betas[1]:.6g}), eps={o.eps:.6g}"
+        keras_args += f", beta_1={o.betas[0]:.6g}, beta_2={o.betas[1]:.6g}, epsilon={o.eps:.6g}"
+        hf_args += [f"    adam_beta1={o.betas[0]:.6g},", f"    adam_beta2={o.betas[1]:.6g},", f"    adam_epsilon={o.eps:.6g},"]
+        ds_params.update(betas=[round(o.betas[0], 9), round(o.betas[1], 9)], eps=o.eps)
+        if o.weight_decay is not None:
+            torch_args += f", weight_decay={o.weight_decay:.6g}"
+            keras_args += f", weight_decay={o.weight_decay:.6g}"
+            hf_args.append(f"    weight_decay={o.weight_decay:.6g},")
+            ds_params["weight_decay"] = o.weight_decay
+    optimizer_line = f"optimizer = torch.optim.{plan.optimizer or 'AdamW'}(model.parameters(), {torch_args})"
+    deepspeed: dict[str, Any] = {"train_batch_size": target, "train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}
+    if o is not None:
+        deepspeed["optimizer"] = {"type": plan.optimizer or "AdamW", "params": ds_params}
     configs = {
         "lightning": "\n".join([
             head, lr_note,
             f"trainer = lightning.Trainer(accumulate_grad_batches={k}, devices={world})",
             f"train_loader = DataLoader(dataset, batch_size={m}, shuffle=True, drop_last=True)  # {short}",
+            *([f"{optimizer_line}  # in configure_optimizers"] if o is not None else []),
         ]),
         "accelerate": "\n".join([
             head, lr_note,
             f"accelerator = Accelerator(gradient_accumulation_steps={k})",
             f"train_loader = DataLoader(dataset, batch_size={m}, shuffle=True, drop_last=True)  # {short}",
-            f"optimizer = torch.optim.{plan.optimizer or 'AdamW'}(model.parameters(), lr={lr})",
+            optimizer_line,
         ]),
         "hf": "\n".join([
             head,
@@ -140,18 +161,16 @@ def framework_configs(plan: Plan) -> dict[str, str]:
             f"    per_device_train_batch_size={m},",
             f"    gradient_accumulation_steps={k},",
             f"    learning_rate={lr},",
+            *hf_args,
             *([f"    warmup_steps={plan.warmup_steps},"] if plan.warmup_steps else []),
             "    dataloader_drop_last=True,",
             "    ...,",
             ")",
         ]),
-        "deepspeed": json.dumps(
-            {"train_batch_size": target, "train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k},
-            indent=2,
-        ),
+        "deepspeed": json.dumps(deepspeed, indent=2),
         "keras": "\n".join([
             head, lr_note,
-            f"optimizer = keras.optimizers.{keras_opt}(learning_rate={lr}, gradient_accumulation_steps={k})",
+            f"optimizer = keras.optimizers.{keras_opt}({keras_args}, gradient_accumulation_steps={k})",
             f"model.fit(x, y, batch_size={m}, ...)",
         ]),
     }
@@ -198,6 +217,12 @@ def render_text(
     lines.append(_row("effective batch", f"{plan.effective_batch} ({plan.world_size} device{'s' if plan.world_size > 1 else ''})"))
     lines.append(_row("learning rate", f"{plan.lr:.6g} ({plan.lr_rule} rule, x{plan.lr_scale:.4g} from {plan.base_lr:.6g} at batch {plan.base_batch}; {plan.optimizer or 'optimizer'})"))
     lines.append(_row("warm-up", f"{plan.warmup_steps} steps" if plan.warmup_steps else "none needed"))
+    if plan.optimizer_settings is not None:
+        o = plan.optimizer_settings
+        lines.append(_row("betas, eps", f"({o.betas[0]:.6g}, {o.betas[1]:.6g}), {o.eps:.3g} (Malladi et al. 2022, x{o.kappa:.4g} batch)"))
+        if o.weight_decay is not None:
+            lines.append(_row("weight decay", f"{o.weight_decay:.6g} (timescale kept: decoupled decay x sqrt(kappa))"))
+        lines.append(_row("warm-up in samples", f"{o.warmup_samples}"))
     bn = "no BatchNorm" if plan.bn_mode is None else (
         f"{plan.bn_mode}" if plan.bn_momentum is None else f"{plan.bn_momentum:.6g} per micro-batch (bn={plan.bn_mode})"
     )

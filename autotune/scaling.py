@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 __all__ = [
     "LRRule",
+    "OptimizerSettings",
     "adjusted_bn_momentum",
     "auto_lr_rule",
     "lr_scale",
     "cap_warmup",
+    "follow_batch",
     "warmup_steps",
 ]
 
@@ -147,3 +150,77 @@ def adjusted_bn_momentum(momentum: float, accumulation_steps: int) -> float:
     if accumulation_steps < 1:
         raise ValueError(f"Invalid accumulation_steps {accumulation_steps!r}: it must be at least 1")
     return 1.0 - (1.0 - momentum) ** (1.0 / accumulation_steps)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam-family settings that follow the batch: the square-root SDE rule on every term.
+
+    Malladi, Lyu, Panigrahi and Arora 2022, "On the SDEs and Scaling Rules for Adaptive Gradient
+    Algorithms": for a batch ``kappa`` times larger, ``lr * sqrt(kappa)``, ``1 - beta1`` and
+    ``1 - beta2`` times ``kappa``, ``eps / sqrt(kappa)``. Decoupled weight decay (AdamW) times
+    ``sqrt(kappa)``, which keeps its timescale ``B / (lr * wd * D)`` constant (Wang and Aitchison
+    2025). Warm-up ``2 / (1 - beta2)`` steps at the new beta2 (Ma and Yarats 2021), which is the same
+    number of samples at any batch. The rule holds while ``kappa * (1 - beta) << 1``; the notes say
+    when it does not.
+
+    Attributes:
+        kappa: target batch over the batch the settings were tuned at.
+        betas: the new ``(beta1, beta2)``, kept in ``[0, 1)``.
+        eps: the new epsilon.
+        weight_decay: the new weight decay (None when unchanged: coupled L2 decay).
+        warmup_steps: warm-up at the target batch, in optimizer steps.
+        warmup_samples: the same warm-up in samples.
+        notes: where the rule stretches.
+    """
+
+    kappa: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float | None
+    warmup_steps: int
+    warmup_samples: int
+    notes: tuple[str, ...] = ()
+
+    def apply(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The param group's settings moved to the target batch (its scheduled values transformed)."""
+        out: dict[str, Any] = {}
+        if "betas" in group:
+            b1, b2 = group["betas"]
+            out["betas"] = (_beta(b1, self.kappa), _beta(b2, self.kappa))
+        if "eps" in group and group["eps"] is not None:
+            out["eps"] = group["eps"] / math.sqrt(self.kappa)
+        if self.weight_decay is not None and "weight_decay" in group:
+            out["weight_decay"] = group["weight_decay"] * math.sqrt(self.kappa)
+        return out
+
+
+def _beta(beta: float, kappa: float) -> float:
+    return min(max(1.0 - kappa * (1.0 - beta), 0.0), 1.0 - 1e-12)
+
+
+def follow_batch(
+    kappa: float, *, betas: tuple[float, float], eps: float, weight_decay: float, decoupled: bool, effective_batch: int
+) -> OptimizerSettings:
+    """:class:`OptimizerSettings` for a batch ``kappa`` times the one the settings were tuned at.
+
+    Example:
+        >>> s = follow_batch(4.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True, effective_batch=256)
+        >>> [round(b, 6) for b in s.betas], s.eps, s.weight_decay, s.warmup_steps
+        ([0.6, 0.996], 5e-09, 0.02, 500)
+    """
+    if not kappa > 0:
+        raise ValueError(f"Invalid kappa {kappa!r}: effective_batch / base_batch must be positive")
+    b1, b2 = _beta(betas[0], kappa), _beta(betas[1], kappa)
+    notes = []
+    for name, beta in (("beta1", betas[0]), ("beta2", betas[1])):
+        if kappa * (1 - beta) > 0.5:
+            notes.append(
+                f"{name}={beta} at kappa={kappa:.3g}: kappa * (1 - {name}) = {kappa * (1 - beta):.2f} is not small, where the "
+                "square-root rule stops holding; treat the new value as a starting point"
+            )
+    wd = weight_decay * math.sqrt(kappa) if (decoupled and weight_decay) else None
+    if weight_decay and not decoupled:
+        notes.append("coupled (L2) weight decay left as it is: the timescale rule is for decoupled decay (AdamW)")
+    steps = math.ceil(2.0 / (1.0 - b2))
+    return OptimizerSettings(kappa, (b1, b2), eps / math.sqrt(kappa), wd, steps, steps * effective_batch, tuple(notes))

@@ -65,6 +65,7 @@ from .distributed import (
 )
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
+from .noise import NoiseMeter
 from .planner import _resolve_device, allocator_cap, plan as make_plan
 from .plans import Plan, peak_at, split_evenly
 from .probe import held_tensors, min_micro_batch
@@ -90,6 +91,8 @@ class StepRecord:
         micro_batch: the largest micro-batch used for this window.
         seconds: wall time of the step.
         micro_batches: the sizes of the micro-batches that ran (on this rank).
+        noise_scale: the gradient noise scale measured so far (``B_simple`` in loss items; see
+            :mod:`autotune.noise`), or None before it can be estimated.
     """
 
     step: int
@@ -101,6 +104,7 @@ class StepRecord:
     micro_batch: int
     seconds: float
     micro_batches: tuple[int, ...] = ()
+    noise_scale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -112,11 +116,28 @@ class FitResult:
             steps, BatchNorm momentum and peak describe what training finally used.
         history: one :class:`StepRecord` per optimizer step.
         bn_tuning: the momentum study of ``bn=OptunaBN(...)`` (else None).
+        noise_scale: the gradient noise scale over the run (:class:`autotune.noise.NoiseScale`:
+            value, standard error, windows averaged), None when it was not measured (one
+            micro-batch per window in one process, or ``noise_scale=False``).
     """
 
     plan: Plan
     history: tuple[StepRecord, ...]
     bn_tuning: Any = None
+    noise_scale: Any = None
+
+    def advice(self) -> str | None:
+        """Plain words when the target batch is far from the measured noise scale (else None).
+
+        Both are in loss items: with ``count``, the target is the mean items per step.
+        """
+        if self.noise_scale is None:
+            return None
+        from .noise import advice
+
+        full = [r.items for r in self.history if r.samples == self.plan.effective_batch] or [r.items for r in self.history]
+        items = round(sum(full) / len(full)) if full else self.plan.effective_batch
+        return advice(self.noise_scale, items)
 
     @property
     def samples(self) -> int:
@@ -206,6 +227,7 @@ def fit(
     scaler: torch.amp.GradScaler | None = None,
     bn: Any = "adjust",
     checkpointing: bool = False,
+    noise_scale: bool | int = True,
     progress: bool = True,
     plan: Plan | None = None,
     callback: Callable[[StepRecord], Any] | None = None,
@@ -258,6 +280,12 @@ def fit(
             :mod:`autotune.checkpointing`), counted by the plan: fewer activations kept, about a
             third more compute; taken away when ``fit`` returns. A plan made with
             ``checkpointing=True`` trains that way too.
+        noise_scale: measure the gradient noise scale while training, from the first micro-batch
+            of a window against the whole window (two gradient norms; see :mod:`autotune.noise`):
+            per step in the history and over the run in the result, whose ``advice()`` says when
+            the target batch is far from it. True (the default) measures as many windows as keep
+            its cost within 1% of the step time (every window for most models); an int ``n``
+            measures every ``n``-th window; False never.
         progress: show what the probe is doing and a tqdm bar (samples/s, loss) when they take
             more than a moment.
         plan: use this plan instead of probing (e.g. one made by :func:`autotune.plan`).
@@ -343,7 +371,7 @@ def fit(
     run = _Run(
         par, optimizer, scheduler, loss_fn, plan, device, precision_name, scaler, clip_grad_norm,
         limit, mode, bns, _total_steps(loader, plan, epochs, max_steps), progress,
-        checkpointing=checkpointing or plan.checkpointing,
+        checkpointing=checkpointing or plan.checkpointing, noise_scale=noise_scale,
     )
     first_epoch = sampler_epoch(loader)  # continue where an earlier fit left the sampler
     # In a single process the short last window is dropped before it runs; with several ranks
@@ -368,12 +396,15 @@ def fit(
                     run.optimizer.zero_grad(set_to_none=True)
                     continue
                 run.check_finite(loss, window, step=len(history) + 1, epoch=epoch)
+                noise = run.measure_noise(agreed)  # the window's gradient, before clipping
                 lr = run.step()  # clip, step at the scaled LR, schedule, zero
                 record = StepRecord(
                     step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
                     loss=loss, lr=lr, micro_batch=max((m.samples for m in window), default=0) if window else 0,
                     seconds=time.perf_counter() - start, micro_batches=tuple(m.samples for m in window) if window else (),
+                    noise_scale=noise,
                 )
+                run.pace_noise(record.seconds)
                 history.append(record)
                 run.show(record)
                 if callback is not None:
@@ -397,7 +428,8 @@ def fit(
             recording=run.bnc.recording,
         )
         tuning = mode.finish(inner, finished)
-    return FitResult(plan=run.plan, history=tuple(history), bn_tuning=tuning)
+    return FitResult(plan=run.plan, history=tuple(history), bn_tuning=tuning,
+                     noise_scale=run.noise.estimate() if run.noise is not None else None)
 
 
 def _total_steps(loader: Iterable[Any], plan: Plan, epochs: int, max_steps: int | None) -> int | None:
@@ -437,8 +469,16 @@ class _Run:
         progress: bool,
         *,
         checkpointing: bool = False,
+        noise_scale: bool | int = False,
     ) -> None:
         self.checkpointing = checkpointing
+        self.noise = NoiseMeter() if noise_scale is not False else None
+        self.noise_fixed = None if isinstance(noise_scale, bool) else max(1, int(noise_scale))
+        self.small: tuple[torch.Tensor, float, int] | None = None  # first micro-batch: (|grad|^2, weight, items)
+        # The meter measures every `noise_every`-th window, chosen so that it costs at most 1% of the
+        # step time (for most models: every window).
+        self.noise_every, self.noise_count, self.noise_seconds, self.first_norm_seconds = 1, 0, 0.0, 0.0
+        self.noise_due = noise_scale is not False
         self.par, self.model, self.optimizer, self.scheduler = par, par.inner, optimizer, scheduler
         self.loss_fn, self.plan, self.device, self.precision = loss_fn, plan, device, precision
         self.scaler, self.clip_grad_norm, self.limit = scaler, clip_grad_norm, limit
@@ -660,6 +700,35 @@ class _Run:
             notes=plan.notes + (f"out of memory while training: micro-batch lowered to {micro_batch}",),
         )
 
+    def measure_noise(self, agreed: Any) -> float | None:
+        """Feed the noise meter with this window: its first micro-batch against the whole window."""
+        if self.noise is None:
+            return None
+        due, self.noise_due = self.noise_due, False
+        small, self.small = self.small, None
+        if due and small is not None:
+            start = time.perf_counter()
+            small_sq, weight, items = small
+            grads = [p.grad for p in self.synced if p.grad is not None]
+            if grads and weight > 0:
+                big_sq = float(_squared_norm(grads))
+                scale = float(self.scaler.get_scale()) ** 2 if self.scaler is not None else 1.0
+                self.noise.add(float(small_sq) / (weight * weight) / scale, items, big_sq / scale, float(agreed.items))
+            self.noise_seconds = time.perf_counter() - start + self.first_norm_seconds
+        estimate = self.noise.estimate()
+        return estimate.value if estimate is not None else None
+
+    def pace_noise(self, step_seconds: float) -> None:
+        """Measure the next window or not: at most 1% of the step time goes to the meter."""
+        if self.noise is None:
+            return
+        self.noise_count += 1
+        if self.noise_fixed is not None:
+            self.noise_every = self.noise_fixed
+        elif self.noise_seconds and step_seconds > 0:
+            self.noise_every = max(1, min(64, math.ceil(self.noise_seconds / (0.01 * step_seconds))))
+        self.noise_due = self.noise_count % self.noise_every == 0
+
     def check_finite(self, loss: float, window: Window | None, *, step: int, epoch: int) -> None:
         """Refuse to step on a non-finite loss: the weights would become NaN."""
         if math.isfinite(loss):
@@ -696,11 +765,16 @@ class _Run:
                 "memory for the gradient norms the probe does not run; give it room with a larger headroom= "
                 "(or a lower memory_limit for the plan), or clip with foreach=False"
             ) from exc
-        scheduled = [g["lr"] for g in optimizer.param_groups]
+        settings = self.plan.optimizer_settings
+        keys = ("lr", "betas", "eps", "weight_decay") if settings is not None else ("lr",)
+        scheduled = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
         try:
-            # Only the step sees the scaled LR: the scheduler and the param groups keep the
-            # unscaled values, whatever the schedule does with them.
+            # Only the step sees the scaled LR (and, with follow_batch, the moved betas, eps and
+            # weight decay): the scheduler and the param groups keep the unscaled values, whatever
+            # the schedule does with them.
             for g in optimizer.param_groups:
+                if settings is not None:
+                    g.update(settings.apply(g))
                 g["lr"] = g["lr"] * self.plan.lr_scale
             lr = float(optimizer.param_groups[0]["lr"])
             if scaler is not None:
@@ -718,8 +792,8 @@ class _Run:
                 "fragmentation can grow), or an optimizer with foreach=False, whose step allocates less"
             ) from exc
         finally:
-            for g, value in zip(optimizer.param_groups, scheduled):
-                g["lr"] = value
+            for g, values in zip(optimizer.param_groups, scheduled):
+                g.update(values)
         self.steps = step
         if self.scheduler is not None:
             self.scheduler.step()
@@ -745,6 +819,12 @@ class _Run:
         self.bar.set_postfix(loss=f"{record.loss:.4g}", samples_s=f"{record.samples / max(record.seconds, 1e-9):.0f}", refresh=False)
 
 
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared norm of all gradients together, as a tensor (no sync)."""
+    norms = torch._foreach_norm(grads)
+    return torch.stack([n.to(norms[0].device) for n in norms]).double().square().sum()
+
+
 def _forward(model: nn.Module, loss_fn: LossFn, batch: Any, device: torch.device, precision: Precision) -> Any:
     with autocast(device.type, precision):
         return loss_fn(model, B.to_device(batch, device))
@@ -759,6 +839,7 @@ def _run_micro_batches(run: _Run, window: Window) -> float:
     device, bnc = run.device, run.bnc
     total = torch.zeros((), device=device, dtype=torch.float64)
     bnc.start_window(window.samples)
+    run.small = None
     for micro in window:
         bnc.before_micro(micro.samples)
         try:
@@ -773,4 +854,11 @@ def _run_micro_batches(run: _Run, window: Window) -> float:
                 exc.autotune_micro_size = B.per_sample_numel(micro.batch)  # type: ignore[attr-defined]
             raise
         total += loss * micro.weight  # float64: no sync here, read once per window
+        if run.noise_due and run.small is None:
+            # After the first micro-batch the gradient is its own (weighted): |G_b|^2 for the noise scale.
+            started = time.perf_counter()
+            grads = [p.grad for p in run.synced if p.grad is not None]
+            if grads:
+                run.small = (_squared_norm(grads), micro.weight, micro.items)
+            run.first_norm_seconds = time.perf_counter() - started
     return float(total)

@@ -357,3 +357,20 @@ def test_what_if_table_and_checkpointing_flag(capsys):
     assert {(r["precision"], r["checkpointing"]) for r in rows} == {("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)}
     code, out, _ = run(capsys, "report", "--demo", "--checkpointing", "--json", "--no-cache")
     assert code == 0 and json.loads(out)["plan"]["checkpointing"] is True
+
+
+def test_noise_scale_line_needs_a_loader_and_gives_advice(capsys, tmp_path, monkeypatch):
+    code, _, err = run(capsys, "report", "--demo", "--noise-scale")
+    assert code == 2 and "--noise-scale measures gradients on real data: give --loader" in err
+    (tmp_path / "noisy_data.py").write_text(
+        "import torch\n"
+        "def batches():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(8)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "report", "autotune.demo:demo_model", "--loader", "noisy_data:batches", "--target-batch", "4096",
+                         "--memory-limit", "128MiB", "--device", "cpu", "--noise-scale", "--json", "--no-cache")
+    assert code == 0, err
+    noise = json.loads(out)["noise_scale"]
+    assert noise is None or (noise["value"] > 0 and noise["steps"] >= 2)

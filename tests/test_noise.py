@@ -1,0 +1,209 @@
+"""The gradient noise scale against a problem with a known answer: linear regression with Gaussian
+inputs and noise, where |G|^2 and tr(S) at the current parameters have closed forms.
+
+Per-example loss (x^T w - y)^2 with x ~ N(0, I_d), y = x^T w* + sigma * eps, delta = w - w*:
+the per-example gradient is g = 2 x (x^T delta - sigma eps), so
+
+    |G|^2 = 4 |delta|^2,    E|g|^2 = 4 ((d + 2) |delta|^2 + sigma^2 d),
+    tr(S) = E|g|^2 - |G|^2 = 4 ((d + 1) |delta|^2 + sigma^2 d),
+    B_simple = ((d + 1) |delta|^2 + sigma^2 d) / |delta|^2.
+
+The parameters are held fixed (learning rate 0), so the answer does not move while it is measured.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import autotune
+from autotune.noise import NoiseMeter, NoiseScale, advice
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+D, SIGMA = 8, 0.5
+
+
+def problem(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w_star = torch.randn(D, generator=g)
+    delta = torch.randn(D, generator=g)
+    delta = delta / delta.norm() * math.sqrt(0.05)
+    model = nn.Linear(D, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_((w_star + delta).unsqueeze(0))
+    truth = ((D + 1) * 0.05 + SIGMA**2 * D) / 0.05
+    return model, w_star, truth
+
+
+def samples(w_star, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=g)
+    y = x @ w_star + SIGMA * torch.randn(n, generator=g)
+    return x, y
+
+
+def mse(model, batch):
+    x, y = batch
+    return ((model(x).squeeze(-1) - y) ** 2).mean()
+
+
+def manual_plan(target, sizes):
+    return autotune.Plan(
+        micro_batch=max(sizes), accumulation_steps=len(sizes), effective_batch=target, world_size=1, micro_batches=tuple(sizes),
+        lr=0.0, base_lr=0.0, lr_scale=1.0, lr_rule="none", base_batch=target, warmup_steps=None, bn_momentum=None,
+        memory_limit=2**40, headroom=0.0, peak_memory=0, device="cpu", precision="fp32",
+    )
+
+
+@pytest.mark.parametrize(
+    "target, sizes",
+    [(64, [8] * 8), (64, [10, 9, 9, 9, 9, 9, 9]), (128, [32] * 4), (96, [48, 48])],
+    ids=["8x8", "uneven-10", "32x4", "48x2"],
+)
+def test_the_estimate_recovers_the_true_noise_scale(target, sizes):
+    model, w_star, truth = problem()
+    steps = 400
+    x, y = samples(w_star, steps * target, seed=1)
+    loader = [(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)]
+    result = autotune.fit(model, loader, plan=manual_plan(target, sizes), optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                          loss_fn=mse, progress=False, noise_scale=1)  # every window (True paces it by its cost)
+    noise = result.noise_scale
+    assert noise is not None and noise.steps > 100
+    assert noise.value == pytest.approx(truth, rel=0.15)
+    assert abs(noise.value - truth) < 3 * noise.error < 0.75 * truth  # the stated uncertainty covers the miss
+    assert result.history[-1].noise_scale == pytest.approx(noise.value)
+
+
+def test_token_weights_count_items_not_samples():
+    """Each sample holds 1 to 4 items (the rest padding); the loss is the mean over real items and
+    count() counts them: the noise scale comes out in items."""
+    model, w_star, truth = problem()
+    steps, target = 300, 32
+    g = torch.Generator().manual_seed(2)
+    n = steps * target
+    x = torch.randn(n, 4, D, generator=g)
+    y = (x @ w_star) + SIGMA * torch.randn(n, 4, generator=g)
+    real = torch.arange(4).expand(n, 4) < torch.randint(1, 5, (n, 1), generator=g)
+    y = torch.where(real, y, torch.nan)
+
+    def item_loss(model, batch):
+        xb, yb = batch
+        keep = ~torch.isnan(yb)
+        return ((model(xb).squeeze(-1)[keep] - yb[keep]) ** 2).mean()
+
+    loader = [(x[i : i + 8], y[i : i + 8]) for i in range(0, n, 8)]
+    result = autotune.fit(model, loader, plan=manual_plan(target, [8, 8, 8, 8]), optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                          loss_fn=item_loss, count=lambda b: int((~torch.isnan(b[1])).sum()), progress=False, noise_scale=1)
+    assert result.noise_scale.value == pytest.approx(truth, rel=0.15)
+
+
+def test_one_micro_batch_per_window_cannot_measure_it_and_says_none():
+    model, w_star, _ = problem()
+    x, y = samples(w_star, 640, seed=3)
+    loader = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 640, 64)]
+    result = autotune.fit(model, loader, plan=manual_plan(64, [64]), optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                          loss_fn=mse, progress=False, noise_scale=1)
+    assert result.noise_scale is None and result.advice() is None
+
+
+def test_the_default_meter_paces_itself_by_its_cost():
+    model, w_star, _ = problem()
+    x, y = samples(w_star, 64 * 200, seed=5)
+    loader = [(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)]
+    paced = autotune.fit(model, loader, plan=manual_plan(64, [8] * 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                         loss_fn=mse, progress=False)
+    every = autotune.fit(model, loader, plan=manual_plan(64, [8] * 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                         loss_fn=mse, progress=False, noise_scale=3)
+    assert 2 <= paced.noise_scale.steps <= 200
+    assert every.noise_scale.steps == pytest.approx(200 // 3, abs=1)
+    none = autotune.fit(model, loader, plan=manual_plan(64, [8] * 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                        loss_fn=mse, progress=False, noise_scale=False, max_steps=5)
+    assert none.noise_scale is None and all(r.noise_scale is None for r in none.history)
+
+
+def test_the_meter_and_the_advice():
+    meter = NoiseMeter()
+    assert meter.estimate() is None
+    # exact inputs: |G|^2 = 1, tr(S) = 100 -> |G_b|^2 = 1 + 100/b
+    for _ in range(5):
+        meter.add(1 + 100 / 10, 10, 1 + 100 / 80, 80)
+    est = meter.estimate()
+    assert est.value == pytest.approx(100) and est.error == pytest.approx(0, abs=1e-9) and est.steps == 5
+    assert advice(est, 128) is None  # within 2x
+    assert "Consider a smaller target" in advice(est, 4096) and "~41.0x the measured noise scale" in advice(est, 4096)
+    assert "below the measured noise scale" in advice(NoiseScale(600, 10, 50, 1, 600), 64)
+
+
+def test_noise_scale_before_training_measures_and_leaves_no_trace():
+    model, w_star, truth = problem()
+    x, y = samples(w_star, 4096, seed=4)
+    gen = torch.Generator().manual_seed(9)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True, generator=gen)
+    model.weight.grad = torch.full_like(model.weight, 0.25)  # an accumulated gradient that must survive
+    before = (model.weight.detach().clone(), model.weight.grad.clone(), gen.get_state(), torch.get_rng_state())
+    noise = autotune.noise_scale(model, loader, micro_batch=8, micro_batches=8, windows=300, loss_fn=mse)
+    assert noise.value == pytest.approx(truth, rel=0.15)
+    after = (model.weight.detach(), model.weight.grad, gen.get_state(), torch.get_rng_state())
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(ValueError, match="Invalid micro_batches 1"):
+        autotune.noise_scale(model, loader, micro_batch=8, micro_batches=1, loss_fn=mse)
+
+
+# --- optimizer settings that follow the batch -------------------------------------------------
+
+
+def test_follow_batch_arithmetic():
+    from autotune.scaling import follow_batch
+
+    s = follow_batch(4.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True, effective_batch=256)
+    assert s.betas == pytest.approx((0.6, 0.996)) and s.eps == pytest.approx(5e-9) and s.weight_decay == pytest.approx(0.02)
+    assert s.warmup_steps == 500 and s.warmup_samples == 500 * 256  # 2 / (1 - 0.996) steps
+    # the same warm-up in samples as 2 / (1 - beta2) steps at the old batch (256 / 4 = 64)
+    assert s.warmup_samples == pytest.approx(2 / (1 - 0.999) * 64, rel=1e-9)
+    big = follow_batch(16.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=False, effective_batch=1024)
+    assert big.betas[0] == 0.0 and 0 <= big.betas[1] < 1  # kept in [0, 1)
+    assert big.weight_decay is None and any("coupled" in n for n in big.notes)
+    assert any("beta1=0.9 at kappa=16" in n for n in big.notes)
+
+
+def test_follow_batch_shows_in_the_plan_and_every_config():
+    import json
+
+    from autotune.report import framework_configs
+
+    torch.set_default_dtype(torch.float32)
+    model = nn.Linear(8, 2)
+    data = [(torch.randn(16, 8), torch.randint(0, 2, (16,)))]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    plan = autotune.plan(model, data, target_batch=64, optimizer=opt, memory_limit="1GiB", base_batch=16, follow_batch=True, progress=False)
+    o = plan.optimizer_settings
+    assert o.kappa == 4 and plan.lr_scale == 2 and plan.warmup_steps == o.warmup_steps == 500
+    assert autotune.Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    configs = framework_configs(plan)
+    assert "adam_beta1=0.6," in configs["hf"] and "adam_beta2=0.996," in configs["hf"] and "adam_epsilon=5e-09" in configs["hf"]
+    assert "weight_decay=0.02," in configs["hf"] and "warmup_steps=500" in configs["hf"]
+    ds = json.loads(configs["deepspeed"])["optimizer"]["params"]
+    assert ds["betas"] == [0.6, 0.996] and ds["eps"] == pytest.approx(5e-9) and ds["weight_decay"] == pytest.approx(0.02)
+    for name in ("lightning", "accelerate"):
+        assert "betas=(0.6, 0.996), eps=5e-09, weight_decay=0.02" in configs[name]
+    assert "beta_1=0.6, beta_2=0.996, epsilon=5e-09" in configs["keras"]
+    assert "betas (0.6, 0.996)" in str(plan)
+
+
+def test_fit_applies_the_settings_around_each_step_only():
+    torch.set_default_dtype(torch.float32)
+    model = nn.Linear(8, 2)
+    data = [(torch.randn(16, 8), torch.randint(0, 2, (16,))) for _ in range(8)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    plan = autotune.plan(model, data, target_batch=64, optimizer=opt, memory_limit="1GiB", base_batch=16, follow_batch=True, progress=False)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append({k2: o.param_groups[0][k2] for k2 in ("lr", "betas", "eps", "weight_decay")}))
+    autotune.fit(model, data, plan=plan, optimizer=opt, progress=False)
+    assert len(seen) == 2
+    for applied in seen:
+        assert applied["lr"] == pytest.approx(2e-3) and applied["betas"] == pytest.approx((0.6, 0.996))
+        assert applied["eps"] == pytest.approx(5e-9) and applied["weight_decay"] == pytest.approx(0.02)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.01)
