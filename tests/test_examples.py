@@ -39,6 +39,8 @@ def test_ddp_example_under_torchrun(tmp_path):
         [torchrun, "--standalone", "--nproc_per_node=2", str(EXAMPLES / "ddp.py")],
         capture_output=True, text=True, timeout=180, cwd=tmp_path,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
+    # On failure, the lines that say why (a rank's exception or gloo's abort), not only the launcher's tail.
+    why = [line for line in done.stderr.splitlines() if any(k in line for k in ("Error", "error", "terminate", "what()", "enforce"))]
+    assert done.returncode == 0, "\n".join(why[:40]) + "\n...\n" + done.stderr[-1500:]
     assert "world_size=2" in done.stdout and "effective_batch=1024" in done.stdout
     assert int(re.search(r"accumulation_steps=(\d+)", done.stdout).group(1)) > 1
