@@ -108,6 +108,8 @@ class Parallel:
         group: the process group the ranks agree in (DDP's, else the default group).
         ignored: names of parameters DDP was told not to synchronise.
         nested: DDP modules inside ``inner`` whose forward must be bypassed while training.
+        fsdp: ``inner`` is sharded with FSDP2 (``fully_shard``): every forward and backward issues
+            collectives, so the ranks run in lockstep (see :mod:`autotune.fsdp`).
     """
 
     inner: nn.Module
@@ -115,6 +117,7 @@ class Parallel:
     group: Any
     ignored: frozenset[str]
     nested: tuple[nn.Module, ...] = ()
+    fsdp: bool = False
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
@@ -124,12 +127,14 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
 
 
 def parallel(model: nn.Module) -> Parallel:
-    """Recognise DDP, ``torch.compile(DDP(m))``, DDP nested in a module, or a plain model.
+    """Recognise DDP, ``torch.compile(DDP(m))``, DDP nested in a module, FSDP2 (``fully_shard``),
+    or a plain model.
 
     Raises:
         TypeError: ``nn.DataParallel`` (single-process, one replica per GPU), which autotune does
             not drive.
-        NotImplementedError: a model sharded with FSDP.
+        TypeError: a model wrapped in FSDP1 (``FullyShardedDataParallel``), or sharded with
+            ``fully_shard`` in parts but not at the root.
         ValueError: a DDP model with a communication hook, which autotune's own gradient sync
             would bypass.
     """
@@ -140,17 +145,9 @@ def parallel(model: nn.Module) -> Parallel:
             "Invalid model: nn.DataParallel is not supported (one process driving several GPUs); use "
             "DistributedDataParallel with one process per GPU (torchrun), or pass the plain module"
         )
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-        fsdp: tuple[type, ...] = (FSDPModule, FullyShardedDataParallel)
-    except ImportError:  # pragma: no cover - older torch
-        fsdp = ()
-    if fsdp and any(isinstance(m, fsdp) for m in model.modules()):
-        raise NotImplementedError(
-            "FSDP-sharded models are not supported yet: autotune's probe and accumulation assume every "
-            "rank holds the whole model (DDP). Plan with the unsharded model on one GPU, or use DDP"
-        )
+    fsdp = _fsdp_root(model)
+    if fsdp is not None:
+        return Parallel(fsdp, None, None, frozenset(), fsdp=True)
     top = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if isinstance(top, DistributedDataParallel):
         if top is not model:
@@ -168,6 +165,33 @@ def parallel(model: nn.Module) -> Parallel:
     group = getattr(nested[0], "process_group", None) if nested else None
     ignored = frozenset().union(*(_ignored(m) for m in nested)) if nested else frozenset()
     return Parallel(model, nested[0] if nested else None, group, ignored, nested)
+
+
+def _fsdp_root(model: nn.Module) -> nn.Module | None:
+    """The model if it is sharded with FSDP2 at its root; errors for FSDP1 and partial sharding."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    top = getattr(model, "_orig_mod", model)
+    if any(isinstance(m, FullyShardedDataParallel) for m in top.modules()):
+        raise TypeError(
+            "Invalid model: FullyShardedDataParallel (FSDP1) is not supported; shard it with FSDP2 instead: "
+            "torch.distributed.fsdp.fully_shard on each block, then on the model itself"
+        )
+    if isinstance(top, FSDPModule):
+        if top is not model:
+            raise TypeError(
+                "Invalid model: torch.compile(fully_shard(model)) is not supported; compile the blocks before "
+                "sharding them (fully_shard(torch.compile(block))), or pass the uncompiled model"
+            )
+        return top
+    if any(isinstance(m, FSDPModule) for m in top.modules()):
+        raise TypeError(
+            "Invalid model: some of its blocks are sharded with fully_shard but the model itself is not; "
+            "call fully_shard(model) on the root too, after its blocks (FSDP2's root groups what is left)"
+        )
+    return None
 
 
 def _ignored(ddp: nn.Module) -> frozenset[str]:

@@ -96,6 +96,20 @@ class _Entry:
         self.ref: Any = None
 
 
+# Storage resizes in place are not tensor operations, so a dispatch mode never sees them; FSDP
+# frees its unsharded parameters that way. While a ledger is active, ``UntypedStorage.resize_``
+# tells the active ledgers.
+_RESIZE_WATCHERS: list[Any] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _watched_resize(self: Any, size: int) -> Any:
+    out = _ORIGINAL_RESIZE(self, size)
+    for ledger in list(_RESIZE_WATCHERS):
+        ledger.resized(self)
+    return out
+
+
 class TensorLedger(TorchDispatchMode):
     """Counts live tensor bytes on one device type as operations allocate them.
 
@@ -128,6 +142,9 @@ class TensorLedger(TorchDispatchMode):
         return -(-nbytes // self.block) * self.block
 
     def _add(self, t: torch.Tensor) -> None:
+        local = getattr(t, "_local_tensor", None)  # a DTensor holds its shard in a local tensor
+        if isinstance(local, torch.Tensor):
+            t = local
         if t.device.type not in self.device_types:
             return
         try:
@@ -154,6 +171,31 @@ class TensorLedger(TorchDispatchMode):
             self.live += size - entry.nbytes
             entry.nbytes = size
         self.peak = max(self.peak, self.live)
+
+    def resized(self, storage: Any) -> None:
+        """A storage counted here changed size in place (``UntypedStorage.resize_``, as FSDP frees
+        and re-allocates its unsharded parameters): count its new size."""
+        entry = self._entries.get(storage)
+        if entry is None or entry.ignored:
+            return
+        size = self._size(storage.nbytes())
+        self.live += size - entry.nbytes
+        entry.nbytes = size
+        self.peak = max(self.peak, self.live)
+
+    def __enter__(self) -> TensorLedger:
+        _RESIZE_WATCHERS.append(self)
+        if len(_RESIZE_WATCHERS) == 1:
+            torch.UntypedStorage.resize_ = _watched_resize  # type: ignore[method-assign]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _RESIZE_WATCHERS.remove(self)
+            if not _RESIZE_WATCHERS:
+                torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that exist already (each storage once, however many views share it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -235,6 +236,16 @@ def plan(
     # the other ranks, busy with trials of their own, would never join.
     par = parallel(model)
     model, ddp = par.inner, par.ddp
+    if par.fsdp:
+        from .fsdp import check_mesh
+
+        check_mesh(model)
+        if not verify:
+            raise ValueError(
+                "Invalid verify=False for a model sharded with FSDP2: its step cannot be estimated without running it "
+                "(collectives in every forward); plan on the devices (verify=True), or estimate the unsharded model "
+                "with `autotune report --shard N`"
+            )
 
     error: BaseException | None = None
     found = None
@@ -255,9 +266,16 @@ def plan(
             precision=precision_name,
             on_trial=_both(on_trial, shown.done),
             on_start=shown.starting,
-            resident=device.type == "cpu" and limit is None,
+            resident=device.type == "cpu" and limit is None and not par.fsdp,
             checkpointing=checkpointing,
+            fsdp=par.fsdp,
         )
+        if par.fsdp:
+            estimate = False
+            work.notes.append(
+                f"sharded with FSDP2 over {world_size} ranks: real trials only, every rank in lockstep (a size fits when "
+                "it fits on every rank); gradients synced on a window's last micro-batch (the others hold them unsharded)"
+            )
         held = storage_bytes(work.held_tensors())
         if limit is None:
             limit = default_limit(device, held)
@@ -278,22 +296,31 @@ def plan(
             # DDP keeps its gradient buckets beside .grad: a second copy of the gradients.
             set_aside.append(("DDP gradient buckets", sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)))
             work.notes.append("DDP gradient buckets counted (pass gradient_as_bucket_view=True to DDP to save them)")
-        if world_size > 1:
+        if world_size > 1 and not par.fsdp:
             # The gradient sync after each window sums the gradients through one flat bucket.
             bucket = bucket_bytes_needed(model.parameters(), BUCKET_BYTES)
             if bucket:
                 set_aside.append(("the gradient sync's bucket", bucket))
         budget = budget_of(limit, sum(b for _, b in set_aside), headroom)
         upper = split_evenly(target_batch, world_size)[rank]  # this rank's share (the first ranks take one more)
-        with cuda_memory_fraction(device, allocator_cap(limit, set_aside) if (memory_limit is not None and verify) else None):
+        if par.fsdp:
+            upper = split_evenly(target_batch, world_size)[0]  # in lockstep every rank searches the same sizes
+        capped = memory_limit is not None and verify and not par.fsdp  # FSDP2: counted, never enforced mid-step
+        with cuda_memory_fraction(device, allocator_cap(limit, set_aside) if capped else None):
             with bypass_nested(par.nested):
                 found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
+                if par.fsdp:
+                    # The search ran on every rank's tightest figures: this rank's own peak at the size
+                    # every rank agreed on (or, when none fits, at the smallest).
+                    size = found.batch_size or min(t.batch_size for t in work.trials if not t.estimate)
+                    own_peak = [t.peak_memory for t in work.trials if not t.estimate and t.batch_size == size]
+                    found = dataclasses.replace(found, peak=own_peak[-1] if own_peak else found.peak)
                 if found.batch_size == 0:
                     table = None
                     if work.estimator is not None:  # say what would fit instead
                         table = estimate_rows(work, _trial_step, budget=budget, upper=upper, lower=min_micro_batch(work.model))
                     raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside, table=table)
-                if by_shape and dims:
+                if by_shape and dims and not par.fsdp:
                     shape_model = _shape_model(work, dims, found, budget, upper, lengths)
     except Exception as exc:
         error = exc
@@ -312,7 +339,7 @@ def plan(
     notes = list(work.notes)
     maxima = [size for size, _ in statuses]
     own = maxima[rank]
-    if world_size > 1:
+    if world_size > 1 and not par.fsdp:
         notes.append(
             f"each rank uses the micro-batch its own device fits (per rank: {', '.join(map(str, maxima))}); "
             "nothing inside a window depends on another rank"

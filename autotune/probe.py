@@ -297,6 +297,8 @@ class Workload:
     estimator: Any = None
     # Activation checkpointing on the model's blocks during trials (and on the estimate's copy).
     checkpointing: bool = False
+    # Sharded with FSDP2: trials in lockstep with the other ranks (see autotune.fsdp).
+    fsdp: bool = False
 
     def record(self, trial: Trial) -> None:
         """Keep a trial and tell the ``on_trial`` callback, if any."""
@@ -425,7 +427,7 @@ def probe(
         size, points = estimated_max(estimator, budget, upper, lower=lower)
         return SearchResult(size, points.get(size, points[lower]), None, size)
 
-    def real(b: int) -> Measurement:
+    def measure(b: int) -> Measurement:
         if not work.checkpointing:
             return _real_trial(work, b, budget, snapshot)
         from .checkpointing import activation_checkpointing
@@ -433,7 +435,43 @@ def probe(
         with activation_checkpointing(work.model):
             return _real_trial(work, b, budget, snapshot)
 
-    return largest_fitting(real, upper=upper, budget=budget, estimate=estimator, lower=lower, max_real=max_real)
+    real = measure
+    search_budget = budget
+    if work.fsdp:
+        real, search_budget = _in_lockstep(work, measure, budget)
+    return largest_fitting(real, upper=upper, budget=search_budget, estimate=estimator, lower=lower, max_real=max_real)
+
+
+def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: int) -> tuple[Callable[[int], Measurement], int]:
+    """Under FSDP2: trials every rank runs together, whose outcome every rank agrees on.
+
+    The ranks' budgets may differ (per-rank limits), so the search runs against the smallest and
+    each trial reports the tightest rank's peak shifted onto it: ``max_r(peak_r - budget_r) +
+    min_r(budget_r)``. A size then fits when it fits on every rank, and every rank's search takes
+    the same path (a different path would pair different collectives). A trial that fails on one
+    rank for another reason than memory stops every rank.
+    """
+    from .fsdp import agree
+
+    common = int(min(r[0] for r in agree([float(budget)], work.device)))
+
+    def real(b: int) -> Measurement:
+        failure: BaseException | None = None
+        try:
+            measured = measure(b)
+        except Exception as exc:
+            failure, measured = exc, Measurement(False, 0)
+        rows = agree([float(failure is not None), float(measured.fits), float(measured.peak - budget)], work.device)
+        failed = [r for r, row in enumerate(rows) if row[0]]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise AutotuneError(
+                f"rank {failed[0]} failed in its trial at micro-batch {b} (its own error says why); every rank stops"
+            )
+        return Measurement(all(r[1] for r in rows), int(max(r[2] for r in rows)) + common)
+
+    return real, common
 
 
 def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Measurement:
@@ -443,7 +481,9 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Meas
     release_cached(device)
     # A compact copy: a slice of a larger tensor would count the whole of its storage.
     batch = B.map_tensors(B.to_device(B.repeat_to(work.batch, b), device), _compact)
-    ledger = TensorLedger(device.type, limit=budget, block=CUDA_BLOCK if device.type == "cuda" else 1)
+    # Under FSDP2 the budget is checked after the trial: raising inside one rank's forward would
+    # leave the others waiting in a collective.
+    ledger = TensorLedger(device.type, limit=None if work.fsdp else budget, block=CUDA_BLOCK if device.type == "cuda" else 1)
     ledger.track(work.held_tensors())
     ledger.track(B.tensors(batch))
     held = ledger.live
@@ -454,9 +494,12 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Meas
     start = time.perf_counter()
     fits = True
     snapshot.prepare_trial()
+    step = _trial_step
+    if work.fsdp:
+        from .fsdp import trial_step as step
     try:
         with ledger, (resident if resident is not None else contextlib.nullcontext()):
-            _trial_step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision, finite=snapshot.zero_lr)
+            step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision, finite=snapshot.zero_lr)
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
         if not is_out_of_memory(exc):

@@ -64,6 +64,7 @@ from .distributed import (
     world,
 )
 from .errors import AutotuneError, AutotuneWarning, NothingFits
+from .fsdp import check_mesh, run_window as fsdp_window
 from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
 from .noise import NoiseMeter
 from .planner import _resolve_device, allocator_cap, plan as make_plan
@@ -314,6 +315,11 @@ def fit(
     check_positive_number("clip_grad_norm", clip_grad_norm)
     mode = resolve_bn(bn)
     _check_plan(plan, target_batch)
+    if mode is not None and mode.name in ("precise", "optuna") and parallel(model).fsdp:
+        raise ValueError(
+            f"Invalid bn {mode.name!r} for a model sharded with FSDP2: it recomputes BatchNorm statistics with extra "
+            "forward passes that the ranks would not run in lockstep; use bn='adjust' or bn='pooled'"
+        )
     check_reiterable(loader, epochs)
     check_grad_mode("fit")
     check_device_exists(device)
@@ -330,10 +336,10 @@ def fit(
 
     # --- setup ----------------------------------------------------------------------------------
     device = _fit_device(model, device)
-    if par.ddp is None:
+    if par.ddp is None and not par.fsdp:
         model.to(device)
     _resolve_device(inner, device)  # the model has parameters, all on the device
-    if par.ddp is None and is_distributed():
+    if par.ddp is None and not par.fsdp and is_distributed():
         broadcast_model(inner, par.group, device)  # the same start on every rank, as DDP makes it
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -491,7 +497,13 @@ class _Run:
         # The gradients the ranks sum: every trainable parameter but those DDP was told to ignore,
         # in the model's order (the same on every rank).
         self.synced = [p for name, p in par.inner.named_parameters() if p.requires_grad and name not in par.ignored]
+        if par.fsdp:
+            check_mesh(par.inner)
+            # FSDP2 reduce-scatters the gradients itself; the sync only sums BatchNorm statistics.
+            self.synced = []
+            self.noise = None
         self.sync = GradientSync(self.synced, device=device, group=par.group)
+        self.spare: Any = None  # under FSDP2: a small batch for zero-weight micro-batches
         self.rank, self.world_size = world(par.group)
         self.total_steps, self.progress = total_steps, progress
         self.stack = ExitStack()
@@ -523,7 +535,8 @@ class _Run:
 
         stack = self.stack
         stack.enter_context(self.bnc)
-        cap = allocator_cap(self.limit, self.plan.set_aside) if self.limit is not None else None
+        # Under FSDP2 the limit is counted, not enforced: an OOM inside a forward would strand the other ranks.
+        cap = allocator_cap(self.limit, self.plan.set_aside) if (self.limit is not None and not self.par.fsdp) else None
         stack.enter_context(cuda_memory_fraction(self.device, cap))
         stack.enter_context(bypass_nested(self.par.nested))
         if self.checkpointing:
@@ -539,6 +552,10 @@ class _Run:
 
     def __exit__(self, *exc: Any) -> None:
         self.stack.close()
+
+    def held(self) -> Any:
+        """Tensors held between steps: parameters, buffers, gradients, optimizer state."""
+        return held_tensors(self.model, self.optimizer)
 
     def _ledger(self, window: Window) -> Any:
         """A tensor count for windows of new shapes on a CPU with a limit (else nothing)."""
@@ -564,6 +581,8 @@ class _Run:
         Returns ``(global mean loss, this rank's window, the agreement)``, or None when no rank
         has a window left (the epoch is over for all).
         """
+        if self.par.fsdp:
+            return fsdp_window(self, windows, drop_last=drop_last)
         failure: BaseException | None = None
         window: Window | None = None
         try:
@@ -804,7 +823,7 @@ class _Run:
 
     def _ledger_for_step(self) -> Any:
         """The first optimizer step creates the optimizer state: count it under a CPU limit."""
-        if self.limit is None or self.device.type == "cuda" or getattr(self, "_stepped", False):
+        if self.limit is None or self.device.type == "cuda" or self.par.fsdp or getattr(self, "_stepped", False):
             return nullcontext()
         self._stepped = True
         ledger = TensorLedger(self.device.type, limit=self.limit)

@@ -304,4 +304,53 @@ def comm_hook(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-SCENARIOS = {"tokens": train_tokens, "bn": train_bn, "epochs": train_epochs, "comm_hook": comm_hook}
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2: each child block sharded, then the model itself."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        fully_shard(child)
+    return fully_shard(model)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole parameters and buffers of a sharded model (gathered from every rank)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
+    """Token data on a model sharded with fully_shard: per-rank limits, a limit lowered on one rank
+    while training (its window goes over: every rank redoes it), the plan's peak against a ledger."""
+    from autotune.memory import TensorLedger
+
+    samples = token_samples(c["n"], lengths=tuple(c.get("lengths", (10, 10))), by_parity=c.get("by_parity"))
+    indices = rank_indices(len(samples), rank, world, c.get("shards", "sampler"))
+    loader: Any = DataLoader(Subset(Samples(samples), indices), batch_size=c.get("loader_batch", 4), collate_fn=pad_collate)
+    if c.get("preloaded"):
+        # Batches made before counting starts: the ledger then counts the training's tensors, not the data's.
+        loader = list(loader)
+    model = shard(TokenModel())
+    opt = (torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1) if c.get("optimizer") == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.5))
+    plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=token_loss,
+                         memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False)
+    limit = c.get("train_limits", c["limits"])[rank]
+    ledger = TensorLedger("cpu")
+    ledger.track(autotune.probe.held_tensors(model, opt))
+    if c.get("preloaded"):
+        ledger.ignore(t for batch in loader for t in batch)
+    with ledger:
+        result = autotune.fit(model, loader, plan=plan, optimizer=opt, loss_fn=token_loss, count=count_tokens,
+                              memory_limit=limit, lr_rule="none", progress=False, epochs=c.get("epochs", 1),
+                              pad=autotune.pad_to_longest if c.get("pad") else None)
+    return {
+        "params": full_state(model),
+        "plan": plan.to_dict(),
+        "final_plan": result.plan.to_dict(),
+        "history": [r.__dict__ for r in result.history],
+        "ledger_peak": ledger.peak,
+        "indices": indices,
+    }
+
+
+SCENARIOS = {"tokens": train_tokens, "bn": train_bn, "epochs": train_epochs, "comm_hook": comm_hook, "fsdp": train_fsdp}

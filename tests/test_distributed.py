@@ -245,23 +245,3 @@ def test_data_parallel_is_refused():
     model = nn.DataParallel(nn.Linear(4, 2))
     with pytest.raises(TypeError, match="nn.DataParallel is not supported"):
         autotune.plan(model, [(torch.randn(4, 4), torch.randn(4, 2))], target_batch=8)
-
-
-def test_fsdp_is_refused_with_a_clear_error():
-    import os
-
-    import autotune
-
-    fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(W.free_port())
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-        fully_shard(model)
-        data = [(torch.randn(4, 4), torch.randint(0, 2, (4,)))]
-        with pytest.raises(NotImplementedError, match="FSDP-sharded models are not supported yet"):
-            autotune.plan(model, data, target_batch=8)
-        with pytest.raises(NotImplementedError, match="use DDP"):
-            autotune.fit(model, data, 8, progress=False)
-    finally:
-        torch.distributed.destroy_process_group()

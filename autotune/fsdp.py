@@ -1,0 +1,271 @@
+"""FSDP2 (``fully_shard``) under autotune: trials and windows in lockstep.
+
+Under FSDP2 each rank holds a shard of every parameter, gradient and optimizer state; every
+forward all-gathers the parameters of each sharded block and every backward reduce-scatters its
+gradients. Unlike DDP, whose windows autotune runs with no collective inside, the ranks here
+cannot run on their own, so everything happens in lockstep:
+
+- **Trials.** Every rank runs the same trial sizes. A trial is FSDP2's steady state: a micro-batch
+  without gradient sync (the unsharded gradients accumulate: FSDP2 keeps them whole until the
+  sync), one with it (the reduce-scatter), the optimizer step, the two again. Memory is counted,
+  never enforced mid-trial (an out-of-memory error raised inside one rank's forward would leave
+  the others waiting in a collective); after each trial the ranks agree whether it fitted on all
+  of them, so the search takes the same path everywhere.
+- **Windows.** Before a window the ranks agree on their micro-batch counts and item counts; every
+  rank runs as many micro-batches as the busiest one (a rank with fewer runs zero-weight
+  micro-batches), with gradient sync on the last only, and weights ``n_i * W / N`` (``W`` ranks,
+  ``N`` items over all of them: FSDP2 averages over ranks), so the gradient is the global big
+  batch's. After the window the ranks agree again: if one rank's count went over its memory
+  limit, every rank drops the window's gradients and redoes it, that rank with half its
+  micro-batch.
+
+The limit is counted, not enforced, for the same reason as in trials: on the CPU by the tensor
+ledger, on CUDA by the allocator's peak (the allocator is not capped). A real CUDA out-of-memory
+error inside a forward cannot be recovered in lockstep: that rank raises, and the others fail at
+the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import batches as B
+from .distributed import FAILED, FINE, OUT_OF_MEMORY, Agreement, _where, world
+from .errors import AutotuneError, AutotuneWarning, NothingFits
+from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
+from .step import LossFn, Precision, forward_backward
+
+__all__ = ["agree", "check_mesh", "run_window", "shard_peak", "trial_step"]
+
+
+def check_mesh(model: nn.Module) -> None:
+    """Refuse a sharding autotune does not drive: a mesh other than all ranks in one dimension."""
+    state = getattr(model, "_get_fsdp_state", None)
+    group = getattr(getattr(state(), "_fsdp_param_group", None), "mesh_info", None) if state else None
+    mesh = getattr(group, "mesh", None)
+    if mesh is None:
+        return
+    _, world_size = world()
+    if mesh.ndim != 1 or mesh.size() != world_size:
+        raise ValueError(
+            f"Invalid model: it is sharded over a device mesh of shape {tuple(mesh.shape)}, but autotune drives FSDP2 "
+            f"sharded over all {world_size} ranks in one dimension; shard with fully_shard(module) on the default "
+            "mesh (HSDP and tensor-parallel meshes are not supported)"
+        )
+
+
+def agree(values: Sequence[float], device: torch.device | None = None, group: Any = None) -> list[list[float]]:
+    """Every rank's ``values``, on every rank: one all-reduce of a ranks x values table (float64)."""
+    rank, world_size = world(group)
+    if world_size == 1:
+        return [list(values)]
+    table = torch.zeros(world_size, len(values), dtype=torch.float64, device=_where(device, group))
+    table[rank] = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(table, group=group)
+    return table.tolist()  # type: ignore[no-any-return]
+
+
+def _set_sync(model: nn.Module, sync: bool) -> None:
+    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+
+
+def trial_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    batch: Any,
+    device_type: str,
+    precision: Precision,
+    finite: bool = False,
+) -> None:
+    """FSDP2's steady-state step: no-sync and sync micro-batches, the optimizer step, both again.
+
+    The first pair and the step create the optimizer state; the second pair is a window of
+    ``fit``: the state live, the gradients zeroed after the step, the unsharded gradients of the
+    no-sync micro-batch held for the sync (the reduce-scatter), which makes the sharded ones.
+    """
+    model.train()
+    try:
+        for sync in (False, True):
+            _set_sync(model, sync)
+            forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+        if finite:
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # as after every step of fit: a window starts without gradients
+        for sync in (False, True):
+            _set_sync(model, sync)
+            forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+    finally:
+        _set_sync(model, True)
+
+
+def shard_peak(*, resident: int, peak_at_one: int, grads: int, largest_block: int, ranks: int) -> int:
+    """A rank's estimated peak under FSDP2 over ``ranks`` ranks, from a single-device estimate.
+
+    Parameters, gradients and optimizer state (``resident``) are sharded; the activations and
+    temporaries of one sample (``peak_at_one - resident``) are not; a window's no-sync micro-batches
+    hold the gradients unsharded (``grads``); and two blocks' parameters are unsharded at once
+    (the one running and the one prefetched: ``2 * largest_block``).
+    """
+    return resident // ranks + max(0, peak_at_one - resident) + grads + 2 * largest_block
+
+
+# --- training windows ----------------------------------------------------------------------------
+
+
+def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> tuple[float, Any, Agreement] | None:
+    """Run the next window of every rank in lockstep (see the module docstring).
+
+    ``run`` is the training loop's state (``autotune.training._Run``). Returns ``(global mean
+    loss, this rank's window, the agreement)``, or None when no rank has a window left.
+    """
+    failure: BaseException | None = None
+    window = None
+    try:
+        window = next(windows, None)
+    except Exception as exc:  # the loader, the dataset or count failed on this rank
+        failure = exc
+    if window is not None and len(window):
+        run.spare = B.slice_batch(window[0].batch, 0, min(run.plan.min_micro_batch, window[0].samples))
+    bn_saved = [[b.detach().clone() for b in m.buffers()] for m in run.bns]
+    device, group = run.device, run.par.group
+    world_size = run.world_size
+    while True:
+        has = window is not None and failure is None
+        rows = agree([
+            float(failure is not None), float(len(window) if has else 0), float(window.items if has else 0),
+            float(window.samples if has else 0), float(has), float(has or run.spare is not None),
+        ], device, group)
+        if any(r[0] for r in rows):
+            run._raise_failure(failure)
+        with_data = sum(int(r[4]) for r in rows)
+        total_items, total_samples = sum(int(r[2]) for r in rows), sum(int(r[3]) for r in rows)
+        if with_data == 0:
+            return None
+        if drop_last and total_samples < run.plan.effective_batch:
+            return None  # nothing of the short last window has run
+        if total_items == 0:  # no loss item anywhere: nothing to learn from, nothing runs
+            return float("nan"), window, Agreement(FINE, 0, total_samples, float("nan"), with_data, False)
+        lacking = [r for r, row in enumerate(rows) if not row[5]]
+        if lacking:
+            raise AutotuneError(
+                f"rank {lacking[0]} has had no batch yet, so it cannot take part in a window under FSDP2 (every rank "
+                "runs every forward); give every rank a shard of the data (a DistributedSampler)"
+            )
+        count = max(int(r[1]) for r in rows)
+        scale = world_size * (window.items if has else 0) / total_items
+        peak, loss_sum = _run_micro_batches(run, window if has else None, count, scale)
+        over = run.limit is not None and peak > run.limit
+        rows = agree([float(over), loss_sum, float(peak)], device, group)
+        if not any(r[0] for r in rows):
+            break
+        # Some rank went over its limit: every rank drops the window's gradients and redoes it.
+        run.optimizer.zero_grad(set_to_none=True)
+        for p in run.outside:
+            p.grad = None
+        run._restore_bn(bn_saved)
+        release_cached(device)
+        if over:
+            failure = _lowered(run, window, peak)
+            if failure is None:
+                window = window.with_micro_batch(run.plan.micro_batch)
+    loss = sum(r[1] for r in rows) / total_items
+    if run.lowered:
+        run.measured = max(run.measured or 0, peak)
+        run.plan = dataclasses.replace(run.plan, peak_memory=run.measured)
+    if not run.checked_samples:
+        run.checked_samples = True
+        from .distributed import check_distinct_samples
+
+        check_distinct_samples(window[0].batch if has and len(window) else None, device, group)
+    payload = run.bnc.payload(has) if (world_size > 1 or run.bnc.mode == "pooled") else None
+    summed = run.sync.sum(payload) if payload is not None else None
+    run.bnc.finish_window(summed, with_data, distributed=world_size > 1)
+    agreed = Agreement(FINE, total_items, total_samples, loss, with_data, True)
+    run.agreed = agreed
+    return loss, window, agreed
+
+
+def _lowered(run: Any, window: Any, peak: int) -> BaseException | None:
+    """Halve this rank's micro-batch after its window went over the limit; the error when it cannot."""
+    from .units import format_bytes
+
+    failed = max((m.samples for m in window), default=0) if window is not None else 0
+    floor = run.plan.min_micro_batch
+    if failed <= floor:
+        return NothingFits(
+            f"Out of memory while training at micro_batch={failed} under FSDP2 ({format_bytes(peak)} counted on this rank, "
+            f"the limit is {format_bytes(run.limit)}): shard over more ranks, use precision='bf16', or raise memory_limit",
+            needed=peak, budget=run.plan.budget, limit=run.plan.memory_limit, micro_batch=failed,
+        )
+    smaller = max(floor, failed // 2)
+    warnings.warn(
+        f"Out of memory at micro_batch={failed} ({format_bytes(peak)} counted, limit {format_bytes(run.limit)}); every rank "
+        f"redoes the window, this one with micro_batch={smaller}",
+        AutotuneWarning,
+        stacklevel=4,
+    )
+    run._lower(smaller)
+    return None
+
+
+def _run_micro_batches(run: Any, window: Any, count: int, scale: float) -> tuple[int, float]:
+    """``count`` micro-batches on this rank, its own then zero-weight ones, sync on the last.
+
+    Returns ``(peak bytes counted, sum of the loss over this rank's items)``.
+    """
+    device, model, bnc = run.device, run.model, run.bnc
+    own = list(window) if window is not None else []
+    measure = run.limit is not None
+    ledger: Any = contextlib.nullcontext()
+    if measure and device.type != "cuda":
+        ledger = TensorLedger(device.type)
+        ledger.track(run.held())
+    if measure and device.type == "cuda":
+        reset_peak(device)
+    total = 0.0
+    if window is not None:
+        bnc.start_window(window.samples)
+    try:
+        with ledger:
+            for i in range(count):
+                _set_sync(model, i == count - 1)
+                if i < len(own):
+                    micro = own[i]
+                    bnc.before_micro(micro.samples)
+                    loss = forward_backward(
+                        model, run.loss_fn, B.to_device(micro.batch, device), weight=micro.weight * scale,
+                        device_type=device.type, precision=run.precision, scaler=run.scaler,
+                    )
+                    total += float(loss) * micro.items
+                else:
+                    _idle_micro(run)
+    finally:
+        _set_sync(model, True)
+    if not measure:
+        return 0, total
+    if device.type == "cuda":
+        return allocator_peak(device)[0], total
+    return ledger.peak, total
+
+
+def _idle_micro(run: Any) -> None:
+    """A zero-weight micro-batch: this rank takes part in the collectives and learns nothing from it
+    (its BatchNorm statistics are put back)."""
+    saved = [[b.detach().clone() for b in m.buffers()] for m in run.bns]
+    forward_backward(
+        run.model, run.loss_fn, B.to_device(run.spare, run.device), weight=0.0, device_type=run.device.type,
+        precision=run.precision, scaler=run.scaler,
+    )
+    run._restore_bn(saved)

@@ -1,0 +1,132 @@
+"""FSDP2 (``fully_shard``) on 2 CPU ranks (gloo, float64) against the single-process big-batch
+reference of ``test_distributed`` (written apart from autotune).
+
+Every multi-process test runs under a hard timeout (``ddp_worker.launch``): a hang or a collective
+mismatch fails the test in seconds instead of blocking.
+"""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ddp_worker as W
+from test_distributed import assert_exact, results
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+BIG = "64MiB"
+
+
+def launch(tmp_path, config):
+    W.launch(2, str(tmp_path), "fsdp", config, timeout=90)
+    return results(tmp_path, 2)
+
+
+@pytest.mark.parametrize("optimizer, limit", [("sgd", "24KiB"), ("adamw", "32KiB")])
+def test_sharded_training_equals_one_big_batch(tmp_path, optimizer, limit):
+    """Target 7 over 2 ranks (shares 4 and 3), micro-batches smaller than the shares, sequences of
+    4 to 9 tokens padded per loader batch: the ranks cut different numbers of micro-batches (the
+    one with fewer runs zero-weight ones), and the last window is short."""
+    config = {"n": 45, "target": 7, "lengths": (4, 9), "limits": [limit, limit], "optimizer": optimizer}
+    outs = launch(tmp_path, config)
+    for o in outs:
+        plan = o["plan"]
+        assert plan["accumulation_steps"] > 1, plan
+        assert plan["effective_batch"] == 7
+        assert max(len(h["micro_batches"]) for h in o["history"]) > 1
+    # a rank with fewer micro-batches than the other in some window (zero-weight micro-batches ran)
+    counts = [[len(h["micro_batches"]) for h in o["history"]] for o in outs]
+    assert counts[0] != counts[1]
+    assert_exact(outs, config, 2)
+
+
+def test_different_limits_per_rank(tmp_path):
+    """In lockstep a size fits when it fits on every rank: the tighter rank decides for both."""
+    config = {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, "28KiB"], "optimizer": "adamw"}
+    outs = launch(tmp_path, config)
+    micro = [o["plan"]["micro_batch"] for o in outs]
+    assert micro[0] == micro[1] and outs[0]["plan"]["accumulation_steps"] > 1, micro
+    # rank 0 alone fitted a larger size, rank 1 did not: the same trials on both, rank 1's verdict
+    sizes = [[t["batch_size"] for t in o["plan"]["trials"]] for o in outs]
+    assert sizes[0] == sizes[1]
+    assert any(t["fits"] and t["batch_size"] > micro[0] for t in outs[0]["plan"]["trials"])
+    assert not any(t["fits"] and t["batch_size"] > micro[1] for t in outs[1]["plan"]["trials"])
+    assert outs[1]["plan"]["peak_memory"] <= 28 * 1024
+    assert_exact(outs, config, 2)
+
+
+def test_an_out_of_memory_window_on_one_rank_is_redone_by_every_rank(tmp_path):
+    """Rank 1's limit drops below the plan's peak while training: its first window counts over,
+    every rank drops the window's gradients and redoes it, rank 1 with half its micro-batch."""
+    config = {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, BIG], "train_limits": [BIG, "31KiB"],
+              "optimizer": "adamw"}
+    outs = launch(tmp_path, config)
+    assert any("Out of memory" in w for w in outs[1]["warnings"]), outs[1]["warnings"]
+    assert not any("Out of memory" in w for w in outs[0]["warnings"])
+    assert outs[1]["final_plan"]["micro_batch"] < outs[1]["plan"]["micro_batch"]
+    assert outs[0]["final_plan"]["micro_batch"] == outs[0]["plan"]["micro_batch"]
+    assert_exact(outs, config, 2)
+
+
+@pytest.mark.parametrize("lengths, limits", [((48, 48), ["150KiB", "100KiB"]), ((16, 16), ["60KiB", "50KiB"])],
+                         ids=["activations", "shards"])
+def test_the_plans_peak_is_the_ledgers_peak_per_rank(tmp_path, lengths, limits):
+    """The probe's per-rank peak against the real per-rank peak counted over the whole of fit."""
+    config = {"n": 32, "target": 16, "lengths": lengths, "limits": limits, "optimizer": "adamw", "preloaded": True}
+    outs = launch(tmp_path, config)
+    for r, o in enumerate(outs):
+        planned, counted = o["plan"]["peak_memory"], o["ledger_peak"]
+        assert o["plan"]["accumulation_steps"] > 1
+        assert abs(planned - counted) <= 0.05 * counted, (r, planned, counted)
+        assert counted <= int(config["limits"][r][:-3]) * 1024
+
+
+# --- one process: what is refused ---------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank():
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(W.free_port())
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def data():
+    return [(torch.randn(4, 4), torch.randint(0, 2, (4,)))]
+
+
+def test_fsdp1_points_to_fully_shard(one_rank):
+    import autotune
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=torch.device("cpu"))
+    with pytest.raises(TypeError, match="fully_shard"):
+        autotune.plan(model, data(), target_batch=8)
+    with pytest.raises(TypeError, match="fully_shard"):
+        autotune.fit(model, data(), 8, progress=False)
+
+
+def test_a_model_sharded_only_inside_is_refused(one_rank):
+    import autotune
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0])
+    with pytest.raises(TypeError, match="fully_shard"):
+        autotune.plan(model, data(), target_batch=8)
+
+
+def test_planning_without_real_trials_is_refused(one_rank):
+    import autotune
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model)
+    with pytest.raises(ValueError, match="--shard"):
+        autotune.plan(model, data(), target_batch=8, verify=False)
