@@ -211,7 +211,7 @@ def length_dims(batches: Sequence[Batch]) -> list[tuple[int, int]]:
 def resize_length(batch: Batch, dims: Sequence[tuple[int, int]], length: int) -> Batch:
     """``batch`` with the length ``dims`` cut or tiled to ``length`` (a template for estimates:
     the values are the batch's own, repeated)."""
-    wanted = {}
+    wanted: dict[int, list[int]] = {}
     for i, d in dims:
         wanted.setdefault(i, []).append(d)
     counter = iter(range(10**9))

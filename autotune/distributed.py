@@ -185,7 +185,7 @@ def _fsdp_root(model: nn.Module) -> nn.Module | None:
                 "Invalid model: torch.compile(fully_shard(model)) is not supported; compile the blocks before "
                 "sharding them (fully_shard(torch.compile(block))), or pass the uncompiled model"
             )
-        return top
+        return model
     if any(isinstance(m, FSDPModule) for m in top.modules()):
         raise TypeError(
             "Invalid model: some of its blocks are sharded with fully_shard but the model itself is not; "
@@ -196,7 +196,7 @@ def _fsdp_root(model: nn.Module) -> nn.Module | None:
 
 def _ignored(ddp: nn.Module) -> frozenset[str]:
     names = getattr(ddp, "parameters_to_ignore", None) or getattr(ddp.module, "_ddp_params_and_buffers_to_ignore", ())
-    return frozenset(names)
+    return frozenset(names or ())
 
 
 def _refuse_comm_hooks(ddp: nn.Module) -> None:
@@ -216,7 +216,7 @@ class bypass_nested:
 
     def __enter__(self) -> None:
         for m in self.nested:
-            m.forward = m.module.forward  # type: ignore[method-assign]
+            m.forward = m.module.forward  # type: ignore[method-assign, union-attr]
 
     def __exit__(self, *exc: Any) -> None:
         for m in self.nested:

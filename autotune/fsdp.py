@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from . import batches as B
-from .distributed import FAILED, FINE, OUT_OF_MEMORY, Agreement, _where, world
+from .distributed import FINE, Agreement, _where, world
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
 from .step import LossFn, Precision, forward_backward
@@ -131,7 +131,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
     loss, this rank's window, the agreement)``, or None when no rank has a window left.
     """
     failure: BaseException | None = None
-    window = None
+    window: Any = None
     try:
         window = next(windows, None)
     except Exception as exc:  # the loader, the dataset or count failed on this rank

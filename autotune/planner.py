@@ -372,9 +372,9 @@ def plan(
             )
             warmup = settings.warmup_steps if scale > 1 else None
             notes.extend(settings.notes)
-    warmup, capped = cap_warmup(warmup, epochs * per_epoch if (epochs and per_epoch) else None)
-    if capped:
-        notes.append(capped)
+    warmup, cap_note = cap_warmup(warmup, epochs * per_epoch if (epochs and per_epoch) else None)
+    if cap_note:
+        notes.append(cap_note)
     elif warmup and per_epoch and warmup > per_epoch and epochs is None and hasattr(loader, "dataset"):
         notes.append(f"warm-up of {warmup} steps is longer than an epoch ({per_epoch} steps): pass epochs= to cap it at 10% of the run")
     bn = _bn_base_momentum(model)

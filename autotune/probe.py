@@ -435,7 +435,7 @@ def probe(
         with activation_checkpointing(work.model):
             return _real_trial(work, b, budget, snapshot)
 
-    real = measure
+    real: Callable[[int], Measurement] = measure
     search_budget = budget
     if work.fsdp:
         real, search_budget = _in_lockstep(work, measure, budget)
