@@ -13,6 +13,7 @@ from .errors import AutotuneError, NothingFits
 from .noise import NoiseScale, noise_scale
 from .planner import plan
 from .plans import Plan, Trial
+from .sharding import ShardEstimate, shard_plan
 from .training import AutotuneWarning, FitResult, StepRecord, fit
 from .tune import BNTuning, OptunaBN, tune_bn_momentum
 from .whatif import WhatIf, WhatIfRow, what_if
@@ -33,6 +34,7 @@ __all__ = [
     "Plan",
     "PooledBN",
     "PreciseBN",
+    "ShardEstimate",
     "StepRecord",
     "Trial",
     "WhatIf",
@@ -46,6 +48,7 @@ __all__ = [
     "pad_to_longest",
     "parse_bytes",
     "plan",
+    "shard_plan",
     "tune_bn_momentum",
     "what_if",
 ]

@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--follow-batch", action="store_true", help="Adam family: move betas, eps and weight decay to the target batch too (Malladi et al. 2022)")
     r.add_argument("--noise-scale", action="store_true", help="also measure the gradient noise scale on the --loader batches, and say whether the target is far from it")
     r.add_argument("--what-if", action="store_true", help="also print the largest micro-batch with bf16, activation checkpointing and an optimizer with less state (estimates)")
+    r.add_argument("--shard", type=int, metavar="N", help="instead of a plan for one device: estimate an FSDP2 run (fully_shard) over N devices, per rank, for a model too large for one")
     r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
     r.add_argument("--debug", action="store_true", help="show the traceback of an error in your model or loader")
@@ -384,6 +385,13 @@ def _report(args: argparse.Namespace) -> int:
         raise UsageError(f"Invalid --lr {args.lr}: it must be positive")
     if args.plot:
         _check_plot_path(args.plot)
+    if args.shard is not None:
+        if args.shard < 1 or args.shard > args.target_batch:
+            raise UsageError(f"Invalid --shard {args.shard}: give the number of devices, from 1 to --target-batch ({args.target_batch})")
+        clash = [flag for flag, on in (("--what-if", args.what_if), ("--noise-scale", args.noise_scale), ("--lengths", args.lengths),
+                                       ("--plot", args.plot), ("--format", args.format)) if on]
+        if clash:
+            raise UsageError(f"--shard estimates a sharded run only; drop {', '.join(clash)}")
     if args.noise_scale and not args.loader:
         raise UsageError("--noise-scale measures gradients on real data: give --loader module:callable too")
     lengths = _lengths(args.lengths) if args.lengths else []
@@ -406,6 +414,9 @@ def _report(args: argparse.Namespace) -> int:
         model.to(device)
     opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
     optimizer = opt_class(model.parameters(), lr=lr)
+
+    if args.shard is not None:
+        return _report_shards(args, model, loader, loss_fn, optimizer, device, on_device)
 
     facts = None
     limit = args.memory_limit
@@ -508,6 +519,37 @@ def _report(args: argparse.Namespace) -> int:
                 said = advice(noise, args.target_batch)
                 print(f"  {said}" if said else f"  target {args.target_batch} is within 2x of it: a good batch for this model")
     return 0
+
+
+def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any, on_device: bool) -> int:
+    """``report --shard N``: an FSDP2 run over N devices, per rank, estimated from the unsharded model."""
+    from .sharding import shard_plan
+    from .units import format_bytes
+
+    if not on_device and args.memory_limit is None:
+        raise UsageError("No such device here: give each device's memory with --memory-limit (e.g. 80GiB)")
+    (row,) = shard_plan(model, loader, target_batch=args.target_batch, ranks=args.shard, optimizer=optimizer, loss_fn=loss_fn,
+                        device=device, memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision,
+                        checkpointing=args.checkpointing)
+    if args.json:
+        print(json.dumps({"fsdp2": row.to_dict(), "device": str(device), "estimate": True}, indent=2))
+        return 0
+    print(f"FSDP2 over {row.ranks} devices ({device}), per rank (estimated from the unsharded model; run autotune.plan on the "
+          "sharded model to verify)")
+    if row.fits:
+        shares = sorted({-(-args.target_batch // row.ranks), args.target_batch // row.ranks}, reverse=True)
+        print(f"  micro_batch        {row.micro_batch}")
+        print(f"  accumulation_steps {row.accumulation_steps}  (per-rank shares of the target {args.target_batch}: "
+              f"{' or '.join(map(str, shares))} samples)")
+    else:
+        print(f"  does not fit: even the smallest micro-batch needs {format_bytes(row.peak)} per rank")
+    print(f"  peak per rank      {format_bytes(row.peak)} of a budget of {format_bytes(row.budget)}")
+    for name, value in row.parts.items():
+        print(f"    {name.replace('_', ' '):<17}{format_bytes(value)}")
+    if row.fits and row.accumulation_steps > 1:
+        print("  note: while a window accumulates, FSDP2 holds each rank's gradients unsharded (they are synced on its "
+              "last micro-batch): counted above")
+    return 0 if row.fits else 1
 
 
 def _lengths(text: str) -> list[int]:

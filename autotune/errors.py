@@ -28,14 +28,18 @@ class NothingFits(AutotuneError, RuntimeError):
         measured: whether ``needed`` comes from a real step (else from an estimate).
         what_if: the what-if table (:class:`autotune.WhatIf`: other precisions, activation
             checkpointing, an optimizer with less state), when the step could be estimated.
+        shards: when parameters, gradients and optimizer state alone exceed the budget on one
+            device, FSDP2 over 2, 4 and 8 devices estimated per rank (a list of
+            :class:`autotune.sharding.ShardEstimate`); else empty.
     """
 
     def __init__(
         self, message: str, *, needed: int, budget: int, limit: int, micro_batch: int = 1, measured: bool = True,
-        what_if: Any = None,
+        what_if: Any = None, shards: Any = (),
     ) -> None:
         super().__init__(message)
         self.what_if = what_if
+        self.shards = list(shards)
         self.needed = needed
         self.budget = budget
         self.limit = limit

@@ -42,7 +42,7 @@ from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
 from .step import LossFn, Precision, forward_backward
 
-__all__ = ["agree", "check_mesh", "run_window", "shard_peak", "trial_step"]
+__all__ = ["agree", "check_mesh", "run_window", "trial_step"]
 
 
 def check_mesh(model: nn.Module) -> None:
@@ -84,16 +84,21 @@ def trial_step(
     device_type: str,
     precision: Precision,
     finite: bool = False,
+    *,
+    accumulating: bool = True,
 ) -> None:
     """FSDP2's steady-state step: no-sync and sync micro-batches, the optimizer step, both again.
 
     The first pair and the step create the optimizer state; the second pair is a window of
     ``fit``: the state live, the gradients zeroed after the step, the unsharded gradients of the
     no-sync micro-batch held for the sync (the reduce-scatter), which makes the sharded ones.
+    ``accumulating=False`` is a window of one micro-batch: sync-only micro-batches, whose
+    backward reduce-scatters each block's gradients as it goes (none held unsharded).
     """
+    syncs = (False, True) if accumulating else (True, True)
     model.train()
     try:
-        for sync in (False, True):
+        for sync in syncs:
             _set_sync(model, sync)
             forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
         if finite:
@@ -103,22 +108,11 @@ def trial_step(
                         torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # as after every step of fit: a window starts without gradients
-        for sync in (False, True):
+        for sync in syncs:
             _set_sync(model, sync)
             forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
     finally:
         _set_sync(model, True)
-
-
-def shard_peak(*, resident: int, peak_at_one: int, grads: int, largest_block: int, ranks: int) -> int:
-    """A rank's estimated peak under FSDP2 over ``ranks`` ranks, from a single-device estimate.
-
-    Parameters, gradients and optimizer state (``resident``) are sharded; the activations and
-    temporaries of one sample (``peak_at_one - resident``) are not; a window's no-sync micro-batches
-    hold the gradients unsharded (``grads``); and two blocks' parameters are unsharded at once
-    (the one running and the one prefetched: ``2 * largest_block``).
-    """
-    return resident // ranks + max(0, peak_at_one - resident) + grads + 2 * largest_block
 
 
 # --- training windows ----------------------------------------------------------------------------

@@ -317,9 +317,13 @@ def plan(
                     found = dataclasses.replace(found, peak=own_peak[-1] if own_peak else found.peak)
                 if found.batch_size == 0:
                     table = None
+                    shards: list[Any] = []
                     if work.estimator is not None:  # say what would fit instead
                         table = estimate_rows(work, _trial_step, budget=budget, upper=upper, lower=min_micro_batch(work.model))
-                    raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside, table=table)
+                        if world_size == 1 and not par.fsdp:
+                            shards = _shards_if_resident_too_big(work, budget, target_batch)
+                    raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside,
+                                        table=table, shards=shards)
                 if by_shape and dims and not par.fsdp:
                     shape_model = _shape_model(work, dims, found, budget, upper, lengths)
     except Exception as exc:
@@ -458,9 +462,22 @@ def _shape_model(work: Workload, dims: list[tuple[int, int]], found: Any, budget
     return model
 
 
+def _shards_if_resident_too_big(work: Workload, budget: int, target_batch: int) -> list[Any]:
+    """FSDP2 over 2, 4 and 8 ranks, estimated, when the weights, gradients and optimizer state alone
+    exceed ``budget`` (accumulation cannot help then); else empty."""
+    from .sharding import estimated, shard_estimates
+
+    lower = min_micro_batch(work.model)
+    parts, activations = estimated(work, lower)
+    if parts.resident <= budget:
+        return []
+    return shard_estimates(parts, activations, ranks=[n for n in (2, 4, 8) if n <= target_batch], budget=budget,
+                           target_batch=target_batch, lower=lower)
+
+
 def _nothing_fits(
     trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
-    table: Any = None,
+    table: Any = None, shards: Sequence[Any] = (),
 ) -> NothingFits:
     """The error for a probe that found no size: measured numbers when a real step ran."""
     real = [t for t in trials if not t.estimate]
@@ -469,17 +486,33 @@ def _nothing_fits(
     needed = max([peak if real else 0] + [t.peak_memory for t in pool if t.batch_size == smallest])
     measured = bool(real)
     aside = "".join(f" less {format_bytes(b)} for {name}," for name, b in set_aside)
+    advice = _smallest_change(table) or "try precision='bf16', a smaller model, activation checkpointing, or a larger memory_limit"
+    if shards:
+        advice = _shard_advice(shards) + "; or " + advice
     return NothingFits(
         f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
         f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
-        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}: "
-        + (_smallest_change(table) or "try precision='bf16', a smaller model, activation checkpointing, or a larger memory_limit"),
+        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}: " + advice,
         needed=needed,
         budget=budget,
         limit=limit,
         micro_batch=smallest,
         measured=measured,
         what_if=table,
+        shards=shards,
+    )
+
+
+def _shard_advice(shards: Sequence[Any]) -> str:
+    """The message's words for FSDP2: the resident bytes alone are too many for one device."""
+    per_rank = "; ".join(
+        f"{s.ranks} ranks: {format_bytes(s.peak)}" + (f", micro_batch={s.micro_batch}" if s.fits else " (does not fit)")
+        for s in shards
+    )
+    return (
+        "the weights, gradients and optimizer state alone exceed the budget, so no micro-batch can fit on one device: "
+        "shard the model with FSDP2 (torch.distributed.fsdp.fully_shard on each block, then the model), which "
+        f"autotune drives; estimated per rank: {per_rank} (err.shards; `autotune report --shard N`)"
     )
 
 

@@ -428,17 +428,27 @@ def probe(
         return SearchResult(size, points.get(size, points[lower]), None, size)
 
     def measure(b: int) -> Measurement:
+        # Under FSDP2 a micro-batch of the whole share is a window of one: no unsharded gradients held.
+        whole = work.fsdp and b >= upper
         if not work.checkpointing:
-            return _real_trial(work, b, budget, snapshot)
+            return _real_trial(work, b, budget, snapshot, whole=whole)
         from .checkpointing import activation_checkpointing
 
         with activation_checkpointing(work.model):
-            return _real_trial(work, b, budget, snapshot)
+            return _real_trial(work, b, budget, snapshot, whole=whole)
 
     real: Callable[[int], Measurement] = measure
     search_budget = budget
     if work.fsdp:
         real, search_budget = _in_lockstep(work, measure, budget)
+        # The whole share in one micro-batch holds no unsharded gradients, so it may fit where
+        # smaller, accumulating ones do not: tried first, then the search below it.
+        whole = real(upper)
+        if whole.fits:
+            return SearchResult(upper, whole.peak, None, None)
+        if upper == lower:
+            return SearchResult(0, whole.peak, upper, None)
+        return largest_fitting(real, upper=upper - 1, budget=search_budget, lower=lower, max_real=max_real)
     return largest_fitting(real, upper=upper, budget=search_budget, estimate=estimator, lower=lower, max_real=max_real)
 
 
@@ -474,7 +484,7 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
     return real, common
 
 
-def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Measurement:
+def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: bool = False) -> Measurement:
     device = work.device
     if work.on_start is not None:
         work.on_start(b)
@@ -494,9 +504,13 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot) -> Meas
     start = time.perf_counter()
     fits = True
     snapshot.prepare_trial()
-    step = _trial_step
+    step: Callable[..., None] = _trial_step
     if work.fsdp:
-        from .fsdp import trial_step as step
+        import functools
+
+        from .fsdp import trial_step
+
+        step = functools.partial(trial_step, accumulating=not whole)
     try:
         with ledger, (resident if resident is not None else contextlib.nullcontext()):
             step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision, finite=snapshot.zero_lr)

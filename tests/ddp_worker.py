@@ -329,6 +329,17 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     if c.get("preloaded"):
         # Batches made before counting starts: the ledger then counts the training's tensors, not the data's.
         loader = list(loader)
+    estimate = None
+    if c.get("estimate"):
+        # What autotune.sharding estimates from the unsharded model, per rank at micro-batch `estimate`.
+        from autotune.probe import Workload
+        from autotune.sharding import estimated
+
+        whole = TokenModel()
+        whole_opt = torch.optim.AdamW(whole.parameters(), lr=0.05, weight_decay=0.1)
+        first = next(iter(loader))
+        parts, activations = estimated(Workload(model=whole, optimizer=whole_opt, loss_fn=token_loss, batch=first, device=torch.device("cpu")), 1)
+        estimate = parts.peak(world, activations(c["estimate"]), accumulating=True)
     model = shard(TokenModel())
     opt = (torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1) if c.get("optimizer") == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.5))
@@ -349,6 +360,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         "final_plan": result.plan.to_dict(),
         "history": [r.__dict__ for r in result.history],
         "ledger_peak": ledger.peak,
+        "estimate": estimate,
         "indices": indices,
     }
 

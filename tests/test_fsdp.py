@@ -84,6 +84,17 @@ def test_the_plans_peak_is_the_ledgers_peak_per_rank(tmp_path, lengths, limits):
         assert counted <= int(config["limits"][r][:-3]) * 1024
 
 
+def test_the_estimate_from_the_unsharded_model_bounds_the_real_peak(tmp_path):
+    """autotune.sharding's per-rank figure (what NothingFits and `report --shard` give) against
+    the real per-rank peak of a sharded run at the same micro-batch: within 10%."""
+    config = {"n": 32, "target": 16, "lengths": (48, 48), "limits": ["150KiB", "100KiB"], "optimizer": "adamw",
+              "preloaded": True, "estimate": 3}
+    outs = launch(tmp_path, config)
+    for r, o in enumerate(outs):
+        assert o["plan"]["micro_batch"] == 3 and o["plan"]["accumulation_steps"] > 1
+        assert abs(o["estimate"] - o["ledger_peak"]) <= 0.10 * o["ledger_peak"], (r, o["estimate"], o["ledger_peak"])
+
+
 # --- one process: what is refused ---------------------------------------------------------------
 
 

@@ -1,0 +1,311 @@
+"""What an FSDP2 run over N devices would hold per rank: estimated from the unsharded model.
+
+When parameters, gradients and optimizer state alone exceed one device, no micro-batch fits and
+accumulation cannot help; sharding them with FSDP2 (``torch.distributed.fsdp.fully_shard``) over
+N ranks can. This module estimates, without a GPU and without running the model, what one rank
+would hold in a run of :func:`autotune.fit` on a model sharded block by block (``fully_shard`` on
+each block, then on the model):
+
+- its shard of the parameters and of the optimizer state (``1/N`` of each);
+- the gradients: while a window accumulates, FSDP2 keeps each rank's gradients *unsharded* until
+  the last micro-batch syncs them (``set_requires_gradient_sync``), so a rank holds the whole
+  gradients (plus its shard once the sync reduce-scatters them); a window of one micro-batch
+  holds its shard only;
+- the reduce-scatter of a block's gradients: its unsharded gradients (counted above while
+  accumulating) and the flat copy the collective reads;
+- the parameters gathered at once: two consecutive blocks (the one running and the one
+  prefetched) and the parameters outside any block (which the root gathers for the whole step); buffers whole;
+- the activations and temporaries of the micro-batch's forward and backward, as on one device;
+- or, when it is larger, the optimizer step: its shard of everything above and of the step's own
+  temporaries.
+
+The blocks are those of :func:`autotune.checkpointing.blocks`, else the model's children. Every
+figure is an estimate from the same fake-tensor step as :class:`autotune.estimate.Estimator`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .units import format_bytes
+
+__all__ = ["ShardEstimate", "ShardParts", "shard_estimates", "shard_parts", "shard_plan"]
+
+
+@dataclass(frozen=True)
+class ShardParts:
+    """The single-device bytes a sharded run divides (all in bytes).
+
+    Attributes:
+        parameters: all parameters.
+        buffers: all buffers (not sharded).
+        gradients: the trainable parameters' gradients.
+        optimizer_state: the optimizer's state after a step (estimated).
+        gathered_units: the parameters of the two consecutive blocks (``fully_shard`` units)
+            that hold the most: FSDP2 gathers the next block while one runs.
+        outside_units: parameters in no block (gathered by the root for the whole step).
+        largest_unit_gradients: the gradients of the block with the most trainable parameters.
+        step_temporaries: what the optimizer step allocates beyond the state, on one device.
+    """
+
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    gathered_units: int
+    outside_units: int
+    largest_unit_gradients: int = 0
+    step_temporaries: int = 0
+
+    @property
+    def resident(self) -> int:
+        """Parameters, buffers, gradients and optimizer state on one device."""
+        return self.parameters + self.buffers + self.gradients + self.optimizer_state
+
+    def per_rank(self, ranks: int, *, accumulating: bool) -> dict[str, int]:
+        """What one of ``ranks`` ranks holds besides the activations (see the module docstring)."""
+        return {
+            "parameters": -(-self.parameters // ranks),
+            "optimizer_state": -(-self.optimizer_state // ranks),
+            "gradients": -(-self.gradients // ranks) + (self.gradients if accumulating else 0),
+            "reduce_scatter": self.largest_unit_gradients * (1 if accumulating else 2),
+            "gathered": self.gathered_units + self.outside_units + self.buffers,
+        }
+
+    def peak(self, ranks: int, activations: int, *, accumulating: bool) -> int:
+        """One rank's peak with ``activations`` bytes for its micro-batch: the forward and backward
+        or the optimizer step, whichever holds more."""
+        return max(sum(self.per_rank(ranks, accumulating=accumulating).values()) + activations, self.step_peak(ranks))
+
+    def step_peak(self, ranks: int) -> int:
+        """One rank's bytes during the optimizer step: shards of everything, buffers whole."""
+        return -(-(self.parameters + self.gradients + self.optimizer_state + self.step_temporaries) // ranks) + self.buffers
+
+
+@dataclass(frozen=True)
+class ShardEstimate:
+    """An FSDP2 run over ``ranks`` devices, per rank (estimated).
+
+    Attributes:
+        ranks: devices the model is sharded over.
+        micro_batch: samples per micro-batch on each rank (0: not even the smallest fits).
+        accumulation_steps: micro-batches per window on the rank with the largest share.
+        target_batch: samples per optimizer step over all ranks.
+        peak: bytes one rank needs at ``micro_batch`` (at the smallest, when none fits).
+        budget: bytes a rank may use.
+        parts: the per-rank breakdown of ``peak``: parameters, optimizer_state, gradients,
+            reduce_scatter, gathered (parameters unsharded at once, and buffers), activations.
+    """
+
+    ranks: int
+    micro_batch: int
+    accumulation_steps: int
+    target_batch: int
+    peak: int
+    budget: int
+    parts: dict[str, int]
+
+    @property
+    def fits(self) -> bool:
+        """Whether at least the smallest micro-batch fits on every rank."""
+        return self.micro_batch > 0
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.parts.items())
+        if not self.fits:
+            return f"{self.ranks} ranks: does not fit ({format_bytes(self.peak)} per rank, budget {format_bytes(self.budget)}; {parts})"
+        return (
+            f"{self.ranks} ranks: micro_batch={self.micro_batch} x accumulation_steps={self.accumulation_steps} per rank, "
+            f"{format_bytes(self.peak)} per rank of {format_bytes(self.budget)} ({parts})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        return {"ranks": self.ranks, "micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
+                "target_batch": self.target_batch, "peak": self.peak, "budget": self.budget, "fits": self.fits,
+                "parts": dict(self.parts)}
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    from .checkpointing import blocks
+
+    def holding(modules: list[nn.Module]) -> list[nn.Module]:
+        return [m for m in modules if any(True for _ in m.parameters())]
+
+    found = holding(blocks(model))
+    if len(found) >= 2:
+        return found
+    children = holding(list(model.children()))
+    return children if len(children) >= 2 else []
+
+
+def shard_parts(model: nn.Module, optimizer_state: int, step_temporaries: int = 0) -> ShardParts:
+    """The parts of ``model`` a sharded run divides, with ``optimizer_state`` bytes estimated."""
+    from .memory import storage_bytes
+
+    units = _units(model)
+    sizes = [storage_bytes(u.parameters()) for u in units]
+    parameters = storage_bytes(model.parameters())
+    return ShardParts(
+        parameters=parameters,
+        buffers=storage_bytes(model.buffers()),
+        gradients=_trainable(model),
+        optimizer_state=optimizer_state,
+        gathered_units=max((a + b for a, b in zip(sizes, sizes[1:])), default=parameters),
+        outside_units=parameters - sum(sizes) if units else 0,
+        largest_unit_gradients=max((_trainable(u) for u in units), default=_trainable(model)),
+        step_temporaries=step_temporaries,
+    )
+
+
+def _trainable(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def _forward_backward(model: nn.Module, optimizer: Any, loss_fn: Any, batch: Any, device_type: str, precision: Any) -> None:
+    from .step import forward_backward
+
+    model.train()
+    forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+
+
+def estimated(work: Any, lower: int) -> tuple[ShardParts, Callable[[int], int]]:
+    """The parts of ``work``'s model and its activations at any micro-batch, on fake tensors.
+
+    The activations are a forward and backward's peak less the weights and gradients; the
+    optimizer state and the step's temporaries come from an estimate of the whole trial step.
+    """
+    from .estimate import Estimator
+    from .probe import _trial_step
+
+    full = Estimator(work, _trial_step)
+    whole_step = full(lower)
+    fb = Estimator(work, _forward_backward)
+    cache: dict[int, int] = {}
+    parts = shard_parts(work.model, full.optimizer_state_bytes())
+
+    def activations(b: int) -> int:
+        if b not in cache:
+            cache[b] = max(0, fb(b) - parts.parameters - parts.buffers - parts.gradients)
+        return cache[b]
+
+    temporaries = max(0, whole_step - parts.resident - activations(lower))
+    return dataclasses.replace(parts, step_temporaries=temporaries), activations
+
+
+def shard_estimates(
+    parts: ShardParts,
+    activations: Callable[[int], int],
+    *,
+    ranks: Iterable[int],
+    budget: int,
+    target_batch: int,
+    lower: int = 1,
+) -> list[ShardEstimate]:
+    """One :class:`ShardEstimate` per number of ranks.
+
+    ``activations(b)`` is what a forward and backward of ``b`` samples adds on one device to the
+    weights and gradients (activations and temporaries).
+    """
+    from .plans import split_evenly
+
+    out = []
+    for n in ranks:
+        if n < 1 or target_batch < n:
+            raise ValueError(f"Invalid ranks {n!r}: give at least 1 and at most target_batch ({target_batch}) ranks")
+        share = split_evenly(target_batch, n)[0]
+
+        def need(b: int, n: int = n, share: int = share) -> tuple[int, dict[str, int]]:
+            held = parts.per_rank(n, accumulating=b < share)
+            held["activations"] = activations(b)
+            return parts.peak(n, held["activations"], accumulating=b < share), held
+
+        # A window of one micro-batch (the whole share) never holds the unsharded gradients, so it
+        # can fit where smaller accumulating ones do not: tried first.
+        best, (peak, held) = 0, need(share)
+        if peak <= budget:
+            best = share
+        else:
+            lo, hi = min(lower, share), share - 1
+            first = need(lo)
+            if lo <= hi and first[0] <= budget:
+                while lo < hi:  # the largest b < share with need(b) <= budget (need grows with b)
+                    mid = (lo + hi + 1) // 2
+                    if need(mid)[0] <= budget:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                best = lo
+                peak, held = need(best)
+            elif lo <= hi:
+                peak, held = first  # none fits: the smallest's figures
+        steps = math.ceil(share / best) if best else 0
+        out.append(ShardEstimate(n, best, steps, target_batch, peak, budget, held))
+    return out
+
+
+def shard_plan(
+    model: nn.Module,
+    loader: Iterable[Any],
+    *,
+    target_batch: int,
+    ranks: int | Sequence[int] = (2, 4, 8),
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Any = None,
+    device: torch.device | str = "cuda",
+    memory_limit: int | str | None = None,
+    headroom: float | None = None,
+    precision: str | None = None,
+    checkpointing: bool = False,
+) -> list[ShardEstimate]:
+    """Estimate an FSDP2 run of the unsharded ``model`` over each number of ``ranks`` devices.
+
+    Nothing runs on a device and the model is not touched: the step is estimated on fake tensors
+    (see the module docstring for what a rank holds). ``memory_limit`` is each device's memory
+    (default: what ``device`` has, when this machine has it); the budget is taken from it as
+    :func:`autotune.plan` takes it (less the CUDA context for CUDA, less the headroom).
+
+    Returns:
+        One :class:`ShardEstimate` per number of ranks, in the order given.
+
+    Example:
+        >>> for row in autotune.shard_plan(model, loader, target_batch=512, memory_limit="80GiB"):  # doctest: +SKIP
+        ...     print(row)
+    """
+    from .memory import default_headroom, default_limit
+    from .planner import CUDA_CONTEXT_ALLOWANCE
+    from .plans import budget_of
+    from .probe import Workload, min_micro_batch, sample_batch
+    from .rng import RNGState
+    from .step import default_loss, normalize_precision
+    from .units import parse_bytes
+
+    counts = [ranks] if isinstance(ranks, int) else list(ranks)
+    device = torch.device(device)
+    if memory_limit is None:
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("Cannot read the memory of a CUDA device on a machine without one: pass memory_limit= (e.g. '80GiB')")
+        limit = default_limit(device, 0)
+    else:
+        limit = parse_bytes(memory_limit)
+    headroom = default_headroom(device) if headroom is None else headroom
+    budget = budget_of(limit, CUDA_CONTEXT_ALLOWANCE if device.type == "cuda" else 0, headroom)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rng = RNGState(loader)
+    try:
+        batch, _, _, _ = sample_batch(loader)
+    finally:
+        rng.restore()
+    work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or default_loss, batch=batch, device=device,
+                    precision=normalize_precision(precision), checkpointing=checkpointing)
+    lower = min_micro_batch(model)
+    parts, activations = estimated(work, lower)
+    return shard_estimates(parts, activations, ranks=counts, budget=budget, target_batch=target_batch, lower=lower)

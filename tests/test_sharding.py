@@ -1,0 +1,100 @@
+"""FSDP2 estimates from the unsharded model: the parts, NothingFits, ``report --shard``.
+
+The estimate against a real sharded run is in ``test_fsdp`` (two ranks).
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import autotune
+from autotune.cli import main
+from autotune.sharding import ShardParts, shard_estimates, shard_parts, shard_plan
+
+
+def wide(n=4, width=256):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(n)], nn.Linear(width, 10))
+
+
+def data(rows=8, width=256):
+    return [(torch.randn(rows, width), torch.randint(0, 10, (rows,)))]
+
+
+def test_parts_are_the_models_own_bytes():
+    model = wide()
+    parts = shard_parts(model, optimizer_state=123)
+    layer = (256 * 256 + 256) * 4
+    assert parts.parameters == 4 * layer + (256 * 10 + 10) * 4
+    assert parts.gradients == parts.parameters and parts.buffers == 0
+    assert parts.gathered_units == 2 * layer and parts.outside_units == 0  # the Sequential's children are the units
+    held = parts.per_rank(4, accumulating=True)
+    assert held["parameters"] == -(-parts.parameters // 4)
+    assert held["gradients"] == parts.gradients + -(-parts.gradients // 4)  # unsharded while accumulating, plus the shard
+    assert parts.per_rank(4, accumulating=False)["gradients"] == -(-parts.gradients // 4)
+
+
+def test_the_estimated_optimizer_state_is_adams_two_buffers():
+    model = wide()
+    rows = shard_plan(model, data(), target_batch=64, ranks=[2], optimizer=torch.optim.AdamW(model.parameters()),
+                      device="cpu", memory_limit="64MiB", headroom=0)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert rows[0].parts["optimizer_state"] == -(-2 * params // 2)
+    assert all(p.grad is None for p in model.parameters())  # the model was not touched
+
+
+def test_a_whole_share_without_accumulation_can_fit_where_smaller_micro_batches_cannot():
+    """One micro-batch per window never holds the unsharded gradients."""
+    parts = ShardParts(parameters=1000, buffers=0, gradients=1000, optimizer_state=2000, gathered_units=200, outside_units=0)
+    per_sample = 10
+    rows = shard_estimates(parts, lambda b: per_sample * b, ranks=[4], budget=1500, target_batch=40)
+    # share 10: 250 + 500 + 250 + 200 + 100 = 1300 fits; any b < 10 adds the whole gradients (1000)
+    assert (rows[0].micro_batch, rows[0].accumulation_steps, rows[0].peak) == (10, 1, 1300)
+    rows = shard_estimates(parts, lambda b: 20 * b, ranks=[4], budget=2400, target_batch=400)
+    # share 100: 1200 + 20 * 100 > 2400 without accumulation; accumulating: 2200 + 20 b <= 2400 -> b = 10
+    assert (rows[0].micro_batch, rows[0].accumulation_steps, rows[0].peak) == (10, 10, 2400)
+
+
+def test_nothing_fits_names_fsdp2_with_per_rank_figures():
+    model = wide()
+    with pytest.raises(autotune.NothingFits) as caught:
+        autotune.plan(model, data(), target_batch=64, memory_limit="3MiB", headroom=0, progress=False)
+    err = caught.value
+    assert "FSDP2" in str(err) and "fully_shard" in str(err)
+    assert [s.ranks for s in err.shards] == [2, 4, 8]
+    for s in err.shards:
+        assert f"{s.ranks} ranks: {autotune.format_bytes(s.peak)}" in str(err)
+    peaks = [s.parts["parameters"] + s.parts["optimizer_state"] for s in err.shards]
+    assert peaks[0] > peaks[1] > peaks[2]
+    assert err.shards[-1].fits and err.shards[-1].peak <= err.budget
+
+
+def test_nothing_fits_for_activations_alone_does_not_suggest_sharding():
+    model = wide(n=1)
+    with pytest.raises(autotune.NothingFits) as caught:
+        autotune.plan(model, data(rows=8, width=256), target_batch=64, memory_limit="1100KiB", headroom=0, progress=False)
+    assert caught.value.shards == [] and "FSDP2" not in str(caught.value)
+
+
+def test_report_shard_prints_the_per_rank_plan(tmp_path, capsys):
+    assert main(["report", "--demo", "--target-batch", "256", "--shard", "4", "--memory-limit", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP2 over 4 devices" in out and "micro_batch" in out and "optimizer state" in out
+    assert main(["report", "--demo", "--target-batch", "256", "--shard", "4", "--memory-limit", "64MiB", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["fsdp2"]
+    assert row["ranks"] == 4 and row["fits"] and row["peak"] <= row["budget"]
+    assert row["micro_batch"] * row["accumulation_steps"] >= 64
+    assert main(["report", "--demo", "--target-batch", "256", "--shard", "4", "--memory-limit", "1MiB"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--shard", "0"], "Invalid --shard 0"),
+    (["--shard", "512"], "Invalid --shard 512"),
+    (["--shard", "2", "--what-if"], "drop --what-if"),
+])
+def test_report_shard_usage_errors(capsys, argv, words):
+    assert main(["report", "--demo", "--target-batch", "256", *argv]) == 2
+    assert words in capsys.readouterr().err
