@@ -55,6 +55,7 @@ def main() -> None:
     if rank == 0:  # only rank 0 reports
         print(result.plan)
         print(f"{len(result.history)} steps, {result.samples} samples, last loss {result.history[-1].loss:.4f}")
+    dist.barrier()  # leave together: a rank that exits while another still talks to it aborts it (gloo)
     dist.destroy_process_group()
 
 
