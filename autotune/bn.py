@@ -23,7 +23,8 @@ In every mode the modules' ``momentum`` attributes are put back when training en
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -255,6 +256,17 @@ class BNController:
         self._current: list[tuple[int, list[tuple[int, torch.Tensor, torch.Tensor]]]] = []
         self._window_samples = 0
         self._micro_samples = 0
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside do not count: nothing pooled or recorded (FSDP2's zero-weight
+        micro-batches, which a rank runs only to take part in the collectives)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def __enter__(self) -> BNController:
         needs_stats = self.mode == "pooled" or self.record
@@ -279,7 +291,7 @@ class BNController:
 
     def _hook(self, j: int) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
-            if module.training:
+            if module.training and not self._paused:
                 n, mean, var = _input_stats(inputs[0])
                 if self.mode == "pooled":
                     self._pools[j].add(n, mean, var)

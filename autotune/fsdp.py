@@ -258,8 +258,9 @@ def _idle_micro(run: Any) -> None:
     """A zero-weight micro-batch: this rank takes part in the collectives and learns nothing from it
     (its BatchNorm statistics are put back)."""
     saved = [[b.detach().clone() for b in m.buffers()] for m in run.bns]
-    forward_backward(
-        run.model, run.loss_fn, B.to_device(run.spare, run.device), weight=0.0, device_type=run.device.type,
-        precision=run.precision, scaler=run.scaler,
-    )
+    with run.bnc.paused():  # nothing pooled or recorded from it
+        forward_backward(
+            run.model, run.loss_fn, B.to_device(run.spare, run.device), weight=0.0, device_type=run.device.type,
+            precision=run.precision, scaler=run.scaler,
+        )
     run._restore_bn(saved)

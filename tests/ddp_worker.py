@@ -262,14 +262,14 @@ def train_bn(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     x, y = torch.randn(c["n"], 6, generator=g) * 2 + 1, torch.randint(0, 3, (c["n"],), generator=g)
     indices = rank_indices(c["n"], rank, world, "strided")
     loader = DataLoader(Subset(TensorDataset(x, y), indices), batch_size=5)
-    model = DistributedDataParallel(BNNet())
+    model: nn.Module = shard(BNNet()) if c.get("fsdp") else DistributedDataParallel(BNNet())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, memory_limit=c["limits"][rank],
                          headroom=0, lr_rule="none")
     collectives = _counting_collectives()
     result = autotune.fit(model, loader, plan=plan, optimizer=opt, bn=c["bn"], progress=False, max_steps=c.get("steps"))
     return {
-        "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+        "params": full_state(model) if c.get("fsdp") else {k: v.detach().clone() for k, v in model.module.state_dict().items()},
         "plan": result.plan.to_dict(),
         "history": [r.__dict__ for r in result.history],
         "collectives": collectives,
