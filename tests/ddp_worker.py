@@ -365,4 +365,53 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"tokens": train_tokens, "bn": train_bn, "epochs": train_epochs, "comm_hook": comm_hook, "fsdp": train_fsdp}
+def text_samples(n: int, *, lengths: tuple[int, int] = (5, 24), vocab: int = 500, seed: int = 11) -> list[torch.Tensor]:
+    """Token sequences of random lengths (for a language model: the labels are the tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def text_collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Right padding to the batch's longest sequence: input ids, attention mask, labels (-100 on padding)."""
+    longest = max(t.shape[0] for t in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for i, t in enumerate(batch):
+        ids[i, : t.shape[0]], mask[i, : t.shape[0]] = t, 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, PAD)}
+
+
+def count_shifted(batch: dict[str, torch.Tensor]) -> int:
+    """A causal LM's loss items: the labels after the first position that are not padding."""
+    return int((batch["labels"][:, 1:] != PAD).sum())
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy in the model's dtype (transformers' own loss computes in float32)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=PAD)
+
+
+def train_fsdp_gpt2(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2 from a small config, each transformer block sharded with fully_shard, then the model;
+    attention masks and dynamic padding."""
+    import hf_models
+    from torch.distributed.fsdp import fully_shard
+
+    samples = text_samples(c["n"])
+    indices = rank_indices(len(samples), rank, world, "sampler")
+    loader = DataLoader(Subset(Samples(samples), indices), batch_size=c.get("loader_batch", 4), collate_fn=text_collate)
+    model = hf_models.gpt2()
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=lm_loss, memory_limit=c["limits"][rank],
+                         headroom=0, lr_rule="none", progress=False)
+    result = autotune.fit(model, loader, plan=plan, optimizer=opt, loss_fn=lm_loss, count=count_shifted, lr_rule="none", progress=False,
+                          max_steps=c.get("steps"), pad=autotune.pad_to_longest if c.get("pad") else None)
+    return {"params": full_state(model), "plan": plan.to_dict(), "history": [r.__dict__ for r in result.history]}
+
+
+SCENARIOS = {"tokens": train_tokens, "bn": train_bn, "epochs": train_epochs, "comm_hook": comm_hook, "fsdp": train_fsdp,
+             "fsdp_gpt2": train_fsdp_gpt2}

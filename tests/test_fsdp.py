@@ -124,6 +124,49 @@ def test_batchnorm_under_fsdp2(tmp_path, bn):
         torch.set_default_dtype(torch.float32)
 
 
+def gpt2_reference(config, world):
+    """One process, float64: each global window (rank r's k-th share, for every r) one SGD step on
+    the exact mean of the next-token losses of its samples, each sample run alone, unpadded."""
+    import hf_models
+    import torch.nn.functional as F
+    from test_distributed import shares
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        samples = W.text_samples(config["n"])
+        seqs = [[samples[i] for i in W.rank_indices(len(samples), r, world, "sampler")] for r in range(world)]
+        share = shares(config["target"], world)
+        model = hf_models.gpt2()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for k in range(config["steps"]):
+            window = [s for r in range(world) for s in seqs[r][k * share[r] : (k + 1) * share[r]]]
+            total = sum(F.cross_entropy(model(t.unsqueeze(0)).logits[0, :-1], t[1:], reduction="sum") for t in window)
+            items = sum(t.shape[0] - 1 for t in window)
+            opt.zero_grad(set_to_none=True)
+            (total / items).backward()
+            opt.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["per-batch-padding", "joined-by-length"])
+def test_gpt2_with_attention_masks_and_dynamic_padding(tmp_path, pad):
+    """A transformers model nobody here wrote, each block sharded, with attention masks: the
+    next-token loss over the tokens the mask keeps, batches padded to their own longest sequence
+    (or joined across lengths by pad_to_longest)."""
+    pytest.importorskip("transformers")
+    config = {"n": 40, "target": 9, "steps": 3, "limits": ["5MiB", "5MiB"], "pad": pad}
+    W.launch(2, str(tmp_path), "fsdp_gpt2", config, timeout=120)
+    outs = results(tmp_path, 2)
+    assert outs[0]["plan"]["accumulation_steps"] > 1
+    assert len(outs[0]["history"]) == config["steps"]
+    want = gpt2_reference(config, 2)
+    for o in outs:
+        for name, value in want.items():
+            assert (o["params"][name] - value).abs().max().item() <= 1e-10, name
+
+
 # --- one process: what is refused ---------------------------------------------------------------
 
 
