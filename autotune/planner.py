@@ -12,7 +12,7 @@ from torch import nn
 
 from .bn import batchnorms
 from .checks import check_device_exists, check_grad_mode, check_optimizer, check_trainable
-from .distributed import BUCKET_BYTES, bucket_bytes_needed, bypass_nested, gather, parallel, world
+from .distributed import BUCKET_BYTES, bucket_bytes_needed, bypass_nested, gather, on_every_rank, parallel, world
 from .errors import AutotuneError, NothingFits
 from .memory import cuda_memory_fraction, default_headroom, default_limit, outside_allocator, storage_bytes
 from .plans import Plan, Trial, budget_of, split_evenly, window_layout
@@ -256,7 +256,12 @@ def plan(
     snapshot = Snapshot(model, optimizer, loader)
     shown = Progress(progress is not False and rank == 0, delay=None if isinstance(progress, bool) else float(progress))
     try:
-        batch, first_size, _, dims = sample_batch(loader, max_batches=max_probe_batches)
+        if par.fsdp:
+            # The trials that follow run in lockstep: a dataset that raises on one rank stops them all here.
+            batch, first_size, _, dims = on_every_rank(lambda: sample_batch(loader, max_batches=max_probe_batches),
+                                                       device=device, what="looking at its first batches")
+        else:
+            batch, first_size, _, dims = sample_batch(loader, max_batches=max_probe_batches)
         work = Workload(
             model=model,
             optimizer=optimizer,

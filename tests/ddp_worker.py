@@ -325,7 +325,8 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
 
     samples = token_samples(c["n"], lengths=tuple(c.get("lengths", (10, 10))), by_parity=c.get("by_parity"))
     indices = rank_indices(len(samples), rank, world, c.get("shards", "sampler"))
-    loader: Any = DataLoader(Subset(Samples(samples), indices), batch_size=c.get("loader_batch", 4), collate_fn=pad_collate)
+    data = Samples(samples, bad=c.get("bad") if rank == c.get("bad_rank") else None)
+    loader: Any = DataLoader(Subset(data, indices), batch_size=c.get("loader_batch", 4), collate_fn=pad_collate)
     if c.get("preloaded"):
         # Batches made before counting starts: the ledger then counts the training's tensors, not the data's.
         loader = list(loader)

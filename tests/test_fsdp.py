@@ -167,6 +167,17 @@ def test_gpt2_with_attention_masks_and_dynamic_padding(tmp_path, pad):
             assert (o["params"][name] - value).abs().max().item() <= 1e-10, name
 
 
+@pytest.mark.parametrize("bad, when", [(81, "in this window"), (41, "looking at its first batches")], ids=["training", "first-batches"])
+def test_a_bad_sample_on_one_rank_stops_every_rank_within_seconds(tmp_path, bad, when):
+    config = {"n": 96, "target": 24, "lengths": (6, 6), "bad": bad, "bad_rank": 1, "limits": [BIG, BIG]}
+    seconds = W.launch(2, str(tmp_path), "fsdp", config, timeout=40)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert outs[1]["error"] == f"ValueError: a bad sample at index {bad}"
+    assert outs[0]["error"].startswith(f"AutotuneError: rank 1 failed {when}") and f"a bad sample at index {bad}" in outs[0]["error"]
+    assert abs(outs[0]["at"] - outs[1]["at"]) < 10
+    assert seconds < 40
+
+
 # --- one process: what is refused ---------------------------------------------------------------
 
 
