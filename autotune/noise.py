@@ -176,7 +176,14 @@ def noise_scale(
     from .probe import Snapshot
     from .step import default_loss, forward_backward, normalize_precision
 
+    from .distributed import parallel
+
     check_grad_mode("noise_scale")
+    if parallel(model).fsdp:
+        raise ValueError(
+            "Invalid model for noise_scale: it is sharded with FSDP2, whose backward averages the gradients over the ranks "
+            "(the meter needs one process's own); measure it on the unsharded model, or on one device"
+        )
     check_trainable(model)
     check_reiterable(loader, 2)
     for name, value, least in (("micro_batch", micro_batch, 1), ("micro_batches", micro_batches, 2), ("windows", windows, 2)):

@@ -190,8 +190,15 @@ def what_if(
     Example:
         >>> print(autotune.what_if(model, loader, target_batch=512, memory_limit="24GiB"))  # doctest: +SKIP
     """
+    from .distributed import parallel
     from .errors import NothingFits
     from .planner import plan as make_plan
+
+    if parallel(model).fsdp:
+        raise ValueError(
+            "Invalid model for what_if: it is sharded with FSDP2, and the table is estimated from a copy of the whole "
+            "model; call what_if on the model before fully_shard, or autotune.shard_plan for the figures per rank"
+        )
     from .probe import Workload, _trial_step, min_micro_batch, sample_batch
     from .rng import RNGState
     from .step import default_loss, normalize_precision

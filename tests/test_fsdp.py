@@ -216,6 +216,18 @@ def test_a_model_sharded_only_inside_is_refused(one_rank):
         autotune.plan(model, data(), target_batch=8)
 
 
+def test_what_if_and_noise_scale_say_what_to_use_instead(one_rank):
+    import autotune
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model)
+    with pytest.raises(ValueError, match="shard_plan"):
+        autotune.what_if(model, data(), target_batch=8, memory_limit="1MiB", progress=False)
+    with pytest.raises(ValueError, match="unsharded model"):
+        autotune.noise_scale(model, data() * 4, micro_batch=2, micro_batches=2, windows=2)
+
+
 def test_planning_without_real_trials_is_refused(one_rank):
     import autotune
     from torch.distributed.fsdp import fully_shard
