@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ddp_worker as W
-from test_distributed import assert_exact, results
+from test_distributed import assert_exact, assert_stopped_together, results
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -71,10 +71,14 @@ def test_an_out_of_memory_window_on_one_rank_is_redone_by_every_rank(tmp_path):
     assert_exact(outs, config, 2)
 
 
-@pytest.mark.parametrize("lengths, limits", [((48, 48), ["150KiB", "100KiB"]), ((16, 16), ["60KiB", "50KiB"])],
-                         ids=["activations", "shards"])
+@pytest.mark.parametrize("lengths, limits", [((48, 48), ["150KiB", "100KiB"]), ((32, 32), ["150KiB", "100KiB"])],
+                         ids=["48-tokens", "32-tokens"])
 def test_the_plans_peak_is_the_ledgers_peak_per_rank(tmp_path, lengths, limits):
-    """The probe's per-rank peak against the real per-rank peak counted over the whole of fit."""
+    """The probe's per-rank peak against the real per-rank peak counted over the whole of fit.
+
+    Both peaks move between runs by up to one block's collective buffer (about 2 KiB here): gloo's
+    threads release those buffers at racing times. The sizes keep that under 2% of the peak, so
+    that the 5% bound tests the probe, not the race (at 16 tokens, a 45 KiB peak, it did not)."""
     config = {"n": 32, "target": 16, "lengths": lengths, "limits": limits, "optimizer": "adamw", "preloaded": True}
     outs = launch(tmp_path, config)
     for r, o in enumerate(outs):
@@ -170,12 +174,7 @@ def test_gpt2_with_attention_masks_and_dynamic_padding(tmp_path, pad):
 @pytest.mark.parametrize("bad, when", [(81, "in this window"), (41, "looking at its first batches")], ids=["training", "first-batches"])
 def test_a_bad_sample_on_one_rank_stops_every_rank_within_seconds(tmp_path, bad, when):
     config = {"n": 96, "target": 24, "lengths": (6, 6), "bad": bad, "bad_rank": 1, "limits": [BIG, BIG]}
-    seconds = W.launch(2, str(tmp_path), "fsdp", config, timeout=40)
-    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert outs[1]["error"] == f"ValueError: a bad sample at index {bad}"
-    assert outs[0]["error"].startswith(f"AutotuneError: rank 1 failed {when}") and f"a bad sample at index {bad}" in outs[0]["error"]
-    assert abs(outs[0]["at"] - outs[1]["at"]) < 10
-    assert seconds < 40
+    assert_stopped_together(tmp_path, "fsdp", config, bad, when)
 
 
 # --- one process: what is refused ---------------------------------------------------------------
