@@ -153,6 +153,14 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     return _map(batch, lambda t: t[start:stop], lambda values: values[start:stop], batch_size(batch))
 
 
+def _columns(batches: Sequence[Batch]) -> list[list[torch.Tensor]]:
+    """Each batch's tensors, in order; an error when the batches do not hold the same tensors."""
+    columns = [tensors(b) for b in batches]
+    if len({len(c) for c in columns}) != 1:
+        raise ValueError("Cannot join batches of different structures; every batch must hold the same tensors")
+    return columns
+
+
 def concat(batches: Sequence[Batch]) -> Batch:
     """Join batches of the same structure along dim 0 (per-sample lists are joined too).
 
@@ -163,9 +171,7 @@ def concat(batches: Sequence[Batch]) -> Batch:
     first = batches[0]
     if len(batches) == 1:
         return first
-    columns = [tensors(b) for b in batches]
-    if len({len(c) for c in columns}) != 1:
-        raise ValueError("Cannot join batches of different structures; every batch must hold the same tensors")
+    columns = _columns(batches)
     joined = iter([torch.cat(list(parts), dim=0) for parts in zip(*columns)])
     lists = iter(_join_lists(batches))
     return _map(first, lambda _t: next(joined), lambda _values: next(lists), batch_size(first))
@@ -249,9 +255,7 @@ def pad_to_longest(batches: Sequence[Batch], *, values: Mapping[Any, float] | Se
     first = batches[0]
     if len(batches) == 1:
         return first
-    columns = [tensors(b) for b in batches]
-    if len({len(c) for c in columns}) != 1:
-        raise ValueError("Cannot join batches of different structures; every batch must hold the same tensors")
+    columns = _columns(batches)
     keys = _tensor_keys(first)
     fills = []
     for position, key in enumerate(keys):

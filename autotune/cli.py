@@ -523,6 +523,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any, on_device: bool) -> int:
     """``report --shard N``: an FSDP2 run over N devices, per rank, estimated from the unsharded model."""
+    from .plans import split_evenly
     from .sharding import shard_plan
     from .units import format_bytes
 
@@ -537,7 +538,7 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     print(f"FSDP2 over {row.ranks} devices ({device}), per rank (estimated from the unsharded model; run autotune.plan on the "
           "sharded model to verify)")
     if row.fits:
-        shares = sorted({-(-args.target_batch // row.ranks), args.target_batch // row.ranks}, reverse=True)
+        shares = sorted(set(split_evenly(args.target_batch, row.ranks)), reverse=True)
         print(f"  micro_batch        {row.micro_batch}")
         print(f"  accumulation_steps {row.accumulation_steps}  (per-rank shares of the target {args.target_batch}: "
               f"{' or '.join(map(str, shares))} samples)")

@@ -185,6 +185,9 @@ def _fsdp_root(model: nn.Module) -> nn.Module | None:
                 "Invalid model: torch.compile(fully_shard(model)) is not supported; compile the blocks before "
                 "sharding them (fully_shard(torch.compile(block))), or pass the uncompiled model"
             )
+        from .fsdp import check_mesh
+
+        check_mesh(model)
         return model
     if any(isinstance(m, FSDPModule) for m in top.modules()):
         raise TypeError(

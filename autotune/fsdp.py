@@ -37,9 +37,10 @@ import torch
 from torch import nn
 
 from . import batches as B
-from .distributed import FINE, Agreement, _where, world
+from .distributed import FINE, Agreement, _where, check_distinct_samples, world
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
+from .probe import zero_non_finite
 from .step import LossFn, Precision, forward_backward
 
 __all__ = ["agree", "check_mesh", "run_window", "trial_step"]
@@ -102,10 +103,7 @@ def trial_step(
             _set_sync(model, sync)
             forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
         if finite:
-            for g in optimizer.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+            zero_non_finite(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # as after every step of fit: a window starts without gradients
         for sync in syncs:
@@ -180,8 +178,6 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         run.plan = dataclasses.replace(run.plan, peak_memory=run.measured)
     if not run.checked_samples:
         run.checked_samples = True
-        from .distributed import check_distinct_samples
-
         check_distinct_samples(window[0].batch if has and len(window) else None, device, group)
     payload = run.bnc.payload(has) if (world_size > 1 or run.bnc.mode == "pooled") else None
     summed = run.sync.sum(payload) if payload is not None else None

@@ -237,9 +237,6 @@ def plan(
     par = parallel(model)
     model, ddp = par.inner, par.ddp
     if par.fsdp:
-        from .fsdp import check_mesh
-
-        check_mesh(model)
         if not verify:
             raise ValueError(
                 "Invalid verify=False for a model sharded with FSDP2: its step cannot be estimated without running it "

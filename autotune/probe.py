@@ -323,14 +323,21 @@ def _trial_step(
     model.train()
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
     if finite:
-        # At a learning rate of 0 a non-finite gradient would still reach the weights (0 * inf is
-        # nan): the trial's gradients are its own, and only their memory matters.
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+        zero_non_finite(optimizer)
     optimizer.step()
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+
+
+def zero_non_finite(optimizer: torch.optim.Optimizer) -> None:
+    """Zero the non-finite values of the optimizer's gradients, in place.
+
+    For trials stepped at a learning rate of 0: a non-finite gradient would still reach the weights
+    (0 * inf is nan), and a trial's gradients are its own, only their memory matters.
+    """
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:

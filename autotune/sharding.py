@@ -215,6 +215,7 @@ def shard_estimates(
     weights and gradients (activations and temporaries).
     """
     from .plans import split_evenly
+    from .search import estimated_max
 
     out = []
     for n in ranks:
@@ -232,20 +233,9 @@ def shard_estimates(
         best, (peak, held) = 0, need(share)
         if peak <= budget:
             best = share
-        else:
-            lo, hi = min(lower, share), share - 1
-            first = need(lo)
-            if lo <= hi and first[0] <= budget:
-                while lo < hi:  # the largest b < share with need(b) <= budget (need grows with b)
-                    mid = (lo + hi + 1) // 2
-                    if need(mid)[0] <= budget:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                best = lo
-                peak, held = need(best)
-            elif lo <= hi:
-                peak, held = first  # none fits: the smallest's figures
+        elif share > lower:  # the largest accumulating micro-batch (or, when none fits, the smallest's figures)
+            best, _ = estimated_max(lambda b: need(b)[0], budget, share - 1, lower=lower)
+            peak, held = need(best or lower)
         steps = math.ceil(share / best) if best else 0
         out.append(ShardEstimate(n, best, steps, target_batch, peak, budget, held))
     return out

@@ -64,7 +64,7 @@ from .distributed import (
     world,
 )
 from .errors import AutotuneError, AutotuneWarning, NothingFits
-from .fsdp import check_mesh, run_window as fsdp_window
+from .fsdp import run_window as fsdp_window
 from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
 from .noise import NoiseMeter
 from .planner import _resolve_device, allocator_cap, plan as make_plan
@@ -315,15 +315,15 @@ def fit(
     check_positive_number("clip_grad_norm", clip_grad_norm)
     mode = resolve_bn(bn)
     _check_plan(plan, target_batch)
-    if mode is not None and mode.name in ("precise", "optuna") and parallel(model).fsdp:
-        raise ValueError(
-            f"Invalid bn {mode.name!r} for a model sharded with FSDP2: it recomputes BatchNorm statistics with extra "
-            "forward passes that the ranks would not run in lockstep; use bn='adjust' or bn='pooled'"
-        )
     check_reiterable(loader, epochs)
     check_grad_mode("fit")
     check_device_exists(device)
     par = parallel(model)  # under DDP: the inner module runs; autotune syncs once per window
+    if mode is not None and mode.name in ("precise", "optuna") and par.fsdp:
+        raise ValueError(
+            f"Invalid bn {mode.name!r} for a model sharded with FSDP2: it recomputes BatchNorm statistics with extra "
+            "forward passes that the ranks would not run in lockstep; use bn='adjust' or bn='pooled'"
+        )
     inner = par.inner
     check_trainable(inner)
     if optimizer is not None:
@@ -498,7 +498,6 @@ class _Run:
         # in the model's order (the same on every rank).
         self.synced = [p for name, p in par.inner.named_parameters() if p.requires_grad and name not in par.ignored]
         if par.fsdp:
-            check_mesh(par.inner)
             # FSDP2 reduce-scatters the gradients itself; the sync only sums BatchNorm statistics.
             self.synced = []
             self.noise = None

@@ -156,7 +156,12 @@ def test_shards_of_different_lengths(tmp_path):
 @pytest.mark.parametrize("bad, when", [(81, "in this window"), (41, "looking at its first batches")], ids=["training", "first-batches"])
 def test_a_bad_sample_on_one_rank_stops_every_rank_within_seconds(tmp_path, bad, when):
     config = {**BASE, "n": 96, "target": 24, "bad": bad, "bad_rank": 1, "limits": ["64MiB", "64MiB"]}
-    seconds = W.launch(2, str(tmp_path), "tokens", config, timeout=40)
+    assert_stopped_together(tmp_path, "tokens", config, bad, when)
+
+
+def assert_stopped_together(tmp_path, scenario, config, bad, when):
+    """Rank 1 meets the bad sample and raises it; rank 0 stops too, naming it, within seconds."""
+    seconds = W.launch(2, str(tmp_path), scenario, config, timeout=40)
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert outs[1]["error"] == f"ValueError: a bad sample at index {bad}"
     assert outs[0]["error"].startswith(f"AutotuneError: rank 1 failed {when}") and f"a bad sample at index {bad}" in outs[0]["error"]

@@ -29,35 +29,31 @@ def test_multitask_example_learns_both_heads():
     assert digit > 0.85 and parity > 0.85
 
 
-def test_ddp_example_under_torchrun(tmp_path):
+def torchrun(name, cwd):
+    """``torchrun --nproc_per_node=2 examples/<name>``; its stdout, after asserting it succeeded."""
     import shutil
 
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
+    launcher = shutil.which("torchrun")
+    if launcher is None:
         pytest.skip("torchrun is not on PATH")
     done = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node=2", str(EXAMPLES / "ddp.py")],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        [launcher, "--standalone", "--nproc_per_node=2", str(EXAMPLES / name)],
+        capture_output=True, text=True, timeout=180, cwd=cwd,
     )
     # On failure, the lines that say why (a rank's exception or gloo's abort), not only the launcher's tail.
     why = [line for line in done.stderr.splitlines() if any(k in line for k in ("Error", "error", "terminate", "what()", "enforce"))]
     assert done.returncode == 0, "\n".join(why[:40]) + "\n...\n" + done.stderr[-1500:]
-    assert "world_size=2" in done.stdout and "effective_batch=1024" in done.stdout
-    assert int(re.search(r"accumulation_steps=(\d+)", done.stdout).group(1)) > 1
+    return done.stdout
+
+
+def test_ddp_example_under_torchrun(tmp_path):
+    out = torchrun("ddp.py", tmp_path)
+    assert "world_size=2" in out and "effective_batch=1024" in out
+    assert int(re.search(r"accumulation_steps=(\d+)", out).group(1)) > 1
 
 
 def test_fsdp_example_under_torchrun(tmp_path):
-    import shutil
-
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
-    done = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node=2", str(EXAMPLES / "fsdp.py")],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
-    )
-    why = [line for line in done.stderr.splitlines() if any(k in line for k in ("Error", "error", "terminate", "what()", "enforce"))]
-    assert done.returncode == 0, "\n".join(why[:40]) + "\n...\n" + done.stderr[-1500:]
-    assert "estimate: 2 ranks" in done.stdout and "world_size=2" in done.stdout and "effective_batch=512" in done.stdout
-    assert int(re.search(r"accumulation_steps=(\d+)", done.stdout.split("estimate:")[1].split("\n", 1)[1]).group(1)) > 1
-    assert float(re.search(r"last loss ([\d.]+)", done.stdout).group(1)) < 0.5
+    out = torchrun("fsdp.py", tmp_path)
+    assert "estimate: 2 ranks" in out and "world_size=2" in out and "effective_batch=512" in out
+    assert int(re.search(r"accumulation_steps=(\d+)", out.split("estimate:")[1].split("\n", 1)[1]).group(1)) > 1
+    assert float(re.search(r"last loss ([\d.]+)", out).group(1)) < 0.5
