@@ -130,7 +130,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         failure = exc
     if window is not None and len(window):
         run.spare = B.slice_batch(window[0].batch, 0, min(run.plan.min_micro_batch, window[0].samples))
-    bn_saved = [[b.detach().clone() for b in m.buffers()] for m in run.bns]
+    bn_saved = run._save_bn()
     device, group = run.device, run.par.group
     world_size = run.world_size
     while True:
@@ -253,7 +253,7 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float) -> tuple
 def _idle_micro(run: Any) -> None:
     """A zero-weight micro-batch: this rank takes part in the collectives and learns nothing from it
     (its BatchNorm statistics are put back)."""
-    saved = [[b.detach().clone() for b in m.buffers()] for m in run.bns]
+    saved = run._save_bn()
     with run.bnc.paused():  # nothing pooled or recorded from it
         forward_backward(
             run.model, run.loss_fn, B.to_device(run.spare, run.device), weight=0.0, device_type=run.device.type,

@@ -589,7 +589,7 @@ class _Run:
         except Exception as exc:  # the loader, the dataset or count failed on this rank
             failure = exc
         # BN buffers, to undo a failed attempt; they are small.
-        bn_saved = [[b.detach().clone() for b in m.buffers()] for m in self.bns]
+        bn_saved = self._save_bn()
         done = False  # this rank's window has run (kept while another rank redoes its own)
         local_loss = 0.0
         while True:
@@ -645,6 +645,10 @@ class _Run:
             raise own
         rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
         raise AutotuneError(f"rank {rank} failed in this window, so every rank stops: {message}")
+
+    def _save_bn(self) -> list[list[torch.Tensor]]:
+        """A copy of the BatchNorm buffers, for :meth:`_restore_bn` when a window is undone."""
+        return [[b.detach().clone() for b in m.buffers()] for m in self.bns]
 
     def _restore_bn(self, saved: list[list[torch.Tensor]]) -> None:
         with torch.no_grad():
