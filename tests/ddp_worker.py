@@ -133,6 +133,8 @@ def rank_indices(n: int, rank: int, world: int, how: str) -> list[int]:
     """The indices of the samples each rank sees, in order (the tests' reference uses the same)."""
     if how == "strided":  # shards of different lengths
         return list(range(rank, n, world))
+    if how == "all":  # no sampler: every rank loads the whole dataset (a common mistake)
+        return list(range(n))
     sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
     return list(sampler)
 

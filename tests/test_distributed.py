@@ -89,10 +89,22 @@ def test_any_target_and_world_size_at_the_end_of_an_epoch(tmp_path, world, n, ta
     W.launch(world, str(tmp_path), "tokens", config)
     outs = results(tmp_path, world)
     assert_exact(outs, config, world)
-    # one collective per optimizer step (the agreement rides in the gradients' only bucket), and one
-    # that finds the epoch over on every rank; none inside a window, whatever the micro-batches
+    # one collective per optimizer step (the agreement rides in the gradients' only bucket); once per
+    # fit call, the start-up agreement on the first batches, the check that the ranks' first batches
+    # differ, and the exchange that finds the epoch over on every rank; none inside a window,
+    # whatever the micro-batches
     for o in outs:
-        assert o["collectives"].count("all_reduce") == len(o["history"]) + 1
+        assert o["collectives"].count("all_reduce") == len(o["history"]) + 3
+
+
+def test_ranks_that_load_the_same_samples_are_warned(tmp_path):
+    """Every rank iterating the whole dataset (no DistributedSampler) is warned about, on every rank;
+    ranks with their own shards are not."""
+    for shards, warned in (("all", True), ("sampler", False)):
+        config = {**BASE, "n": 24, "target": 12, "shards": shards}
+        W.launch(2, str(tmp_path), "tokens", config)
+        for o in results(tmp_path, 2):
+            assert any("Every rank got the same first batch" in w for w in o["warnings"]) is warned, o["warnings"]
 
 
 def test_per_rank_limits_give_per_rank_micro_batches(tmp_path):
@@ -215,7 +227,8 @@ def test_batchnorm_statistics_agree_across_ranks(tmp_path):
     for name in ("bn.running_mean", "bn.running_var"):
         assert torch.equal(outs[0]["params"][name], outs[1]["params"][name])
     for o in outs:
-        assert o["collectives"].count("all_reduce") == 2 * len(o["history"]) + 1  # plus one for the statistics
+        # plus one per step for the statistics (and the three per fit call, as above)
+        assert o["collectives"].count("all_reduce") == 2 * len(o["history"]) + 3
 
 
 def test_pooled_batchnorm_is_one_global_big_batch_forward(tmp_path):
