@@ -140,9 +140,9 @@ class Window(Sequence[Micro]):
         self.micro_batch = micro_batch
         self.min_micro_batch = min_micro_batch
         self.samples = sum(B.batch_size(p) for p in pieces)
-        batches, self.dropped = self._join(pieces) if pad is not None else self._cut(pieces, sizes)
+        batches, sizes_of, self.dropped = self._join(pieces) if pad is not None else self._cut(pieces, sizes)
         if batches:
-            self.micro_batch = max(B.batch_size(b) for b in batches)
+            self.micro_batch = max(sizes_of)
         if self.dropped:
             self.samples -= self.dropped
             warnings.warn(
@@ -152,7 +152,7 @@ class Window(Sequence[Micro]):
                 AutotuneWarning,
                 stacklevel=4,
             )
-        counts = [check_count_value(count(b)) if count is not None else B.batch_size(b) for b in batches]
+        counts = [check_count_value(count(b)) if count is not None else n for b, n in zip(batches, sizes_of)]
         self.items = int(sum(counts))
         self.total_samples = self.samples
         scale = 1.0
@@ -161,38 +161,40 @@ class Window(Sequence[Micro]):
             total_samples, total_items = sum_over_ranks([self.samples, self.items])
             self.total_samples, self.items = int(total_samples), int(total_items)
             scale = float(rank_count)
-        kept = [(b, c) for b, c in zip(batches, counts) if c > 0]
+        kept = [(b, n, c) for b, n, c in zip(batches, sizes_of, counts) if c > 0]
         self._micros = tuple(
-            Micro(batch=b, weight=c * scale / self.items, samples=B.batch_size(b), items=c, last=i == len(kept) - 1)
-            for i, (b, c) in enumerate(kept)
+            Micro(batch=b, weight=c * scale / self.items, samples=n, items=c, last=i == len(kept) - 1)
+            for i, (b, n, c) in enumerate(kept)
         )
 
-    def _cut(self, pieces: list[Any], sizes: Sequence[int] | None) -> tuple[list[Any], int]:
-        """Micro-batches of the pieces: each run of joinable pieces cut on its own, by the
-        micro-batch its shape allows."""
-        runs: list[list[Any]] = []
-        last_shape: Any = None
+    def _cut(self, pieces: list[Any], sizes: Sequence[int] | None) -> tuple[list[Any], list[int], int]:
+        """Micro-batches of the pieces, and their sizes: each run of joinable pieces cut on its own,
+        by the micro-batch its shape allows. Each piece's structure is walked once (this runs for
+        every window)."""
+        runs: list[tuple[list[Any], list[int], Any]] = []  # (pieces, their sizes, per-sample shapes)
         for piece in pieces:
-            shape = B.sample_shapes(piece)
-            if runs and shape == last_shape:
-                runs[-1].append(piece)
+            n, shape = B.size_and_shapes(piece)
+            if runs and shape == runs[-1][2]:
+                runs[-1][0].append(piece)
+                runs[-1][1].append(n)
             else:
-                runs.append([piece])
-                last_shape = shape
+                runs.append(([piece], [n], shape))
         out: list[Any] = []
+        out_sizes: list[int] = []
         dropped = 0
-        for run in runs:
-            n = sum(B.batch_size(p) for p in run)
-            cap = max(1, self._cap(B.per_sample_numel(run[0])))
+        for run, piece_sizes, shape in runs:
+            n = sum(piece_sizes)
+            cap = max(1, self._cap(sum(math.prod(dims) for dims, _ in shape)))  # by the per-sample size
             if len(runs) == 1 and sizes is not None and sum(sizes) == n and max(sizes) <= cap and min(sizes) >= self.min_micro_batch:
                 run_sizes: Sequence[int] = sizes  # the plan's layout
             else:
                 run_sizes, lost = cut_sizes(n, cap, self.min_micro_batch)
                 dropped += lost
-            out.extend(_slices(run, run_sizes))
-        return out, dropped
+            out.extend(_slices(run, piece_sizes, run_sizes))
+            out_sizes.extend(run_sizes)
+        return out, out_sizes, dropped
 
-    def _join(self, pieces: list[Any]) -> tuple[list[Any], int]:
+    def _join(self, pieces: list[Any]) -> tuple[list[Any], list[int], int]:
         """Micro-batches across pieces of different lengths, padded to the longest in each (``pad``):
         the window's pieces from the shortest to the longest, each micro-batch as large as its
         padded shape allows."""
@@ -225,7 +227,7 @@ class Window(Sequence[Micro]):
         if micros and micros[-1][1] < self.min_micro_batch:
             dropped = micros[-1][1]
             micros.pop()
-        return [self._pad(parts) if len(parts) > 1 else parts[0] for parts, _, _ in micros], dropped
+        return [self._pad(parts) if len(parts) > 1 else parts[0] for parts, _, _ in micros], [n for _, n, _ in micros], dropped
 
     def with_micro_batch(self, micro_batch: int) -> Window:
         """The same samples cut into micro-batches of at most ``micro_batch`` (e.g. after an OOM)."""
@@ -241,6 +243,9 @@ class Window(Sequence[Micro]):
     def __getitem__(self, i: int) -> Micro:  # type: ignore[override]
         return self._micros[i]
 
+    def __iter__(self) -> Iterator[Micro]:
+        return iter(self._micros)
+
     def __len__(self) -> int:
         return len(self._micros)
 
@@ -249,17 +254,17 @@ class Window(Sequence[Micro]):
         return f"Window(position={self.position}, samples={self.samples}, items={self.items}, micro-batches=[{sizes}])"
 
 
-def _slices(run: list[Any], sizes: Sequence[int]) -> list[Any]:
-    """Consecutive micro-batches of ``sizes`` samples from a run of joinable pieces (the rest is left)."""
+def _slices(run: list[Any], piece_sizes: Sequence[int], sizes: Sequence[int]) -> list[Any]:
+    """Consecutive micro-batches of ``sizes`` samples from a run of joinable pieces of
+    ``piece_sizes`` samples (the rest is left)."""
     out: list[Any] = []
-    queue = list(run)
+    queue = list(zip(run, piece_sizes))
     offset = 0  # samples of queue[0] already used
     for size in sizes:
         parts = []
         need = size
         while need:
-            head = queue[0]
-            n = B.batch_size(head)
+            head, n = queue[0]
             take = min(need, n - offset)
             parts.append(head if (offset == 0 and take == n) else B.slice_batch(head, offset, offset + take))
             offset += take

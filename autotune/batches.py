@@ -25,6 +25,7 @@ __all__ = [
     "repeat_to",
     "resize_length",
     "sample_shapes",
+    "size_and_shapes",
     "slice_batch",
     "tensors",
     "to_device",
@@ -81,10 +82,24 @@ def _map(
 
 
 def tensors(batch: Batch) -> list[torch.Tensor]:
-    """The tensors of ``batch``, in order."""
+    """The tensors of ``batch``, in order (the order :func:`map_tensors` visits them)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
     found: list[torch.Tensor] = []
-    map_tensors(batch, found.append)
+    _collect(batch, found)
     return found
+
+
+def _collect(batch: Any, found: list[torch.Tensor]) -> None:
+    """The walk of :func:`_map` without building anything: called once per micro-batch and more."""
+    if isinstance(batch, torch.Tensor):
+        found.append(batch)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            _collect(value, found)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            _collect(value, found)
 
 
 def batch_size(batch: Batch) -> int:
@@ -94,7 +109,11 @@ def batch_size(batch: Batch) -> int:
         TypeError: the batch holds no tensor.
         ValueError: a tensor has no batch dimension (0-d), or the tensors disagree on dim 0.
     """
-    leaves = tensors(batch)
+    return _size_of(tensors(batch), batch)
+
+
+def _size_of(leaves: list[torch.Tensor], batch: Batch) -> int:
+    """The batch size of ``batch``, given its tensors."""
     if not leaves:
         raise TypeError(
             f"Invalid batch of type {type(batch).__name__}: it holds no tensor; a batch must be a "
@@ -118,13 +137,20 @@ def batch_size(batch: Batch) -> int:
 
 def per_sample_numel(batch: Batch) -> int:
     """Elements per sample over all tensors of ``batch`` (what grows with sequence length)."""
-    n = batch_size(batch)
-    return sum(t.numel() // n for t in tensors(batch))
+    leaves = tensors(batch)
+    n = _size_of(leaves, batch)
+    return sum(t.numel() // n for t in leaves)
 
 
 def sample_shapes(batch: Batch) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
     """Per-sample shape and dtype of each tensor: batches with equal ``sample_shapes`` can be joined."""
     return tuple((tuple(t.shape[1:]), t.dtype) for t in tensors(batch))
+
+
+def size_and_shapes(batch: Batch) -> tuple[int, tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
+    """``(batch_size(batch), sample_shapes(batch))`` in one walk of the batch."""
+    leaves = tensors(batch)
+    return _size_of(leaves, batch), tuple((tuple(t.shape[1:]), t.dtype) for t in leaves)
 
 
 def repeat_to(batch: Batch, size: int) -> Batch:

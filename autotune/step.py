@@ -75,9 +75,7 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         TypeError: the batch is neither a dict nor an ``(inputs, targets)`` pair, or the model's
             output holds no loss.
     """
-    if isinstance(batch, Mapping):
-        return _output_loss(model(**batch))
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:  # checked first: a cheaper test than Mapping's
         inputs, targets = batch
         if not isinstance(targets, torch.Tensor):
             raise TypeError(
@@ -101,6 +99,8 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
             f"targets.shape + (classes,) for the default cross-entropy; the model returned "
             f"{tuple(output.shape)}: pass loss_fn=lambda model, batch: ..."
         )
+    if isinstance(batch, Mapping):
+        return _output_loss(model(**batch))
     raise TypeError(
         f"No default loss for a batch of type {type(batch).__name__}: autotune knows dict batches "
         "(model(**batch) returning a loss) and (inputs, targets) pairs; pass "

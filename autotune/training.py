@@ -875,7 +875,7 @@ def _run_micro_batches(run: _Run, window: Window) -> float:
                 exc.autotune_micro_batch = micro.samples  # type: ignore[attr-defined]
                 exc.autotune_micro_size = B.per_sample_numel(micro.batch)  # type: ignore[attr-defined]
             raise
-        total += loss * micro.weight  # float64: no sync here, read once per window
+        total.add_(loss, alpha=micro.weight)  # float64: no sync here, read once per window
         if run.noise_due and run.small is None:
             # After the first micro-batch the gradient is its own (weighted): |G_b|^2 for the noise scale.
             started = time.perf_counter()
