@@ -287,6 +287,8 @@ class Agreement:
         loss: the global mean loss (items-weighted).
         ranks_with_data: how many ranks had a window.
         synced: whether the gradients are now the global mean on every rank.
+        pace: the ranks' mean of the ``pace`` they proposed (the same on every rank), so that
+            every rank measures the noise scale in the same windows.
     """
 
     status: int
@@ -295,11 +297,12 @@ class Agreement:
     loss: float
     ranks_with_data: int
     synced: bool
+    pace: float = 1.0
 
 
 # Counts travel split in two, each exactly representable in a float32 sum up to 2**24 per part.
 _SPLIT = 4096
-_HEAD = 9  # fine, oom, failed, items (hi, lo), samples (hi, lo), loss sum, had data
+_HEAD = 10  # fine, oom, failed, items (hi, lo), samples (hi, lo), loss sum, had data, pace
 
 
 class GradientSync:
@@ -323,20 +326,25 @@ class GradientSync:
         self.group = group
         self.distributed = is_distributed()
         self.where = _where(device, group) if self.distributed else torch.device("cpu")
+        self.world_size = world(group)[1]
         self.buckets = list(_buckets_of(self.params, bucket_bytes))
         self._buffers: dict[int, torch.Tensor] = {}
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.collectives = 0  # made so far (for the benchmark and the tests)
 
-    def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool) -> Agreement:
-        """Agree on the window and, if every rank is fine, make the gradients the global mean."""
+    def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool, pace: float = 1.0) -> Agreement:
+        """Agree on the window and, if every rank is fine, make the gradients the global mean.
+
+        ``pace`` is a small number each rank proposes (how often to measure the noise scale); the
+        agreement carries the ranks' mean of it.
+        """
         if not self.distributed:
             fine = status == FINE
-            return Agreement(status, items, samples, loss_sum / items if items else float("nan"), int(had_data), fine)
+            return Agreement(status, items, samples, loss_sum / items if items else float("nan"), int(had_data), fine, pace)
         fine_here = status == FINE
         head = [float(status == FINE), float(status == OUT_OF_MEMORY), float(status == FAILED),
                 float(items // _SPLIT), float(items % _SPLIT), float(samples // _SPLIT), float(samples % _SPLIT),
-                float(loss_sum), float(had_data and fine_here)]
+                float(loss_sum), float(had_data and fine_here), float(pace)]
         flags = [float(fine_here and p.grad is not None) for p in self.params]
         flat = self._flat(0, head + flags, float(items) if fine_here else 0.0)
         self._all_reduce(flat)
@@ -347,8 +355,9 @@ class GradientSync:
         with_data = int(round(values[8]))
         code = FAILED if failed else (OUT_OF_MEMORY if oom else FINE)
         loss = values[7] / total_items if total_items else float("nan")
+        mean_pace = values[9] / self.world_size
         if code != FINE or with_data == 0 or total_items == 0:
-            return Agreement(code, total_items, total_samples, loss, with_data, False)
+            return Agreement(code, total_items, total_samples, loss, with_data, False, mean_pace)
         has_grad = [v > 0 for v in values[_HEAD:]]
         self._write_back(0, flat, 1.0 / total_items, has_grad)
         for b in range(1, len(self.buckets)):
@@ -358,7 +367,7 @@ class GradientSync:
         if len(self.buckets) > 1:
             self._buffers.clear()  # several buckets: keep none between steps (at most one at a time)
             self._views.clear()
-        return Agreement(code, total_items, total_samples, loss, with_data, True)
+        return Agreement(code, total_items, total_samples, loss, with_data, True, mean_pace)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small float64 tensor over ranks (BatchNorm statistics)."""

@@ -483,7 +483,7 @@ class _Run:
         self.small: tuple[torch.Tensor, float, int] | None = None  # first micro-batch: (|grad|^2, weight, items)
         # The meter measures every `noise_every`-th window, chosen so that it costs at most 1% of the
         # step time (for most models: every window).
-        self.noise_every, self.noise_count, self.noise_seconds, self.first_norm_seconds = 1, 0, 0.0, 0.0
+        self.noise_every, self.noise_count, self.noise_seconds, self.first_norm_seconds = self.noise_fixed or 1, 0, 0.0, 0.0
         self.noise_due = noise_scale is not False
         self.par, self.model, self.optimizer, self.scheduler = par, par.inner, optimizer, scheduler
         self.loss_fn, self.plan, self.device, self.precision = loss_fn, plan, device, precision
@@ -610,7 +610,7 @@ class _Run:
             items = window.items if (window is not None and done) else 0
             agreed = self.sync.exchange(
                 status=status, items=items, samples=window.samples if (window is not None and done) else 0,
-                loss_sum=local_loss * items, had_data=window is not None and status == FINE,
+                loss_sum=local_loss * items, had_data=window is not None and status == FINE, pace=self.noise_every,
             )
             if agreed.status == FAILED:
                 self._raise_failure(failure if status == FAILED else None)
@@ -741,7 +741,12 @@ class _Run:
         return estimate.value if estimate is not None else None
 
     def pace_noise(self, step_seconds: float) -> None:
-        """Measure the next window or not: at most 1% of the step time goes to the meter."""
+        """Measure the next window or not: at most 1% of the step time goes to the meter.
+
+        Each rank proposes how often from its own timings (``noise_every``, sent with the next
+        exchange); the windows measured follow the ranks' mean of the proposals, the same on every
+        rank, so no rank waits for another's measurement.
+        """
         if self.noise is None:
             return
         self.noise_count += 1
@@ -749,7 +754,8 @@ class _Run:
             self.noise_every = self.noise_fixed
         elif self.noise_seconds and step_seconds > 0:
             self.noise_every = max(1, min(64, math.ceil(self.noise_seconds / (0.01 * step_seconds))))
-        self.noise_due = self.noise_count % self.noise_every == 0
+        every = max(1, round(self.agreed.pace)) if self.agreed is not None else self.noise_every
+        self.noise_due = self.noise_count % every == 0
 
     def check_finite(self, loss: float, window: Window | None, *, step: int, epoch: int) -> None:
         """Refuse to step on a non-finite loss: the weights would become NaN."""

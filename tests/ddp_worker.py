@@ -187,6 +187,11 @@ def run(rank: int, world: int, port: int, outdir: str, scenario: str, config: di
                 out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "at": time.time()}
         out["warnings"] = [str(w.message) for w in caught]
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+        if "error" not in out:
+            # Every rank is done before any closes its connections: gloo can abort a rank whose
+            # peer tears down first ("terminate called without an active exception"). After an
+            # error the ranks may be anywhere, and the failing rank's exit is what frees the others.
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -243,11 +248,18 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=token_loss,
                              memory_limit=c["limits"][rank], headroom=0, lr_rule="none")
         calls.clear()
+    measured: list[int] = []  # the windows (1-based) the noise meter measured
+    steps: list[int] = []
+    if "noise_every" in c:
+        from autotune.noise import NoiseMeter
+
+        add = NoiseMeter.add
+        NoiseMeter.add = lambda self, *a: (measured.append(len(steps) + 1), add(self, *a))[1]  # type: ignore[method-assign]
     collectives = _counting_collectives()
     result = autotune.fit(
         model, loader, None if plan else c["target"], optimizer=opt, loss_fn=loss_fn, count=count_tokens if c.get("count", True) else None,
         memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False, epochs=c.get("epochs", 1), plan=plan,
-        pad=pad,
+        pad=pad, noise_scale=c["noise_every"][rank] if "noise_every" in c else True, callback=lambda r: steps.append(r.step),
     )
     return {
         "params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
@@ -256,6 +268,7 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         "history": [r.__dict__ for r in result.history],
         "collectives": collectives,
         "indices": indices,
+        "noise_measured": measured,
     }
 
 

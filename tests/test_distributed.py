@@ -107,6 +107,17 @@ def test_ranks_that_load_the_same_samples_are_warned(tmp_path):
             assert any("Every rank got the same first batch" in w for w in o["warnings"]) is warned, o["warnings"]
 
 
+def test_ranks_measure_the_noise_scale_in_the_same_windows(tmp_path):
+    """Ranks that would pace the noise meter differently (every 2nd and every 4th window) measure in
+    the same windows, every 3rd (the mean), so that neither waits for the other's measurement."""
+    config = {**BASE, "n": 96, "target": 4, "noise_every": [2, 4]}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    measured = outs[0]["noise_measured"]
+    assert measured == outs[1]["noise_measured"]
+    assert measured == list(range(1, len(outs[0]["history"]) + 1, 3)) and len(measured) >= 6, measured
+
+
 def test_per_rank_limits_give_per_rank_micro_batches(tmp_path):
     config = {**BASE, "n": 96, "target": 48, "limits": ["64MiB", "100KiB"]}
     W.launch(2, str(tmp_path), "tokens", config)
