@@ -4,11 +4,21 @@ Two CPU processes (gloo), an MLP, micro-batches of 32 samples per rank, ``k`` mi
 optimizer step. The hand-written loop runs DDP's forward under ``no_sync()`` for the first ``k - 1``
 micro-batches and syncs on the last (DDP overlaps that all-reduce with the backward); ``fit`` runs
 the same micro-batches on the inner module, then one agreement and one gradient sync per step.
-Runs are interleaved (alternating which goes first), the same data and steps for both; printed:
-collectives per optimizer step made by ``fit`` (``torch.distributed`` calls counted) and the median
-throughput ratio fit / hand-written for each width and ``k``.
+Runs are interleaved (alternating which goes first), the same data and steps for both. Printed for
+each width and ``k``:
 
-    python benchmarks/ddp_overhead.py               # a few minutes on 2 CPU cores
+- collectives per optimizer step made by ``fit`` (``torch.distributed`` calls counted over all the
+  steps and over the first half: the difference per step), and those made once per ``fit`` call;
+- the throughput ratio fit / hand-written **step by step**, the figure to read: in each run ``fit``'s
+  callback runs one hand-written step (on a second copy of the model) after each of fit's steps,
+  so the two alternate step by step; the time from one callback to the next, less the hand-written
+  step, is fit's step. Median over the runs of (hand-written seconds / fit seconds), all steps but
+  the first. Slow drifts of the machine (the two ranks and gloo's threads share the cores) fall on
+  both alike, which run-by-run timings cannot promise;
+- the same ratio over whole runs (call to return; separate runs, interleaved, alternating which goes
+  first), and the fixed cost of a ``fit`` call beyond its steps (start-up checks, the exchange that finds the epoch over), which whole runs also pay.
+
+    python benchmarks/ddp_overhead.py               # about 12 minutes on 2 CPU cores
     python benchmarks/ddp_overhead.py --runs 5 --steps 10
 """
 
@@ -43,26 +53,61 @@ def data(rank: int, k: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor
     return [(torch.randn(MICRO, 256, generator=g), torch.randint(0, 10, (MICRO,), generator=g)) for _ in range(k * steps)]
 
 
-def hand_written(ddp: nn.Module, opt: torch.optim.Optimizer, batches: list, k: int) -> None:
+def hand_step(ddp: nn.Module, opt: torch.optim.Optimizer, micro_batches: list, k: int) -> None:
+    """One optimizer step of the hand-written loop: ``no_sync`` but on the last micro-batch."""
+    for i, (x, y) in enumerate(micro_batches):
+        with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (F.cross_entropy(ddp(x), y) / k).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def hand_written(ddp: nn.Module, opt: torch.optim.Optimizer, batches: list, k: int, stamps: list[float]) -> None:
     for start in range(0, len(batches), k):
-        for i, (x, y) in enumerate(batches[start : start + k]):
-            with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
-                (F.cross_entropy(ddp(x), y) / k).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        hand_step(ddp, opt, batches[start : start + k], k)
+        stamps.append(time.perf_counter())  # the step is over
 
 
-def with_fit(ddp: nn.Module, opt: torch.optim.Optimizer, batches: list, k: int, plan) -> None:
+def with_fit(ddp: nn.Module, opt: torch.optim.Optimizer, batches: list, k: int, plan, stamps: list[float]) -> None:
     import autotune
 
-    autotune.fit(ddp, batches, plan=plan, optimizer=opt, progress=False)
+    # fit's callback comes once the step is over
+    autotune.fit(ddp, batches, plan=plan, optimizer=opt, progress=False, callback=lambda _: stamps.append(time.perf_counter()))
+
+
+def paired(width: int, k: int, batches: list, plan) -> tuple[float, float]:
+    """One ``fit`` run whose callback runs one hand-written step after each of fit's steps, so the two
+    alternate step by step and any slowdown of the machine falls on both alike.
+
+    Returns (hand-written seconds, fit seconds) over all steps but the first of each.
+    """
+    import autotune
+
+    fit_ddp, hand_ddp = DistributedDataParallel(mlp(width)), DistributedDataParallel(mlp(width))
+    fit_opt, hand_opt = torch.optim.AdamW(fit_ddp.parameters(), lr=1e-3), torch.optim.AdamW(hand_ddp.parameters(), lr=1e-3)
+    starts = iter(range(0, len(batches), k))
+    seconds = {"hand": 0.0, "fit": 0.0}
+    last: list[float] = []
+
+    def callback(_record) -> None:
+        now = time.perf_counter()  # fit's step is over
+        start = next(starts)
+        hand_step(hand_ddp, hand_opt, batches[start : start + k], k)
+        done = time.perf_counter()
+        if last:  # the first step of each is not counted
+            seconds["fit"] += now - last[0]
+            seconds["hand"] += done - now
+        last[:] = [done]
+
+    dist.barrier()
+    autotune.fit(fit_ddp, batches, plan=plan, optimizer=fit_opt, progress=False, callback=callback)
+    return seconds["hand"], seconds["fit"]
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
-    import autotune
     from autotune.plans import Plan
 
     lines = []
@@ -76,49 +121,67 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                 headroom=0.0, peak_memory=0, device="cpu", precision="fp32", rank_micro_batches=(MICRO,) * world,
             )
             runners = {
-                "hand": lambda ddp, opt: hand_written(ddp, opt, batches, k),
-                "fit": lambda ddp, opt: with_fit(ddp, opt, batches, k, plan),
+                "hand": lambda ddp, opt, stamps: hand_written(ddp, opt, batches, k, stamps),
+                "fit": lambda ddp, opt, stamps: with_fit(ddp, opt, batches, k, plan, stamps),
             }
-            # collectives per optimizer step made by fit (counted once, outside the timed runs)
-            calls: list[str] = []
+            # Collectives made by fit (counted outside the timed runs), for all the steps and for the
+            # first half: their difference over the steps between is the count per optimizer step;
+            # what is left over is made once per call (start-up checks, the exchange that ends the epoch).
+            counted = {}
             originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather_object", "barrier")}
-            for name, fn in originals.items():
-                setattr(dist, name, lambda *a, _fn=fn, _name=name, **kw: (calls.append(_name), _fn(*a, **kw))[1])
-            ddp = DistributedDataParallel(mlp(width))
-            with_fit(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), batches, k, plan)
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
-            per_step = (calls.count("all_reduce") - 1) / args.steps  # less the exchange that ends the epoch
-            ratios = []
+            for steps in (args.steps // 2, args.steps):
+                calls: list[str] = []
+                for name, fn in originals.items():
+                    setattr(dist, name, lambda *a, _fn=fn, _name=name, **kw: (calls.append(_name), _fn(*a, **kw))[1])
+                ddp = DistributedDataParallel(mlp(width))
+                with_fit(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), batches[: k * steps], k, plan, [])
+                for name, fn in originals.items():
+                    setattr(dist, name, fn)
+                counted[steps] = len(calls)
+            per_step = (counted[args.steps] - counted[args.steps // 2]) / (args.steps - args.steps // 2)
+            once = counted[args.steps] - per_step * args.steps
+            steady = []
+            for run in range(args.runs + 1):  # the first run is a warm-up, not counted
+                hand_s, fit_s = paired(width, k, batches, plan)
+                if run:
+                    steady.append(hand_s / fit_s)  # throughput ratio fit / hand-written, step by step
+            whole, fixed = [], []
             for run in range(args.runs + 1):  # the first run of each is a warm-up, not counted
-                seconds = {}
+                seconds, steps_s = {}, {}
                 order = ("hand", "fit") if run % 2 == 0 else ("fit", "hand")
                 for name in order:
                     ddp = DistributedDataParallel(mlp(width))
                     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+                    stamps: list[float] = []
                     dist.barrier()
                     start = time.perf_counter()
-                    runners[name](ddp, opt)
+                    runners[name](ddp, opt, stamps)
                     dist.barrier()
                     seconds[name] = time.perf_counter() - start
+                    # its steps alone: from the end of the first step to the end of the last
+                    steps_s[name] = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
                 if run:
-                    ratios.append(seconds["hand"] / seconds["fit"])  # throughput ratio fit / hand-written
+                    whole.append(seconds["hand"] / seconds["fit"])
+                    # what a fit call costs beyond its steps (start-up checks, the epoch's last exchange)
+                    fixed.append((seconds["fit"] - steps_s["fit"] * args.steps) - (seconds["hand"] - steps_s["hand"] * args.steps))
             lines.append(
-                f"width {width:>5}  k={k:<2}  collectives per step {per_step:.0f} (all-reduce calls; other calls: "
-                f"{len(calls) - calls.count('all_reduce')} once)  fit/hand-written throughput: median "
-                f"{statistics.median(ratios):.3f} (runs {', '.join(f'{r:.2f}' for r in ratios)})"
+                f"width {width:>5}  k={k:<2}  collectives per step {per_step:g} (and {once:g} per fit call)  "
+                f"fit/hand-written throughput, step by step: median {statistics.median(steady):.3f} "
+                f"(runs {', '.join(f'{r:.2f}' for r in steady)}); whole runs of {args.steps} steps: median "
+                f"{statistics.median(whole):.3f}; fixed cost per fit call {statistics.median(fixed) * 1e3:.1f} ms"
             )
             if rank == 0:
                 print(lines[-1], flush=True)
     if rank == 0:
         Path(out).write_text("\n".join(lines) + "\n")
+    dist.barrier()  # both ranks are done before either closes its connections
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=11)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 1])
     parser.add_argument("--out", default=os.devnull)
