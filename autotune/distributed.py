@@ -83,9 +83,9 @@ def gather_numbers(values: Sequence[float], device: torch.device | None = None, 
 
     Cheaper than :func:`gather` for a few numbers: one collective, nothing pickled.
     """
-    if not is_distributed():
-        return [list(values)]
     rank, size = world(group)
+    if size == 1:
+        return [list(values)]
     t = torch.zeros(size, len(values), dtype=torch.float64)
     t[rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
     t = t.to(_where(device, group))

@@ -30,20 +30,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import batches as B
-from .distributed import FINE, Agreement, _where, check_distinct_samples, world
+from .distributed import FINE, Agreement, check_distinct_samples, gather_numbers, world
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
 from .probe import zero_non_finite
 from .step import LossFn, Precision, forward_backward
 
-__all__ = ["agree", "check_mesh", "run_window", "trial_step"]
+__all__ = ["check_mesh", "run_window", "trial_step"]
 
 
 def check_mesh(model: nn.Module) -> None:
@@ -60,17 +60,6 @@ def check_mesh(model: nn.Module) -> None:
             f"sharded over all {world_size} ranks in one dimension; shard with fully_shard(module) on the default "
             "mesh (HSDP and tensor-parallel meshes are not supported)"
         )
-
-
-def agree(values: Sequence[float], device: torch.device | None = None, group: Any = None) -> list[list[float]]:
-    """Every rank's ``values``, on every rank: one all-reduce of a ranks x values table (float64)."""
-    rank, world_size = world(group)
-    if world_size == 1:
-        return [list(values)]
-    table = torch.zeros(world_size, len(values), dtype=torch.float64, device=_where(device, group))
-    table[rank] = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(table, group=group)
-    return table.tolist()  # type: ignore[no-any-return]
 
 
 def _set_sync(model: nn.Module, sync: bool) -> None:
@@ -135,7 +124,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
     world_size = run.world_size
     while True:
         has = window is not None and failure is None
-        rows = agree([
+        rows = gather_numbers([
             float(failure is not None), float(len(window) if has else 0), float(window.items if has else 0),
             float(window.samples if has else 0), float(has), float(has or run.spare is not None),
         ], device, group)
@@ -159,7 +148,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         scale = world_size * (window.items if has else 0) / total_items
         peak, loss_sum = _run_micro_batches(run, window if has else None, count, scale)
         over = run.limit is not None and peak > run.limit
-        rows = agree([float(over), loss_sum, float(peak)], device, group)
+        rows = gather_numbers([float(over), loss_sum, float(peak)], device, group)
         if not any(r[0] for r in rows):
             break
         # Some rank went over its limit: every rank drops the window's gradients and redoes it.

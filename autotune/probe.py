@@ -35,6 +35,7 @@ from .memory import (
 )
 from .plans import Trial
 from .checks import is_one_shot
+from .distributed import gather_numbers
 from .errors import AutotuneError
 from .estimate import Estimator, is_estimate_error
 from .rng import RNGState
@@ -468,9 +469,7 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
     the same path (a different path would pair different collectives). A trial that fails on one
     rank for another reason than memory stops every rank.
     """
-    from .fsdp import agree
-
-    common = int(min(r[0] for r in agree([float(budget)], work.device)))
+    common = int(min(r[0] for r in gather_numbers([float(budget)], work.device)))
 
     def real(b: int) -> Measurement:
         failure: BaseException | None = None
@@ -478,7 +477,7 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
             measured = measure(b)
         except Exception as exc:
             failure, measured = exc, Measurement(False, 0)
-        rows = agree([float(failure is not None), float(measured.fits), float(measured.peak - budget)], work.device)
+        rows = gather_numbers([float(failure is not None), float(measured.fits), float(measured.peak - budget)], work.device)
         failed = [r for r, row in enumerate(rows) if row[0]]
         if failure is not None:
             raise failure
