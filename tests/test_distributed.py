@@ -247,11 +247,17 @@ def test_pooled_batchnorm_is_one_global_big_batch_forward(tmp_path):
     W.launch(2, str(tmp_path), "bn", config)
     outs = results(tmp_path, 2)
     assert outs[0]["plan"]["rank_micro_batches"][0] != outs[0]["plan"]["rank_micro_batches"][1]
+    assert_pooled_is_one_global_forward(outs, config)
+
+
+def assert_pooled_is_one_global_forward(outs, config):
+    """After one step of the "bn" scenario with bn="pooled", every rank's running statistics are one
+    forward over the whole global window (each rank's share of its strided shard), at BNNet's momentum 0.3."""
     torch.set_default_dtype(torch.float64)
     try:
         g = torch.Generator().manual_seed(5)
-        x = torch.randn(40, 6, generator=g) * 2 + 1
-        window = torch.cat([x[W.rank_indices(40, r, 2, "strided")][: shares(20, 2)[r]] for r in range(2)])
+        x = torch.randn(config["n"], 6, generator=g) * 2 + 1
+        window = torch.cat([x[W.rank_indices(config["n"], r, 2, "strided")][: shares(config["target"], 2)[r]] for r in range(2)])
         z = W.BNNet().lin(window).detach()  # the BatchNorm's input, at the weights before the step
         mean, var = z.mean(0), z.var(0, unbiased=True)
         for o in outs:

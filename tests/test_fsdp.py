@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ddp_worker as W
-from test_distributed import assert_exact, assert_stopped_together, results
+from test_distributed import assert_exact, assert_pooled_is_one_global_forward, assert_stopped_together, results
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -103,8 +103,6 @@ def test_the_estimate_from_the_unsharded_model_bounds_the_real_peak(tmp_path):
 def test_batchnorm_under_fsdp2(tmp_path, bn):
     """Shares 10 and 9 of 19, micro-batches of 3 (3, 3, 2, 2 and 3, 3, 3): rank 1 runs a zero-weight one
     whose BatchNorm statistics must not count. Pooled: one global big-batch forward's statistics."""
-    from test_distributed import shares
-
     config = {"n": 40, "target": 19, "bn": bn, "steps": 1, "limits": [3300, 3300], "fsdp": True}
     W.launch(2, str(tmp_path), "bn", config, timeout=90)
     outs = results(tmp_path, 2)
@@ -112,20 +110,8 @@ def test_batchnorm_under_fsdp2(tmp_path, bn):
     assert len(micro[0]) > len(micro[1]), micro
     for name in ("bn.running_mean", "bn.running_var"):
         assert torch.equal(outs[0]["params"][name], outs[1]["params"][name])
-    if bn != "pooled":
-        return
-    torch.set_default_dtype(torch.float64)
-    try:
-        g = torch.Generator().manual_seed(5)
-        x = torch.randn(40, 6, generator=g) * 2 + 1
-        window = torch.cat([x[W.rank_indices(40, r, 2, "strided")][: shares(19, 2)[r]] for r in range(2)])
-        z = W.BNNet().lin(window).detach()
-        mean, var = z.mean(0), z.var(0, unbiased=True)
-        for o in outs:
-            assert (o["params"]["bn.running_mean"] - 0.3 * mean).abs().max().item() <= 1e-10
-            assert (o["params"]["bn.running_var"] - (0.7 + 0.3 * var)).abs().max().item() <= 1e-10
-    finally:
-        torch.set_default_dtype(torch.float32)
+    if bn == "pooled":
+        assert_pooled_is_one_global_forward(outs, config)
 
 
 def gpt2_reference(config, world):
