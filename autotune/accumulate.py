@@ -139,8 +139,10 @@ class Window(Sequence[Micro]):
         self.position = position
         self.micro_batch = micro_batch
         self.min_micro_batch = min_micro_batch
-        self.samples = sum(B.batch_size(p) for p in pieces)
-        batches, sizes_of, self.dropped = self._join(pieces) if pad is not None else self._cut(pieces, sizes)
+        # Each piece's samples and per-sample shapes, walked once (this runs for every window).
+        info = [B.size_and_shapes(p) for p in pieces]
+        self.samples = sum(n for n, _ in info)
+        batches, sizes_of, self.dropped = self._join(pieces, info) if pad is not None else self._cut(pieces, info, sizes)
         if batches:
             self.micro_batch = max(sizes_of)
         if self.dropped:
@@ -167,13 +169,11 @@ class Window(Sequence[Micro]):
             for i, (b, n, c) in enumerate(kept)
         )
 
-    def _cut(self, pieces: list[Any], sizes: Sequence[int] | None) -> tuple[list[Any], list[int], int]:
-        """Micro-batches of the pieces, and their sizes: each run of joinable pieces cut on its own,
-        by the micro-batch its shape allows. Each piece's structure is walked once (this runs for
-        every window)."""
+    def _cut(self, pieces: list[Any], info: list[tuple[int, Any]], sizes: Sequence[int] | None) -> tuple[list[Any], list[int], int]:
+        """Micro-batches of the pieces (``info``: each one's samples and per-sample shapes), and
+        their sizes: each run of joinable pieces cut on its own, by the micro-batch its shape allows."""
         runs: list[tuple[list[Any], list[int], Any]] = []  # (pieces, their sizes, per-sample shapes)
-        for piece in pieces:
-            n, shape = B.size_and_shapes(piece)
+        for piece, (n, shape) in zip(pieces, info):
             if runs and shape == runs[-1][2]:
                 runs[-1][0].append(piece)
                 runs[-1][1].append(n)
@@ -184,7 +184,7 @@ class Window(Sequence[Micro]):
         dropped = 0
         for run, piece_sizes, shape in runs:
             n = sum(piece_sizes)
-            cap = max(1, self._cap(sum(math.prod(dims) for dims, _ in shape)))  # by the per-sample size
+            cap = max(1, self._cap(_per_sample(shape)))
             if len(runs) == 1 and sizes is not None and sum(sizes) == n and max(sizes) <= cap and min(sizes) >= self.min_micro_batch:
                 run_sizes: Sequence[int] = sizes  # the plan's layout
             else:
@@ -194,18 +194,18 @@ class Window(Sequence[Micro]):
             out_sizes.extend(run_sizes)
         return out, out_sizes, dropped
 
-    def _join(self, pieces: list[Any]) -> tuple[list[Any], list[int], int]:
+    def _join(self, pieces: list[Any], info: list[tuple[int, Any]]) -> tuple[list[Any], list[int], int]:
         """Micro-batches across pieces of different lengths, padded to the longest in each (``pad``):
         the window's pieces from the shortest to the longest, each micro-batch as large as its
-        padded shape allows."""
+        padded shape allows (``info``: each piece's samples and per-sample shapes)."""
         assert self._pad is not None
         micros: list[tuple[list[Any], int, int]] = []  # (parts, samples, per-sample size)
         parts: list[Any] = []
         held, size = 0, 0
         # Shortest first: pieces of similar lengths go together, so little padding is added. The
         # order of samples inside a window does not change its gradient.
-        for piece in sorted(pieces, key=B.per_sample_numel):
-            n, piece_size = B.batch_size(piece), B.per_sample_numel(piece)
+        measured = [(piece, n, _per_sample(shape)) for piece, (n, shape) in zip(pieces, info)]
+        for piece, n, piece_size in sorted(measured, key=lambda m: m[2]):
             start = 0
             while start < n:
                 joined = max(size, piece_size)
@@ -252,6 +252,11 @@ class Window(Sequence[Micro]):
     def __repr__(self) -> str:
         sizes = ", ".join(str(m.samples) for m in self._micros)
         return f"Window(position={self.position}, samples={self.samples}, items={self.items}, micro-batches=[{sizes}])"
+
+
+def _per_sample(shapes: Any) -> int:
+    """Elements per sample, from a batch's :func:`batches.sample_shapes` (its ``per_sample_numel``)."""
+    return sum(math.prod(dims) for dims, _ in shapes)
 
 
 def _slices(run: list[Any], piece_sizes: Sequence[int], sizes: Sequence[int]) -> list[Any]:
