@@ -354,12 +354,13 @@ class BNController:
         """The window is done on every rank: apply the pooled update (from ``summed``, the payloads
         summed over ranks), or make the running statistics equal across ranks (their mean over the
         ranks that had data), and keep the recording."""
+        if not self.modules:
+            return
         self._flush_micro()
-        if summed is None:
-            summed = self.payload(True)
         if self.mode == "pooled":
-            self._apply_pools(summed)
-        elif self.mode is not None and distributed and ranks_with_data > 0:
+            self._apply_pools(summed if summed is not None else self.payload(True))
+        elif distributed and ranks_with_data > 0:
+            assert summed is not None
             offset = 0
             with torch.no_grad():
                 for m in self.modules:

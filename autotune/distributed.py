@@ -308,14 +308,18 @@ _HEAD = 10  # fine, oom, failed, items (hi, lo), samples (hi, lo), loss sum, had
 class GradientSync:
     """The end-of-window exchange: the ranks' status and their gradients, in the same buckets.
 
-    Each rank copies its gradients, multiplied by its item count ``N_r``, into flat buckets of at
+    Each rank copies its gradients, multiplied by its item count ``N_r`` (or as they are, when its
+    loss weights already carried ``N_r / unit``: see :meth:`exchange`), into flat buckets of at
     most ``bucket_bytes`` (in float32 at least, so that low-precision gradients cannot overflow),
     the first bucket headed by what the ranks must agree on: status, items, samples, loss, whether
     it had data, and which parameters have a gradient. The first bucket is summed; if every rank is
     fine the gradients become the global mean (divided by ``N``) and the other buckets follow; if
     not, nothing is written back, so each rank keeps its own gradients (a rank that ran out of
     memory redoes its window; the others wait with theirs). One collective per bucket, whatever
-    the number of micro-batches and ranks: for most models one per optimizer step.
+    the number of micro-batches and ranks: for most models one per optimizer step. With one
+    bucket its buffer is kept between steps and the summed gradients are handed out as views of
+    it, which the optimizer's ``zero_grad(set_to_none=True)`` lets go; with several, each is
+    copied back and no buffer is kept.
 
     In a single process it makes no collective and changes nothing.
     """
@@ -330,13 +334,22 @@ class GradientSync:
         self.buckets = list(_buckets_of(self.params, bucket_bytes))
         self._buffers: dict[int, torch.Tensor] = {}
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._lent: set[int] = set()  # buckets whose views were handed out as gradients
         self.collectives = 0  # made so far (for the benchmark and the tests)
 
-    def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool, pace: float = 1.0) -> Agreement:
+    def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool, pace: float = 1.0,
+                 unit: float = 0.0) -> Agreement:
         """Agree on the window and, if every rank is fine, make the gradients the global mean.
 
         ``pace`` is a small number each rank proposes (how often to measure the noise scale); the
         agreement carries the ranks' mean of it.
+
+        ``unit`` says what the gradients hold. 0: this rank's mean over its ``items``, so they are
+        multiplied by ``items`` on the way out and the sum divided by the global count. Otherwise a
+        number the same on every rank, and the gradients are already the sum over this rank's items
+        divided by it (the loss weights carried the factor): they go out as they are, and the sum is
+        multiplied by ``unit / N``, no pass at all when the count is what ``unit`` expected. Two
+        passes over the gradients fewer per step than the first way.
         """
         if not self.distributed:
             fine = status == FINE
@@ -346,7 +359,8 @@ class GradientSync:
                 float(items // _SPLIT), float(items % _SPLIT), float(samples // _SPLIT), float(samples % _SPLIT),
                 float(loss_sum), float(had_data and fine_here), float(pace)]
         flags = [float(fine_here and p.grad is not None) for p in self.params]
-        flat = self._flat(0, head + flags, float(items) if fine_here else 0.0)
+        out = (1.0 if unit else float(items)) if fine_here else 0.0
+        flat = self._flat(0, head + flags, out)
         self._all_reduce(flat)
         values = flat[: _HEAD + len(self.params)].tolist()
         fine, oom, failed = values[0], values[1], values[2]
@@ -359,14 +373,16 @@ class GradientSync:
         if code != FINE or with_data == 0 or total_items == 0:
             return Agreement(code, total_items, total_samples, loss, with_data, False, mean_pace)
         has_grad = [v > 0 for v in values[_HEAD:]]
-        self._write_back(0, flat, 1.0 / total_items, has_grad)
+        back = unit / total_items if unit else 1.0 / total_items
+        self._write_back(0, flat, back, has_grad)
         for b in range(1, len(self.buckets)):
-            flat = self._flat(b, [], float(items))
+            flat = self._flat(b, [], out)
             self._all_reduce(flat)
-            self._write_back(b, flat, 1.0 / total_items, has_grad)
+            self._write_back(b, flat, back, has_grad)
         if len(self.buckets) > 1:
             self._buffers.clear()  # several buckets: keep none between steps (at most one at a time)
             self._views.clear()
+            self._lent.clear()
         return Agreement(code, total_items, total_samples, loss, with_data, True, mean_pace)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
@@ -389,13 +405,20 @@ class GradientSync:
         # One buffer per bucket, kept: allocating (and first touching) a fresh one every step costs
         # page faults a hand-written DDP loop, with its persistent buckets, does not pay.
         flat = self._buffers.get(b)
+        if flat is not None and b in self._lent and any(g is v for g, v in zip(grads, self._views[b][1])):
+            # A gradient is still the view handed out last step (an optimizer that zeroes in place
+            # instead of setting None): write into a new buffer, the old one stays with the views.
+            flat = None
+            del self._views[b]
+            self._lent.discard(b)
         if flat is None or flat.numel() != len(head) + sum(sizes):
             flat = self._buffers[b] = torch.empty(len(head) + sum(sizes), dtype=dtype, device=self.where)
         if scale != 0.0 and all(g is not None and g.dtype == dtype and g.device == self.where for g in grads):
             # The common case in two C++ calls: concatenate into the buffer, then scale.
             parts = [torch.tensor(head, dtype=dtype, device=self.where)] if head else []
             torch.cat(parts + [g.reshape(-1) for g in grads], out=flat)  # type: ignore[union-attr]
-            flat[len(head):].mul_(scale)
+            if scale != 1.0:
+                flat[len(head):].mul_(scale)
             return flat
         if head:
             flat[: len(head)] = torch.tensor(head, dtype=dtype)
@@ -405,7 +428,9 @@ class GradientSync:
             if g is None or scale == 0.0:
                 part.zero_()
             else:
-                part.copy_(g.reshape(-1)).mul_(scale)
+                part.copy_(g.reshape(-1))
+                if scale != 1.0:
+                    part.mul_(scale)
             offset += n
         return flat
 
@@ -415,13 +440,21 @@ class GradientSync:
         indices, _ = self.buckets[b]
         offset = _HEAD + len(self.params) if b == 0 else 0
         body = flat[offset:]
-        body.mul_(scale)
+        if scale != 1.0:
+            body.mul_(scale)
         params = [self.params[i] for i in indices]
         if all(has_grad[i] for i in indices) and all(p.grad is not None and p.grad.dtype == body.dtype and p.grad.device == body.device for p in params):
             views = self._views.get(b)
             if views is None or views[0] is not flat:
                 views = self._views[b] = (flat, torch._utils._unflatten_dense_tensors(body, [p.grad for p in params]))
-            torch._foreach_copy_([p.grad for p in params], views[1])  # type: ignore[misc]
+            if len(self.buckets) == 1:
+                # The buffer is kept between steps, so the gradients can simply become its views
+                # until the optimizer sets them to None: no copy back.
+                for p, v in zip(params, views[1]):
+                    p.grad = v
+                self._lent.add(b)
+            else:
+                torch._foreach_copy_([p.grad for p in params], views[1])  # type: ignore[misc]
             return
         offset = 0
         for i, p in zip(indices, params):

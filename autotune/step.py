@@ -93,6 +93,8 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
                 )
             return F.mse_loss(output, targets.to(output.dtype))
         if output.dim() == targets.dim() + 1 and output.shape[:-1] == targets.shape:
+            if targets.dim() == 1:
+                return F.cross_entropy(output, targets)
             return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
         raise TypeError(
             f"Integer targets of shape {tuple(targets.shape)} need logits of shape "

@@ -502,6 +502,12 @@ class _Run:
             self.synced = []
             self.noise = None
         self.sync = GradientSync(self.synced, device=device, group=par.group)
+        # With several ranks the loss weights carry each rank's share of the global count ahead of
+        # the exchange: n_i / unit instead of n_i / N_r, ``unit`` being the global count of the last
+        # step (the same on every rank; 0 before the first, when the weights are the local ones).
+        # The exchange then sends the gradients as they are and, when the count is again ``unit``,
+        # writes them back as they are: two passes over the gradients fewer per step.
+        self.unit = 0.0
         self.spare: Any = None  # under FSDP2: a small batch for zero-weight micro-batches
         self.rank, self.world_size = world(par.group)
         self.total_steps, self.progress = total_steps, progress
@@ -611,6 +617,7 @@ class _Run:
             agreed = self.sync.exchange(
                 status=status, items=items, samples=window.samples if (window is not None and done) else 0,
                 loss_sum=local_loss * items, had_data=window is not None and status == FINE, pace=self.noise_every,
+                unit=self.unit,
             )
             if agreed.status == FAILED:
                 self._raise_failure(failure if status == FAILED else None)
@@ -624,6 +631,8 @@ class _Run:
         if not self.checked_samples:
             self.checked_samples = True
             check_distinct_samples(window[0].batch if (window is not None and len(window)) else None, self.device, self.par.group)
+        if agreed.synced and self.sync.distributed and self.synced:
+            self.unit = float(agreed.items)  # the next window's weights expect this count
         if agreed.ranks_with_data == 0:
             return None
         if drop_last and agreed.samples < self.plan.effective_batch:
@@ -632,7 +641,7 @@ class _Run:
             self._restore_bn(bn_saved)
             return None
         # BatchNorm statistics: pooled, or averaged over the ranks that had data (one more collective).
-        payload = self.bnc.payload(window is not None) if (self.world_size > 1 or self.bnc.mode == "pooled") else None
+        payload = self.bnc.payload(window is not None) if self.bnc.modules and (self.world_size > 1 or self.bnc.mode == "pooled") else None
         summed = self.sync.sum(payload) if payload is not None else None
         self.bnc.finish_window(summed, agreed.ranks_with_data, distributed=self.world_size > 1)
         self.agreed = agreed
@@ -865,15 +874,17 @@ def _run_micro_batches(run: _Run, window: Window) -> float:
     of the micro-batch that failed (``autotune_micro_batch``), so the retry starts from it.
     """
     device, bnc = run.device, run.bnc
-    total = torch.zeros((), device=device, dtype=torch.float64)
+    losses: list[torch.Tensor] = []  # read once per window, not per micro-batch (no sync inside)
     bnc.start_window(window.samples)
     run.small = None
+    # This rank's share of the global count, carried by the weights (see _Run.unit).
+    share = window.items / run.unit if run.unit else 1.0
     for micro in window:
         bnc.before_micro(micro.samples)
         try:
             batch = B.to_device(micro.batch, device)
             loss = forward_backward(
-                run.model, run.loss_fn, batch, weight=micro.weight, device_type=device.type,
+                run.model, run.loss_fn, batch, weight=micro.weight * share, device_type=device.type,
                 precision=run.precision, scaler=run.scaler,
             )
         except Exception as exc:
@@ -881,12 +892,22 @@ def _run_micro_batches(run: _Run, window: Window) -> float:
                 exc.autotune_micro_batch = micro.samples  # type: ignore[attr-defined]
                 exc.autotune_micro_size = B.per_sample_numel(micro.batch)  # type: ignore[attr-defined]
             raise
-        total.add_(loss, alpha=micro.weight)  # float64: no sync here, read once per window
+        losses.append(loss)
         if run.noise_due and run.small is None:
             # After the first micro-batch the gradient is its own (weighted): |G_b|^2 for the noise scale.
             started = time.perf_counter()
             grads = [p.grad for p in run.synced if p.grad is not None]
             if grads:
-                run.small = (_squared_norm(grads), micro.weight, micro.items)
+                run.small = (_squared_norm(grads), micro.weight * share, micro.items)
             run.first_norm_seconds = time.perf_counter() - started
-    return float(total)
+    return _weighted_sum(losses, [micro.weight for micro in window])
+
+
+def _weighted_sum(losses: list[torch.Tensor], weights: list[float]) -> float:
+    """``sum(w * loss)`` in float64, with one read from the device."""
+    if len(losses) == 1:
+        return float(losses[0]) * weights[0]
+    if not losses:
+        return 0.0
+    stacked = torch.stack([loss.reshape(()) for loss in losses]).double()
+    return float(stacked @ torch.tensor(weights, dtype=torch.float64, device=stacked.device))

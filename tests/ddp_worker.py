@@ -250,6 +250,8 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     inner = model.block.module if wrap == "nested" else getattr(getattr(model, "_orig_mod", model), "module", model)
     opt = (torch.optim.AdamW(inner.parameters(), lr=0.05, weight_decay=0.1) if c.get("optimizer") == "adamw"
            else torch.optim.SGD(inner.parameters(), lr=0.5))
+    if c.get("zero_in_place"):
+        opt = ZeroesInPlace(inner.parameters(), lr=0.5)
     calls = []
 
     def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -286,6 +288,13 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         "indices": indices,
         "noise_measured": measured,
     }
+
+
+class ZeroesInPlace(torch.optim.SGD):
+    """SGD whose zero_grad keeps the gradient tensors (zeroed) whatever it is asked."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=False)
 
 
 def train_bn(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:

@@ -223,11 +223,24 @@ def test_gradient_as_bucket_view_at_a_tight_limit_trains_without_running_out(tmp
     assert_exact(outs, config, 2)
 
 
+def test_an_optimizer_that_zeroes_gradients_in_place_trains_exactly(tmp_path):
+    """The summed gradients are handed out as views of the exchange's buffer; an optimizer that
+    zeroes them in place (instead of setting None) makes the next backward add into them, and the
+    next exchange must not read and write that buffer at once."""
+    config = {**BASE, "n": 64, "target": 24, "zero_in_place": True}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    assert len(outs[0]["history"]) > 2
+    assert_exact(outs, config, 2)
+
+
 def test_sampler_epochs_continue_across_fit_calls(tmp_path):
     W.launch(2, str(tmp_path), "epochs", {"n": 40, "target": 16})
     outs = results(tmp_path, 2)
     for o in outs:
-        assert all(torch.equal(o["one"][k], o["two"][k]) for k in o["one"])
+        # The same samples in the same order, so the same weights up to rounding: a call's first
+        # window weights by this rank's count, later ones by the share of the last global count.
+        assert max(float((o["one"][k] - o["two"][k]).abs().max()) for k in o["one"]) <= 1e-12
         assert o["one_epoch"] == o["two_epoch"] == 2  # set_epoch(0), (1), then ready for epoch 2
 
 
