@@ -18,6 +18,7 @@ every rank at the next exchange. Everything here is a no-op in a single process.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -318,8 +319,9 @@ class GradientSync:
     memory redoes its window; the others wait with theirs). One collective per bucket, whatever
     the number of micro-batches and ranks: for most models one per optimizer step. With one
     bucket its buffer is kept between steps and the summed gradients are handed out as views of
-    it, which the optimizer's ``zero_grad(set_to_none=True)`` lets go; with several, each is
-    copied back and no buffer is kept.
+    it, which the optimizer's ``zero_grad(set_to_none=True)`` lets go (a view still held at the next
+    exchange makes it write into a new buffer); with several, each is copied back and no buffer
+    is kept.
 
     In a single process it makes no collective and changes nothing.
     """
@@ -334,7 +336,8 @@ class GradientSync:
         self.buckets = list(_buckets_of(self.params, bucket_bytes))
         self._buffers: dict[int, torch.Tensor] = {}
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self._lent: set[int] = set()  # buckets whose views were handed out as gradients
+        # Buckets whose views were handed out as gradients, with each view's reference count then.
+        self._lent: dict[int, list[int]] = {}
         self.collectives = 0  # made so far (for the benchmark and the tests)
 
     def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool, pace: float = 1.0,
@@ -405,12 +408,12 @@ class GradientSync:
         # One buffer per bucket, kept: allocating (and first touching) a fresh one every step costs
         # page faults a hand-written DDP loop, with its persistent buckets, does not pay.
         flat = self._buffers.get(b)
-        if flat is not None and b in self._lent and any(g is v for g, v in zip(grads, self._views[b][1])):
-            # A gradient is still the view handed out last step (an optimizer that zeroes in place
-            # instead of setting None): write into a new buffer, the old one stays with the views.
+        if flat is not None and b in self._lent and self._held_elsewhere(b, grads):
+            # A view handed out last step is still held: write into a new buffer, the old one stays
+            # with the views.
             flat = None
             del self._views[b]
-            self._lent.discard(b)
+            del self._lent[b]
         if flat is None or flat.numel() != len(head) + sum(sizes):
             flat = self._buffers[b] = torch.empty(len(head) + sum(sizes), dtype=dtype, device=self.where)
         if scale != 0.0 and all(g is not None and g.dtype == dtype and g.device == self.where for g in grads):
@@ -434,6 +437,14 @@ class GradientSync:
             offset += n
         return flat
 
+    def _held_elsewhere(self, b: int, grads: Sequence[torch.Tensor | None]) -> bool:
+        """Whether a view of bucket ``b`` handed out last step is held by anything but this exchange:
+        still its parameter's gradient (an optimizer that zeroes in place instead of setting None),
+        or kept elsewhere (an optimizer that stores the last gradients). When handed out, each
+        view's count included its parameter's reference, which ``zero_grad`` has dropped since."""
+        views = self._views[b][1]
+        return any(g is v or now >= then for g, v, now, then in zip(grads, views, _references(views), self._lent[b]))
+
     def _write_back(self, b: int, flat: torch.Tensor, scale: float, has_grad: Sequence[bool]) -> None:
         """The summed gradients of bucket ``b``, times ``scale``, into ``.grad`` (None stays None
         where no rank has a gradient)."""
@@ -450,9 +461,8 @@ class GradientSync:
             if len(self.buckets) == 1:
                 # The buffer is kept between steps, so the gradients can simply become its views
                 # until the optimizer sets them to None: no copy back.
-                for p, v in zip(params, views[1]):
-                    p.grad = v
-                self._lent.add(b)
+                _hand_out(params, views[1])
+                self._lent[b] = _references(views[1])
             else:
                 torch._foreach_copy_([p.grad for p in params], views[1])  # type: ignore[misc]
             return
@@ -466,6 +476,17 @@ class GradientSync:
                 else:
                     p.grad.copy_(summed)
             offset += n
+
+
+def _hand_out(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
+    """Each view becomes its parameter's gradient (no reference left behind here)."""
+    for p, v in zip(params, views):
+        p.grad = v
+
+
+def _references(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The reference count of each tensor, as seen from here (compared only with another call)."""
+    return [sys.getrefcount(t) for t in tensors]
 
 
 def _buckets_of(params: Sequence[torch.Tensor], bucket_bytes: int) -> Iterable[tuple[list[int], torch.dtype]]:

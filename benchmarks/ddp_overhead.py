@@ -9,6 +9,7 @@ each width and ``k``:
 
 - collectives per optimizer step made by ``fit`` (``torch.distributed`` calls counted over all the
   steps and over the first half: the difference per step), and those made once per ``fit`` call;
+  for the first width, also with a BatchNorm1d layer (``bn="adjust"``: one more per step);
 - the throughput ratio fit / hand-written **step by step**, the figure to read: in each run ``fit``'s
   callback runs one hand-written step (on a second copy of the model) after each of fit's steps,
   so the two alternate step by step; the time from one callback to the next, less the hand-written
@@ -18,7 +19,7 @@ each width and ``k``:
 - the same ratio over whole runs (call to return; separate runs, interleaved, alternating which goes
   first), and the fixed cost of a ``fit`` call beyond its steps (start-up checks, the exchange that finds the epoch over), which whole runs also pay.
 
-    python benchmarks/ddp_overhead.py               # about 12 minutes on 2 CPU cores
+    python benchmarks/ddp_overhead.py               # about 15 minutes on 2 CPU cores
     python benchmarks/ddp_overhead.py --runs 5 --steps 10
 """
 
@@ -43,9 +44,10 @@ from torch.nn.parallel import DistributedDataParallel
 MICRO = 32
 
 
-def mlp(width: int) -> nn.Module:
+def mlp(width: int, *, batchnorm: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    norm = [nn.BatchNorm1d(width)] if batchnorm else []
+    return nn.Sequential(nn.Linear(256, width), *norm, nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
 def data(rank: int, k: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -104,6 +106,30 @@ def paired(width: int, k: int, batches: list, plan) -> tuple[float, float]:
     return seconds["hand"], seconds["fit"]
 
 
+def count_collectives(make_model, batches: list, k: int, plan, steps: int) -> tuple[float, float]:
+    """Collectives made by ``fit`` (counted outside the timed runs) over all the steps and over the
+    first half: their difference over the steps between is the count per optimizer step; what is
+    left over is made once per call (start-up checks, the exchange that ends the epoch).
+
+    Returns (per optimizer step, per fit call).
+    """
+    counted = {}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather_object", "barrier")}
+    for n in (steps // 2, steps):
+        calls: list[str] = []
+        for name, fn in originals.items():
+            setattr(dist, name, lambda *a, _fn=fn, _name=name, **kw: (calls.append(_name), _fn(*a, **kw))[1])
+        try:
+            ddp = DistributedDataParallel(make_model())
+            with_fit(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), batches[: k * n], k, plan, [])
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        counted[n] = len(calls)
+    per_step = (counted[steps] - counted[steps // 2]) / (steps - steps // 2)
+    return per_step, counted[steps] - per_step * steps
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -124,22 +150,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                 "hand": lambda ddp, opt, stamps: hand_written(ddp, opt, batches, k, stamps),
                 "fit": lambda ddp, opt, stamps: with_fit(ddp, opt, batches, k, plan, stamps),
             }
-            # Collectives made by fit (counted outside the timed runs), for all the steps and for the
-            # first half: their difference over the steps between is the count per optimizer step;
-            # what is left over is made once per call (start-up checks, the exchange that ends the epoch).
-            counted = {}
-            originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather_object", "barrier")}
-            for steps in (args.steps // 2, args.steps):
-                calls: list[str] = []
-                for name, fn in originals.items():
-                    setattr(dist, name, lambda *a, _fn=fn, _name=name, **kw: (calls.append(_name), _fn(*a, **kw))[1])
-                ddp = DistributedDataParallel(mlp(width))
-                with_fit(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), batches[: k * steps], k, plan, [])
-                for name, fn in originals.items():
-                    setattr(dist, name, fn)
-                counted[steps] = len(calls)
-            per_step = (counted[args.steps] - counted[args.steps // 2]) / (args.steps - args.steps // 2)
-            once = counted[args.steps] - per_step * args.steps
+            per_step, once = count_collectives(lambda: mlp(width), batches, k, plan, args.steps)
+            if width == args.widths[0]:
+                bn_step, bn_once = count_collectives(lambda: mlp(width, batchnorm=True), batches, k, plan, args.steps)
+                if rank == 0:
+                    print(f"with BatchNorm1d (bn='adjust'), k={k}: collectives per step {bn_step:g} (and {bn_once:g} per fit call)", flush=True)
             steady = []
             for run in range(args.runs + 1):  # the first run is a warm-up, not counted
                 hand_s, fit_s = paired(width, k, batches, plan)
@@ -180,7 +195,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=11)
+    parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 1])

@@ -252,6 +252,8 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
            else torch.optim.SGD(inner.parameters(), lr=0.5))
     if c.get("zero_in_place"):
         opt = ZeroesInPlace(inner.parameters(), lr=0.5)
+    if c.get("keep_grads"):
+        opt = KeepsGradients(inner.parameters(), lr=0.5)
     calls = []
 
     def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -279,6 +281,7 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False, epochs=c.get("epochs", 1), plan=plan,
         pad=pad, noise_scale=c["noise_every"][rank] if "noise_every" in c else True, callback=lambda r: steps.append(r.step),
     )
+    kept = getattr(opt, "kept", [])[-len(steps):] if steps else []  # planning may have stepped before
     return {
         "params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
         "grads_none": [n for n, p in inner.named_parameters() if p.grad is None],
@@ -287,6 +290,9 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         "collectives": collectives,
         "indices": indices,
         "noise_measured": measured,
+        # the gradients of every training step, as the optimizer kept them, still what they were then
+        "kept_intact": all(torch.equal(a, b) for grads, copies in kept for a, b in zip(grads, copies)),
+        "kept_steps": len(getattr(opt, "kept", [])),
     }
 
 
@@ -295,6 +301,20 @@ class ZeroesInPlace(torch.optim.SGD):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=False)
+
+
+class KeepsGradients(torch.optim.SGD):
+    """SGD that keeps a reference to each step's gradients, as optimizers that remember the last
+    gradient may; and a copy, to tell whether they were written over later."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kept: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self.kept.append((grads, [g.clone() for g in grads]))
+        return super().step(closure)
 
 
 def train_bn(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
@@ -342,6 +362,41 @@ def comm_hook(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     loader = [(torch.randint(0, 13, (4, 5)), torch.randint(0, 13, (4, 5)))]
     autotune.fit(model, loader, 8, loss_fn=token_loss, progress=False)
     return {}
+
+
+def exchange(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
+    """GradientSync on its own: random gradients per rank, held in each of the three ways the
+    exchange takes them; what it writes back, whether as views of its buffer, and its mul_ calls."""
+    from autotune.distributed import GradientSync
+
+    params = list(TokenModel().parameters())
+    sync = GradientSync(params, bucket_bytes=c["bucket_bytes"])
+    g = torch.Generator().manual_seed(10 + rank)
+    local = [torch.randn(p.shape, generator=g) for p in params]  # this rank's mean gradient
+    items = 3 + 2 * rank  # N_r
+    expected = float(sum(3 + 2 * r for r in range(world)))  # the global count N
+    cases = {}
+    muls: list[int] = []
+    mul_ = torch.Tensor.mul_
+    torch.Tensor.mul_ = lambda self, *a, **k: (muls.append(1), mul_(self, *a, **k))[1]  # type: ignore[method-assign]
+    try:
+        for name, unit in (("local mean", 0.0), ("share of the count expected", expected), ("share of another count", 5.0)):
+            for p, grad in zip(params, local):
+                p.grad = grad * (items / unit) if unit else grad.clone()
+            muls.clear()
+            agreed = sync.exchange(status=0, items=items, samples=items, loss_sum=0.0, had_data=True, unit=unit)
+            kept = sync._buffers.get(0)
+            cases[name] = {
+                "synced": agreed.synced,
+                "grads": [p.grad.clone() for p in params],
+                "views": [kept is not None and p.grad.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr() for p in params],
+                "muls": len(muls),
+            }
+            for p in params:
+                p.grad = None  # as the optimizer's zero_grad does
+    finally:
+        torch.Tensor.mul_ = mul_  # type: ignore[method-assign]
+    return {"items": items, "local": local, "buckets": len(sync.buckets), "cases": cases}
 
 
 def shard(model: nn.Module) -> nn.Module:
@@ -454,5 +509,5 @@ def train_fsdp_gpt2(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     return {"params": full_state(model), "plan": plan.to_dict(), "history": [r.__dict__ for r in result.history]}
 
 
-SCENARIOS = {"tokens": train_tokens, "bn": train_bn, "epochs": train_epochs, "comm_hook": comm_hook, "fsdp": train_fsdp,
+SCENARIOS = {"exchange": exchange, "tokens": train_tokens, "bn": train_bn, "epochs": train_epochs, "comm_hook": comm_hook, "fsdp": train_fsdp,
              "fsdp_gpt2": train_fsdp_gpt2}

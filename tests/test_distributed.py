@@ -223,14 +223,39 @@ def test_gradient_as_bucket_view_at_a_tight_limit_trains_without_running_out(tmp
     assert_exact(outs, config, 2)
 
 
-def test_an_optimizer_that_zeroes_gradients_in_place_trains_exactly(tmp_path):
-    """The summed gradients are handed out as views of the exchange's buffer; an optimizer that
-    zeroes them in place (instead of setting None) makes the next backward add into them, and the
-    next exchange must not read and write that buffer at once."""
-    config = {**BASE, "n": 64, "target": 24, "zero_in_place": True}
+@pytest.mark.parametrize("bucket_bytes, views", [(2**20, True), (1024, False)], ids=["one-bucket", "several-buckets"])
+def test_the_exchange_makes_the_global_mean_from_each_kind_of_gradient(tmp_path, bucket_bytes, views):
+    """GradientSync alone, 2 ranks with 3 and 5 items: gradients that hold the rank's mean, its share
+    of the global count the ranks expected, or its share of another count all become the global
+    mean; multiplied twice per bucket, never, and once after the sum. With one bucket they come back
+    as views of the buffer it keeps, with several they are copied back."""
+    W.launch(2, str(tmp_path), "exchange", {"bucket_bytes": bucket_bytes})
+    outs = results(tmp_path, 2)
+    total = sum(o["items"] for o in outs)
+    want = [sum(o["items"] * o["local"][i] for o in outs) / total for i in range(len(outs[0]["local"]))]
+    buckets = outs[0]["buckets"]
+    assert (buckets == 1) is views
+    for o in outs:
+        for name, case in o["cases"].items():
+            assert case["synced"], name
+            assert max(float((got - ref).abs().max()) for got, ref in zip(case["grads"], want)) <= 1e-12, name
+            assert all(case["views"]) is views and (any(case["views"]) is views), name
+        assert [case["muls"] for case in o["cases"].values()] == [2 * buckets, 0, buckets]
+
+
+@pytest.mark.parametrize("how", ["zero_in_place", "keep_grads"])
+def test_gradients_an_optimizer_holds_on_to_are_never_written_over(tmp_path, how):
+    """The summed gradients are handed out as views of the exchange's buffer. An optimizer that zeroes
+    them in place (instead of setting None) makes the next backward add into them, so the next
+    exchange must not read and write that buffer at once; one that keeps last step's gradients must
+    find them as they were. Either way the next exchange writes into a new buffer."""
+    config = {**BASE, "n": 64, "target": 24, how: True}
     W.launch(2, str(tmp_path), "tokens", config)
     outs = results(tmp_path, 2)
     assert len(outs[0]["history"]) > 2
+    for o in outs:
+        assert o["kept_intact"]
+        assert (o["kept_steps"] >= len(o["history"])) if how == "keep_grads" else o["kept_steps"] == 0
     assert_exact(outs, config, 2)
 
 
