@@ -168,9 +168,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
     if not run.checked_samples:
         run.checked_samples = True
         check_distinct_samples(window[0].batch if has and len(window) else None, device, group)
-    payload = run.bnc.payload(has) if (world_size > 1 or run.bnc.mode == "pooled") else None
-    summed = run.sync.sum(payload) if payload is not None else None
-    run.bnc.finish_window(summed, with_data, distributed=world_size > 1)
+    run.finish_bn(has, with_data)
     agreed = Agreement(FINE, total_items, total_samples, loss, with_data, True)
     run.agreed = agreed
     return loss, window, agreed

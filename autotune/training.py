@@ -640,12 +640,18 @@ class _Run:
             self.optimizer.zero_grad(set_to_none=True)
             self._restore_bn(bn_saved)
             return None
-        # BatchNorm statistics: pooled, or averaged over the ranks that had data (one more collective).
-        payload = self.bnc.payload(window is not None) if self.bnc.modules and (self.world_size > 1 or self.bnc.mode == "pooled") else None
-        summed = self.sync.sum(payload) if payload is not None else None
-        self.bnc.finish_window(summed, agreed.ranks_with_data, distributed=self.world_size > 1)
+        self.finish_bn(window is not None, agreed.ranks_with_data)
         self.agreed = agreed
         return agreed.loss, window, agreed
+
+    def finish_bn(self, had_data: bool, ranks_with_data: int) -> None:
+        """BatchNorm statistics at the window's end: pooled, or averaged over the ranks that had data
+        (one more collective); nothing without BatchNorm."""
+        if not self.bnc.modules:
+            return
+        payload = self.bnc.payload(had_data) if (self.world_size > 1 or self.bnc.mode == "pooled") else None
+        summed = self.sync.sum(payload) if payload is not None else None
+        self.bnc.finish_window(summed, ranks_with_data, distributed=self.world_size > 1)
 
     def _raise_failure(self, own: BaseException | None) -> None:
         """Every rank stops: the failing rank with its own error, the others naming it."""
