@@ -25,15 +25,17 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .units import format_bytes
 
 __all__ = [
+    "CUDA_BLOCK",
+    "CUDA_CONTEXT_ALLOWANCE",
+    "CUDA_OUTSIDE",
     "DeviceMemory",
     "ResidentPeak",
     "TensorLedger",
+    "allocator_cap",
     "cuda_memory_fraction",
     "default_headroom",
     "outside_allocator",
@@ -44,6 +46,13 @@ __all__ = [
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 CUDA_BLOCK = 512
+
+# What an estimate-only plan for CUDA sets aside for the CUDA context (outside torch's tensors):
+# a few hundred MiB on current GPUs with lazy module loading.
+CUDA_CONTEXT_ALLOWANCE = 512 * 2**20
+
+# The set-aside entry for memory measured outside the CUDA allocator (context, library handles).
+CUDA_OUTSIDE = "the CUDA context and libraries outside torch's allocator (measured)"
 
 # Default headroom per device kind. CUDA: the allocator's caching and fragmentation and the
 # cuDNN/cuBLAS workspaces vary by a few to ~15 % between runs; 10 % keeps clear of them. CPU: the
@@ -96,6 +105,20 @@ class _Entry:
         self.ref: Any = None
 
 
+def _released(key: int, ledger: Any) -> Any:
+    """The weakref callback of a counted storage: it died, so its bytes are no longer live."""
+
+    def release(_ref: Any) -> None:
+        owner = ledger()
+        if owner is None:
+            return
+        entry = owner._entries.pop(key, None)
+        if entry is not None and not entry.ignored:
+            owner.live -= entry.nbytes
+
+    return release
+
+
 # Storage resizes in place are not tensor operations, so a dispatch mode never sees them; FSDP
 # frees its unsharded parameters that way. While a ledger is active, ``UntypedStorage.resize_``
 # tells the active ledgers.
@@ -121,14 +144,19 @@ class TensorLedger(TorchDispatchMode):
             or on any of several, e.g. ``("meta", "cpu")``.
         limit: raise ``torch.OutOfMemoryError`` when the count passes this many bytes.
         block: round every storage up to a multiple of this (512 to mimic the CUDA allocator).
+        trace: also record the live bytes after every operation (``trace``) and the operations
+            (``ops``): two traces of the same step at two micro-batch sizes give memory as a
+            function of the size (see :class:`autotune.search.MemoryCurve`).
 
     Attributes:
         live: bytes counted now.
         peak: the most bytes counted at once.
+        trace: with ``trace=True``, the live bytes when counting started, then after each operation.
+        ops: with ``trace=True``, the operation of each entry of ``trace`` after the first.
     """
 
     def __init__(
-        self, device_type: str | tuple[str, ...], *, limit: int | None = None, block: int = 1
+        self, device_type: str | tuple[str, ...], *, limit: int | None = None, block: int = 1, trace: bool = False
     ) -> None:
         super().__init__()
         self.device_types = (device_type,) if isinstance(device_type, str) else tuple(device_type)
@@ -136,14 +164,19 @@ class TensorLedger(TorchDispatchMode):
         self.block = max(1, block)
         self.live = 0
         self.peak = 0
-        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Keyed by the storage object's id: torch keeps a storage's Python object alive as long as
+        # the storage lives, so its weakref callback fires exactly when the storage is freed.
+        self._entries: dict[int, _Entry] = {}
+        self._self_ref = weakref.ref(self)
+        self.trace: list[int] | None = [] if trace else None
+        self.ops: list[Any] | None = [] if trace else None
 
     def _size(self, nbytes: int) -> int:
         return -(-nbytes // self.block) * self.block
 
     def _add(self, t: torch.Tensor) -> None:
         local = getattr(t, "_local_tensor", None)  # a DTensor holds its shard in a local tensor
-        if isinstance(local, torch.Tensor):
+        if local is not None and isinstance(local, torch.Tensor):
             t = local
         if t.device.type not in self.device_types:
             return
@@ -151,31 +184,31 @@ class TensorLedger(TorchDispatchMode):
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
             return
-        size = self._size(storage.nbytes())
-        entry = self._entries.get(storage)
+        key = id(storage)
+        entry = self._entries.get(key)
         if entry is None:
+            size = self._size(storage.nbytes())
             entry = _Entry(size)
-
-            def release(_ref: Any, entry: _Entry = entry, ledger: Any = weakref.ref(self)) -> None:
-                owner = ledger()
-                if owner is not None:
-                    owner.live -= entry.nbytes
-
             # Keep the weakref alive with the entry: its callback fires when the storage dies.
-            entry.ref = weakref.ref(storage, release)
-            self._entries[storage] = entry
+            entry.ref = weakref.ref(storage, _released(key, self._self_ref))
+            self._entries[key] = entry
             self.live += size
-        elif entry.ignored:
+            if self.live > self.peak:
+                self.peak = self.live
             return
-        elif entry.nbytes != size:  # resized in place (e.g. an out= argument)
+        if entry.ignored:
+            return
+        size = self._size(storage.nbytes())
+        if entry.nbytes != size:  # resized in place (e.g. an out= argument)
             self.live += size - entry.nbytes
             entry.nbytes = size
-        self.peak = max(self.peak, self.live)
+            if self.live > self.peak:
+                self.peak = self.live
 
     def resized(self, storage: Any) -> None:
         """A storage counted here changed size in place (``UntypedStorage.resize_``, as FSDP frees
         and re-allocates its unsharded parameters): count its new size."""
-        entry = self._entries.get(storage)
+        entry = self._entries.get(id(storage))
         if entry is None or entry.ignored:
             return
         size = self._size(storage.nbytes())
@@ -187,6 +220,8 @@ class TensorLedger(TorchDispatchMode):
         _RESIZE_WATCHERS.append(self)
         if len(_RESIZE_WATCHERS) == 1:
             torch.UntypedStorage.resize_ = _watched_resize  # type: ignore[method-assign]
+        if self.trace is not None:
+            self.trace.append(self.live)
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
@@ -207,12 +242,33 @@ class TensorLedger(TorchDispatchMode):
         whose samples a loader hands out as views)."""
         for t in tensors:
             storage = t.untyped_storage()
-            if storage not in self._entries:
-                self._entries[storage] = _Entry(0, ignored=True)
+            key = id(storage)
+            if key not in self._entries:
+                entry = _Entry(0, ignored=True)
+                entry.ref = weakref.ref(storage, _released(key, self._self_ref))
+                self._entries[key] = entry
+
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one operation (a subclass may run some elsewhere, see autotune.estimate)."""
+        return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._add, out)
+        out = self._run(func, args, kwargs or {})
+        # Outputs are a tensor or a (nested) list of them: walked here, no pytree (this runs for
+        # every operation).
+        if isinstance(out, torch.Tensor):
+            self._add(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._add(o)
+                elif isinstance(o, (tuple, list)):
+                    for p in o:
+                        if isinstance(p, torch.Tensor):
+                            self._add(p)
+        if self.trace is not None:
+            self.trace.append(self.live)
+            self.ops.append(func)  # type: ignore[union-attr]
         if self.limit is not None and self.live > self.limit:
             live = self.live
             del out  # free the outputs before unwinding
@@ -423,13 +479,22 @@ def cuda_memory_fraction(device: torch.device, limit: int | None) -> Iterator[No
         torch.cuda.set_per_process_memory_fraction(old, device)
 
 
-def release_cached(device: torch.device) -> None:
+def allocator_cap(limit: int, set_aside: Iterable[tuple[str, int]]) -> int:
+    """The CUDA allocator's cap for a limit that counts everything: less what lives outside it."""
+    return limit - sum(b for name, b in set_aside if name == CUDA_OUTSIDE)
+
+
+def release_cached(device: torch.device, *, collect: bool | None = None) -> None:
     """Free unreachable tensors (and, on CUDA, the allocator's cache) between trials.
 
-    Never raises: after a failure on the device (a sticky CUDA error), emptying the cache can fail
-    too, and that must not hide the error that matters.
+    ``collect`` runs the garbage collector (default: on CUDA, where the allocator holds what
+    unreachable tensors took; on the CPU the tensor count never sees them, and a collection costs
+    tens of milliseconds in a process that imported a large library). Never raises: after a
+    failure on the device (a sticky CUDA error), emptying the cache can fail too, and that must not
+    hide the error that matters.
     """
-    gc.collect()
+    if collect if collect is not None else device.type == "cuda":
+        gc.collect()
     if device.type == "cuda":
         try:
             torch.cuda.empty_cache()
