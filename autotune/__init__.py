@@ -11,12 +11,12 @@ from .batches import pad_to_longest
 from .bn import AdjustBN, PooledBN, PreciseBN
 from .errors import AutotuneError, NothingFits
 from .noise import NoiseScale, noise_scale
-from .planner import plan
+from .planner import plan, what_if
 from .plans import Plan, Trial
 from .sharding import ShardEstimate, shard_plan
 from .training import AutotuneWarning, FitResult, StepRecord, fit
 from .tune import BNTuning, OptunaBN, tune_bn_momentum
-from .whatif import WhatIf, WhatIfRow, what_if
+from .whatif import WhatIf, WhatIfRow
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ __all__ = [
     "batch_size",
     "concat",
     "length_dims",
+    "longest_length",
     "pad_to_longest",
     "map_tensors",
     "per_sample_numel",
@@ -240,9 +241,20 @@ def length_dims(batches: Sequence[Batch]) -> list[tuple[int, int]]:
     return sorted(varying | family)
 
 
-def resize_length(batch: Batch, dims: Sequence[tuple[int, int]], length: int) -> Batch:
+def longest_length(batch: Batch, dims: Sequence[tuple[int, int]]) -> int:
+    """The longest of the length ``dims`` (see :func:`length_dims`) in ``batch``."""
+    leaves = tensors(batch)
+    return max(leaves[i].shape[d] for i, d in dims)
+
+
+def resize_length(batch: Batch, dims: Sequence[tuple[int, int]], length: int, *, longest: int | None = None) -> Batch:
     """``batch`` with the length ``dims`` cut or tiled to ``length`` (a template for estimates:
-    the values are the batch's own, repeated)."""
+    the values are the batch's own, repeated).
+
+    With ``longest`` (the batch's longest length dim), every length dim is scaled by
+    ``length / longest`` instead, so that an encoder-decoder batch keeps the ratio of its input and
+    label lengths.
+    """
     wanted: dict[int, list[int]] = {}
     for i, d in dims:
         wanted.setdefault(i, []).append(d)
@@ -252,10 +264,11 @@ def resize_length(batch: Batch, dims: Sequence[tuple[int, int]], length: int) ->
         i = next(counter)
         for d in wanted.get(i, ()):
             n = t.shape[d]
-            if length <= n:
-                t = t.narrow(d, 0, length)
+            new = length if longest is None else max(1, round(n * length / longest))
+            if new <= n:
+                t = t.narrow(d, 0, new)
             else:
-                index = torch.arange(length, device=t.device) % n
+                index = torch.arange(new, device=t.device) % n
                 t = t.index_select(d, index)
         return t
 

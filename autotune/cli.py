@@ -354,7 +354,8 @@ def _report(args: argparse.Namespace) -> int:
     from . import cache
     from .demo import DEMO
     from .memory import default_limit, device_memory, storage_bytes
-    from .probe import Workload, optimizer_state_bytes
+    from .estimate import estimator_for
+    from .trial import Workload
     from .report import MemoryBreakdown, framework_configs, render_json, render_text
     from .units import format_bytes, parse_bytes
 
@@ -469,13 +470,18 @@ def _report(args: argparse.Namespace) -> int:
         if limit_note:
             plan = dataclasses.replace(plan, notes=(limit_note, *plan.notes))
         first = next(iter(loader))
-        work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=first, device=device)
+        work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=first, device=device,
+                        precision=plan.precision, checkpointing=plan.checkpointing)  # type: ignore[arg-type]
+        try:  # the plan's own estimator, kept: no new trace
+            state: int | None = estimator_for(work).optimizer_state_bytes()
+        except Exception:  # a step that cannot be estimated: the breakdown says so
+            state = None
         breakdown = MemoryBreakdown.from_plan(
             plan,
             parameters=storage_bytes(model.parameters()),
             buffers=storage_bytes(model.buffers()),
             gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
-            optimizer_state=optimizer_state_bytes(work),
+            optimizer_state=state,
         )
         if not args.no_cache:
             cache.store(key, render_json(plan, device=facts, breakdown=breakdown))

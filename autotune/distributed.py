@@ -33,6 +33,7 @@ __all__ = [
     "GradientSync",
     "broadcast_model",
     "check_distinct_samples",
+    "check_mesh",
     "gather",
     "gather_numbers",
     "is_distributed",
@@ -202,8 +203,6 @@ def _fsdp_root(model: nn.Module) -> nn.Module | None:
                 "Invalid model: torch.compile(fully_shard(model)) is not supported; compile the blocks before "
                 "sharding them (fully_shard(torch.compile(block))), or pass the uncompiled model"
             )
-        from .fsdp import check_mesh
-
         check_mesh(model)
         return model
     if any(isinstance(m, FSDPModule) for m in top.modules()):
@@ -212,6 +211,22 @@ def _fsdp_root(model: nn.Module) -> nn.Module | None:
             "call fully_shard(model) on the root too, after its blocks (FSDP2's root groups what is left)"
         )
     return None
+
+
+def check_mesh(model: nn.Module) -> None:
+    """Refuse a sharding autotune does not drive: a mesh other than all ranks in one dimension."""
+    state = getattr(model, "_get_fsdp_state", None)
+    group = getattr(getattr(state(), "_fsdp_param_group", None), "mesh_info", None) if state else None
+    mesh = getattr(group, "mesh", None)
+    if mesh is None:
+        return
+    _, world_size = world()
+    if mesh.ndim != 1 or mesh.size() != world_size:
+        raise ValueError(
+            f"Invalid model: it is sharded over a device mesh of shape {tuple(mesh.shape)}, but autotune drives FSDP2 "
+            f"sharded over all {world_size} ranks in one dimension; shard with fully_shard(module) on the default "
+            "mesh (HSDP and tensor-parallel meshes are not supported)"
+        )
 
 
 def _ignored(ddp: nn.Module) -> frozenset[str]:

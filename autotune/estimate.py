@@ -1,19 +1,35 @@
-"""Estimate a training step's peak memory without data: fake tensors that take the device's code paths.
+"""Estimate a training step's memory without data: fake tensors that take the device's code paths.
 
-An estimate runs the real trial step (micro-step, optimizer step, micro-step) on copies of the model
-and optimizer whose tensors are *fake* (``torch._subclasses.fake_tensor.FakeTensorMode``): shapes,
-dtypes and strides, no storage, no compute. The tensor ledger counts their bytes exactly, in constant
-time whatever the batch size. Fake tensors rather than ``meta`` ones, because the estimate must take
-the code paths the device takes, or it is exact for the wrong program:
+An estimate runs the trial step of :mod:`autotune.trial` on a copy of the model and optimizer whose
+floating-point tensors are *fake* (``torch._subclasses.fake_tensor.FakeTensorMode``): shapes, dtypes
+and strides, no storage, no compute. The tensor ledger counts their bytes exactly, in a time that
+does not depend on the batch size.
+
+**Two traces, every size.** At a fixed per-sample shape every tensor's size is affine in the
+micro-batch, so the live bytes after each operation are too: a trace of the step at two sizes gives
+one line per operation, and their upper envelope (:class:`autotune.search.MemoryCurve`) is the peak
+at *every* size. A plan therefore costs two traces, plus one confirming the candidate where no real
+step can (a CUDA target, or ``verify=False``); on the CPU the real trial confirms it to the byte.
+Each trace is one forward and backward in the steady state (gradients and optimizer state live); the
+optimizer step is traced once, and its transient bytes above what it leaves are a line of the
+envelope. The fake copy of a model is made once and shared by every estimate of that model (the
+plan, the what-if table, the shard plan, the report, shapes met later by ``fit``), and estimators
+are kept for reuse, keyed by everything that changes an estimate: the model's structure, the
+optimizer's class, settings and state, the loss function, the device, precision and checkpointing.
+
+Fake tensors rather than ``meta`` ones, because the estimate must take the code paths the real
+device takes, or it is exact for the wrong program:
 
 - **Kernels that pick a path by device.** Fake tensors live on a real device type, so the dispatcher
   chooses the same kernel: on the CPU, ``scaled_dot_product_attention`` runs its flash kernel
   (saved tensors O(B x H x L x d)), where ``meta`` falls back to the math path and materialises
   B x H x L x L scores (5x the real peak at length 256, 21x at 1024, measured).
-- **Values a model reads.** Hugging Face models read attention-mask values (``mask.all()``), which
-  a ``meta`` tensor cannot answer; under fake tensors transformers treats the run as tracing and
-  takes the general path, so GPT-2 and BERT with masks (and with gradient checkpointing) estimate
-  exactly.
+- **Values a model reads.** Integer and boolean tensors of the batch (token ids, attention masks,
+  labels) stay real, with the batch's own values, and operations on them alone run for real
+  (while their results are small): a model that asks whether its attention mask pads anything
+  (``mask.all()``, as Hugging Face models do before choosing a causal kernel) gets the true answer
+  and takes the path the real step takes, so Llama and Qwen2 estimate exactly with and without
+  padding.
 - **The optimizer's implementation.** The copy takes the implementation the real optimizer takes on
   the target device (``foreach``, ``fused`` or single tensor): on CUDA, optimizers default to
   ``foreach``, whose step allocates whole-model temporaries.
@@ -27,16 +43,26 @@ path otherwise), optimizers default to ``foreach``, and storages are rounded to 
 512-byte blocks. Autocast on a CUDA target uses the CPU's lists for the same dtype (matmuls,
 convolutions and linear layers in the low dtype, reductions and norms in fp32, as on CUDA); the real
 trial measures the rest.
+
+A model whose step cannot run without data (``.numpy()`` or ``.item()`` on a float tensor,
+data-dependent shapes, an op without a fake kernel) raises from :class:`Estimator`; the probe then
+searches with real trials. Torch's own log of such failures is kept off stderr while estimating.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import inspect
+import logging
 import math
-from collections import defaultdict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import time
+import weakref
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,12 +70,33 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import batches as B
-from .memory import CUDA_BLOCK, TensorLedger
+from .memory import CUDA_BLOCK, TensorLedger, storage_bytes
+from .search import MemoryCurve, estimated_max
+from .step import forward_backward
+from .trial import Workload, min_micro_batch
 
-if TYPE_CHECKING:
-    from .probe import Workload
+__all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "optimizer_for_device"]
 
-__all__ = ["Estimator", "cuda_attention_backend", "is_estimate_error", "optimizer_for_device"]
+# Operations on real integer tensors alone run for real when their results hold at most this many
+# elements (an attention mask's pattern, positions, labels): a larger result stays fake.
+VALUE_ELEMENTS = 2**24
+
+# Torch's loggers that print a traceback when an operation fails on fake tensors (an estimate that
+# falls back to real trials is not an error of the user's).
+_QUIET_LOGGERS = ("torch._subclasses.fake_tensor", "torch._subclasses.fake_impls", "torch.fx.experimental.symbolic_shapes")
+
+
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _fake_mode() -> Any:
@@ -65,6 +112,11 @@ def _fake_like(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.T
     if shape is None:
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
     return torch.empty(shape, dtype=t.dtype, device="cpu")
+
+
+def _is_value(t: torch.Tensor) -> bool:
+    """An integer or boolean tensor: ids, masks, labels, positions (values a model may read)."""
+    return not (t.is_floating_point() or t.is_complex())
 
 
 def optimizer_for_device(optimizer: torch.optim.Optimizer, device_type: str) -> list[dict[str, Any]]:
@@ -161,34 +213,180 @@ class _CudaAttention(TorchFunctionMode):
         )[0]
 
 
-def is_estimate_error(exc: BaseException) -> bool:
-    """Whether an error raised during an estimate comes from estimating (tensors without data).
+class _Counter(TensorLedger):
+    """The ledger of an estimate: fake tensors counted as the device would hold them, and
+    operations on real integer tensors alone run for real (see the module docstring)."""
 
-    Reading values (``.item()``, ``bool(t)``, data-dependent shapes) raises the fake tensors' own
-    errors, or errors that name meta or fake tensors; ops without fake kernels raise
-    ``NotImplementedError``. Anything else (a ``KeyError`` in ``loss_fn``, a shape mismatch in the
-    model) is the user's code failing and is raised as it is, never hidden behind "estimate
-    unavailable".
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not _real_values_only(args, kwargs):
+            return func(*args, **kwargs)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if func is not torch.ops.aten._local_scalar_dense.default:
+            try:
+                fake = func(*args, **kwargs)  # the result's shapes, to keep a large one fake
+            except Exception:  # a result whose shape depends on the values (nonzero): run it
+                fake = None
+            if _elements(fake) > VALUE_ELEMENTS:
+                return fake
+            del fake
+        with _disable_current_modes():
+            return func(*args, **kwargs)
+
+
+def _real_values_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the tensors among the arguments are all real integer or boolean ones (and one at least)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen = False
+    for value in (*args, *kwargs.values()):
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for t in items:
+            if isinstance(t, torch.Tensor):
+                if isinstance(t, FakeTensor) or not _is_value(t) or t.device.type != "cpu":
+                    return False
+                seen = True
+    return seen
+
+
+def _elements(out: Any) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.numel()
+    if isinstance(out, (tuple, list)):
+        return sum(_elements(o) for o in out)
+    return 0
+
+
+# --- the fake copy of a model, shared by its estimators -------------------------------------------
+
+
+def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
+    """What makes a fake copy of ``model`` valid for another model: its structure and settings."""
+    return (
+        type(model),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
+        repr(model),
+        repr(getattr(model, "config", None)),
+    )
+
+
+class _FakeCopy:
+    """A copy of a model whose parameters and buffers are fake (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.mode = _fake_mode()
+        memo: dict[int, Any] = {}
+        with self.mode:
+            for p in model.parameters():
+                memo[id(p)] = nn.Parameter(_fake_like(p), requires_grad=p.requires_grad)
+            for b in model.buffers():
+                memo[id(b)] = _fake_like(b)
+        self.model = copy.deepcopy(model, memo)
+        for module in self.model.modules():  # autotune's own checkpointing wrapper runs the real block
+            if getattr(module.__dict__.get("forward"), "autotune_checkpointed", False):
+                del module.forward
+        self.params = list(self.model.parameters())
+
+    def fakes(self, model: nn.Module) -> dict[int, torch.Tensor]:
+        """The fake parameter of each of ``model``'s parameters, by id (``model`` has this copy's
+        structure: it may be the model copied or another of the same fingerprint)."""
+        return dict(zip(map(id, model.parameters()), self.params))
+
+
+_COPIES: OrderedDict[Any, _FakeCopy] = OrderedDict()
+_ESTIMATORS: OrderedDict[Any, Estimator] = OrderedDict()
+_KEEP = 8  # estimators (and fake copies) kept for reuse, the most recent first
+
+
+def _keep(cache: OrderedDict[Any, Any], key: Any, value: Any) -> Any:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > _KEEP:
+        cache.popitem(last=False)
+    return value
+
+
+def _fake_copy(model: nn.Module, fingerprint: tuple[Any, ...]) -> _FakeCopy:
+    found = _COPIES.get(fingerprint)
+    if found is not None:
+        _COPIES.move_to_end(fingerprint)
+        return found
+    return _keep(_COPIES, fingerprint, _FakeCopy(model))
+
+
+def _optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    groups = tuple(
+        (len(g["params"]), repr(sorted((k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor))))
+        for g in optimizer.param_groups
+    )
+    state = tuple(
+        tuple(sorted((k, repr((tuple(v.shape), v.dtype, v.item() if v.dim() == 0 else None)) if isinstance(v, torch.Tensor) else repr(v)) for k, v in s.items()))
+        for s in optimizer.state.values()
+    )
+    return type(optimizer), groups, state
+
+
+def estimator_for(
+    work: Workload,
+    *,
+    precision: str | None = None,
+    checkpointing: bool | None = None,
+    optimizer: tuple[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] | None = None,
+) -> Estimator:
+    """The estimator of ``work`` (with another precision, checkpointing or optimizer for a what-if),
+    made once and kept: later calls with the same model structure, optimizer, loss, device and
+    settings get it back with every trace it made. ``optimizer`` is ``(name, factory)``."""
+    fingerprint = _fingerprint(work.model)
+    precision = precision or work.precision
+    ckpt = bool(work.checkpointing if checkpointing is None else checkpointing)
+    variant = optimizer[0] if optimizer is not None else _optimizer_signature(work.optimizer)
+    key = (fingerprint, variant, id(work.loss_fn), work.device.type, precision, ckpt)
+    found = _ESTIMATORS.get(key)
+    if found is not None and found.loss_fn is work.loss_fn:
+        _ESTIMATORS.move_to_end(key)
+        found.adopt(work)
+        return found
+    made = Estimator(work, precision=precision, checkpointing=ckpt, optimizer=optimizer[1] if optimizer else None,
+                     copy=_fake_copy(work.model, fingerprint))
+    return _keep(_ESTIMATORS, key, made)
+
+
+# --- the estimator ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One forward and backward in the steady state, on fake tensors.
+
+    Attributes:
+        size: the micro-batch.
+        peak: the step's peak bytes at that size (the forward and backward, or the optimizer step).
+        live: the live bytes when counting started, then after each operation, and last the
+            optimizer step's peak at this size (what the step leaves plus its transient bytes).
+        ops: the operations, for matching two traces (the last is ``"step"``).
+        seconds: the wall time of the trace.
     """
-    if isinstance(exc, NotImplementedError):
-        return True
-    from torch._subclasses import fake_tensor
 
-    names = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException", "UnsupportedFakeTensorException")
-    fake_errors = tuple(getattr(fake_tensor, n) for n in names if hasattr(fake_tensor, n))
-    if fake_errors and isinstance(exc, fake_errors):
-        return True
-    text = str(exc).lower()
-    words = ("meta", "fake", "data-dependent", "data dependent", "symbolic", "unbacked")
-    return isinstance(exc, (RuntimeError, TypeError, AssertionError)) and any(w in text for w in words)
+    size: int
+    peak: int
+    live: tuple[int, ...]
+    ops: tuple[Any, ...]
+    seconds: float
+
+    @property
+    def backward_peak(self) -> int:
+        """The forward and backward's own peak (without the optimizer step's line)."""
+        return max(self.live[:-1])
 
 
 class Estimator:
-    """Peak bytes of the trial step at any batch size, on fake tensors (constant time, no memory).
+    """Peak bytes of the trial step at any batch size and shape, on fake tensors (no data, no memory).
+
+    Make one with :func:`estimator_for`, which keeps it for reuse.
 
     Args:
         work: the workload (model, optimizer, loss, worst-case batch, device, precision).
-        step: the trial step ``step(model, optimizer, loss_fn, batch, device_type, precision)``.
         precision: estimate under this precision instead of the workload's (a what-if).
         checkpointing: estimate with activation checkpointing on the copy's blocks.
         optimizer: ``optimizer(param_groups) -> Optimizer``, another optimizer for the copy (a
@@ -196,47 +394,61 @@ class Estimator:
 
     Attributes:
         backends: the attention kernels a CUDA target was modelled with, one per attention call of
-            the last estimate (empty for other targets).
+            the last trace (empty for other targets).
+        on_trace: called with each :class:`Trace` used and whether it was made earlier (the probe
+            records them as trials).
     """
 
     def __init__(
         self,
         work: Workload,
-        step: Callable[..., None],
         *,
         precision: str | None = None,
         checkpointing: bool | None = None,
         optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
+        copy: _FakeCopy | None = None,
     ) -> None:
-        self.work = work
-        self.step = step
+        self.copy = copy or _FakeCopy(work.model)
+        self.mode = self.copy.mode
+        self.model = self.copy.model
+        self.params = self.copy.params
         self.precision = precision or work.precision
         self.target = work.device.type
-        self.mode = _fake_mode()
-        memo: dict[int, Any] = {}
-        with self.mode:
-            for p in work.model.parameters():
-                memo[id(p)] = nn.Parameter(_fake_like(p), requires_grad=p.requires_grad)
-            for b in work.model.buffers():
-                memo[id(b)] = _fake_like(b)
-        self.model = copy.deepcopy(work.model, memo)
-        self.params = list(self.model.parameters())
-        self._stack = contextlib.ExitStack()
-        if checkpointing if checkpointing is not None else getattr(work, "checkpointing", False):
-            from .checkpointing import activation_checkpointing
-
-            self._stack.enter_context(activation_checkpointing(self.model))  # a throwaway copy: never undone
+        self.checkpointing = bool(work.checkpointing if checkpointing is None else checkpointing)
+        self._loss = _weak(work.loss_fn)
+        self.batch = work.batch
+        self.lower = min_micro_batch(work.model)
+        self.sizes = (max(2, self.lower), max(2, self.lower) + 1)  # the two traces of a curve
+        fake = self.copy.fakes(work.model)
         if optimizer is not None:
-            self.optimizer = optimizer([{"params": [memo[id(p)] for p in g["params"]]} for g in work.optimizer.param_groups])
-            self.initial_state = {}
+            self.optimizer = optimizer([{"params": [fake[id(p)] for p in g["params"]]} for g in work.optimizer.param_groups])
+            initial: dict[Any, Any] = {}
         else:
             groups = optimizer_for_device(work.optimizer, self.target)
             for settings, g in zip(groups, work.optimizer.param_groups):
-                settings["params"] = [memo[id(p)] for p in g["params"]]
+                settings["params"] = [fake[id(p)] for p in g["params"]]
             self.optimizer = type(work.optimizer)(groups)  # type: ignore[call-arg]
-            self.initial_state = {memo[id(p)]: self._fake_state(s) for p, s in work.optimizer.state.items()}
+            initial = {fake[id(p)]: self._fake_state(s) for p, s in work.optimizer.state.items()}
+        self._initial = initial
+        self.optimizer.state = defaultdict(dict, initial)
+        self._sparse = any(getattr(m, "sparse", False) for m in work.model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
+        self._receiving: set[int] | None = None  # ids of the parameters that receive a gradient
         self.block = CUDA_BLOCK if self.target == "cuda" else 1
         self.backends: list[str] = []
+        self.on_trace: Callable[[Trace, bool], Any] | None = None
+        self._grads: list[Any] | None = None  # the steady state's gradients, after the first step
+        self._transient = 0  # bytes the optimizer step holds above what it leaves
+        self._traces: dict[tuple[Any, int], Trace] = {}
+        self._curves: dict[Any, MemoryCurve] = {}
+
+    @property
+    def loss_fn(self) -> Any:
+        """The workload's loss function (None once the caller let go of it: the estimator is then stale)."""
+        return self._loss()
+
+    def adopt(self, work: Workload) -> None:
+        """Take ``work``'s worst-case batch as the default template (an estimator found for reuse)."""
+        self.batch = work.batch
 
     def _fake_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """An optimizer state entry, fake: tensors without data; step counts keep their values,
@@ -253,39 +465,232 @@ class Estimator:
                     out[k] = _fake_like(v)
         return out
 
-    def __call__(self, b: int, template: Any = None) -> int:
-        """Peak bytes of the trial step with ``b`` samples shaped like the workload's batch (or
-        like ``template``, e.g. the batch at another length)."""
-        work = self.work
-        template = work.batch if template is None else template
-        with self.mode:
-            batch = B.map_tensors(template, lambda t: _fake_like(t, (b, *t.shape[1:])))
-        batch = B.repeat_lists(batch, B.batch_size(template), b)
-        for p in self.params:
-            p.grad = None
-        self.optimizer.state = defaultdict(dict, {p: dict(s) for p, s in self.initial_state.items()})
-        ledger = TensorLedger("cpu", block=self.block)
-        ledger.track([*self.params, *self.model.buffers()])
-        ledger.track(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-        ledger.track(B.tensors(batch))
+    # --- running the step on fake tensors ------------------------------------------------------------
+
+    def _batch(self, template: Any, b: int) -> Any:
+        """``b`` samples shaped like ``template``: floating-point tensors fake, integer ones real
+        (the template's samples repeated), per-sample lists repeated."""
+        n = B.batch_size(template)
+        index = torch.arange(b) % n
+
+        def make(t: torch.Tensor) -> torch.Tensor:
+            if _is_value(t):
+                return t.detach().to("cpu").index_select(0, index)
+            with self.mode:
+                return _fake_like(t, (b, *t.shape[1:]))
+
+        return B.repeat_lists(B.map_tensors(template, make), n, b)
+
+    @contextlib.contextmanager
+    def _running(self, ledger: TensorLedger) -> Iterator[None]:
         attention = _CudaAttention() if self.target == "cuda" else None
-        with self.mode, (attention if attention is not None else _nothing()), ledger:
-            self.step(self.model, self.optimizer, work.loss_fn, batch, "cpu", self.precision)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_quiet_torch())
+            if self.checkpointing:
+                from .checkpointing import activation_checkpointing
+
+                stack.enter_context(activation_checkpointing(self.model))
+            stack.enter_context(self.mode)
+            if attention is not None:
+                stack.enter_context(attention)
+            stack.enter_context(ledger)
+            yield
         self.backends = attention.backends if attention is not None else []
-        return ledger.peak
+
+    def _ledger(self, batch: Any, *, trace: bool) -> TensorLedger:
+        ledger = _Counter("cpu", block=self.block, trace=trace)
+        ledger.track([*self.params, *self.model.buffers()])
+        ledger.track(p.grad for p in self.params if p.grad is not None)
+        ledger.track(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        if batch is not None:
+            ledger.track(B.tensors(batch))
+        return ledger
+
+    def _micro_step(self, batch: Any) -> None:
+        self.model.train()
+        forward_backward(self.model, self.loss_fn, batch, device_type="cpu", precision=self.precision)  # type: ignore[arg-type]
+
+    def _setup(self, receiving: set[int] | None = None) -> None:
+        """The steady state: a gradient for each parameter that receives one (``receiving``: their ids;
+        default: every trainable one, until the first trace tells), the optimizer's state from a step
+        on them, and the step's transient bytes.
+
+        The gradients are fake zeros, shaped and laid out as ``AccumulateGrad`` lays them out, so no
+        forward and backward is traced to make them; models with sparse embedding gradients, whose
+        gradients are not dense, get theirs from a first micro-step instead.
+        """
+        self.optimizer.state = defaultdict(dict, {p: dict(s) for p, s in self._initial.items()})
+        if self._sparse:
+            for p in self.params:
+                p.grad = None
+            batch = self._batch(self.batch, self.sizes[0])
+            ledger = self._ledger(batch, trace=False)
+            with self._running(ledger):
+                self._micro_step(batch)
+                ledger.peak = ledger.live
+                self.optimizer.step()
+            self._receiving = {id(p) for p in self.params if p.grad is not None}
+        else:
+            with self.mode:
+                for p in self.params:
+                    wanted = p.requires_grad and (receiving is None or id(p) in receiving)
+                    p.grad = torch.zeros_like(p) if wanted else None
+            ledger = self._ledger(None, trace=False)
+            with self._running(ledger):
+                ledger.peak = ledger.live
+                self.optimizer.step()
+            self._receiving = receiving
+        self._transient = ledger.peak - ledger.live
+        self._grads = [p.grad for p in self.params]
+
+    def trace(self, b: int, template: Any = None) -> Trace:
+        """The steady-state forward and backward of ``b`` samples shaped like ``template`` (default:
+        the workload's batch), traced; kept, so asking again costs nothing."""
+        template = self.batch if template is None else template
+        key = (_template_key(template), b)
+        found = self._traces.get(key)
+        if found is not None:
+            if self.on_trace is not None:
+                self.on_trace(found, True)
+            return found
+        start = time.perf_counter()
+        if self._grads is None:
+            self._setup()  # counted in the first trace's time
+        for p, g in zip(self.params, self._grads):  # type: ignore[arg-type]
+            p.grad = g
+        batch = self._batch(template, b)
+        ledger = self._ledger(batch, trace=True)
+        received: set[int] = set()
+        hooks = [] if self._receiving is not None else [
+            p.register_post_accumulate_grad_hook(lambda q: received.add(id(q))) for p in self.params if p.requires_grad
+        ]
+        try:
+            with self._running(ledger):
+                self._micro_step(batch)
+                end = ledger.live  # what the micro-step leaves, the batch still held
+        finally:
+            for h in hooks:
+                h.remove()
+        del batch
+        if self._receiving is None:
+            if any(p.requires_grad and id(p) not in received for p in self.params):
+                # Some trainable parameters get no gradient (not used by the loss): the steady state
+                # holds neither a gradient nor optimizer state for them. Again, without them.
+                self._setup(received)
+                return self.trace(b, template)
+            self._receiving = received
+        live = tuple(ledger.trace or ())
+        # The optimizer step holds its transient bytes above what the step leaves, which is what a
+        # micro-step leaves: the optimizer step's peak at this size.
+        peak = max(ledger.peak, end + self._transient)
+        made = Trace(b, peak, (*live, end + self._transient), (*(ledger.ops or ()), "step"), time.perf_counter() - start)
+        self._traces[key] = made
+        if self.on_trace is not None:
+            self.on_trace(made, False)
+        return made
+
+    def __call__(self, b: int, template: Any = None) -> int:
+        """Peak bytes of the trial step with ``b`` samples shaped like ``template`` (default: the
+        workload's batch)."""
+        return self.trace(b, template).peak
+
+    def curve(self, template: Any = None, *, sizes: tuple[int, int] | None = None) -> MemoryCurve:
+        """Peak bytes against the micro-batch at ``template``'s shape, from two traces (see the module
+        docstring). ``sizes`` are the two micro-batches traced (default: the smallest that trains and
+        the next)."""
+        template = self.batch if template is None else template
+        b1, b2 = sizes or self.sizes
+        key = (_template_key(template), b1, b2)
+        t1, t2 = self.trace(b1, template), self.trace(b2, template)  # kept: asking again costs nothing
+        found = self._curves.get(key)
+        if found is None:
+            if t1.ops == t2.ops:
+                found = MemoryCurve.from_traces(b1, t1.live, b2, t2.live)
+            else:  # the operations differ between the sizes: only the peaks can be compared
+                found = MemoryCurve.through(b1, t1.peak, b2, t2.peak)
+            self._curves[key] = found
+        return found
+
+    def largest(self, budget: int, upper: int, *, confirm: bool = True, template: Any = None) -> tuple[int, Callable[[int], int]]:
+        """The largest micro-batch in ``[lower, upper]`` whose estimated peak is within ``budget`` (0:
+        not even the smallest), and the estimated peak at any size.
+
+        Two traces give the curve (:meth:`curve`); its largest size within the budget is the
+        answer. With ``confirm`` (or when the two traces ran different operations) a trace at that
+        size must agree with the curve to the byte, which then holds at the next size too; when it
+        does not (an allocation that is not affine in the batch, a kernel that switches between the
+        sizes), the search goes on with traces alone (:func:`autotune.search.estimated_max`).
+        """
+        lower = min(self.lower, upper)
+
+        def traced(b: int) -> int:
+            return self(b, template)
+
+        if upper < max(2, lower) + 2:  # a few sizes: trace them
+            size, _ = estimated_max(traced, budget, upper, lower=lower)
+            return size, traced
+        curve = self.curve(template)
+        size = curve.largest(budget, lower, upper)
+        if not confirm and curve.exact:
+            return size, curve
+        at = size or lower
+        if traced(at) == curve(at):
+            return size, curve
+        size, _ = estimated_max(traced, budget, upper, lower=lower, start=at)
+        return size, traced
+
+    def resident(self) -> int:
+        """Bytes of parameters, buffers, gradients and optimizer state in the steady state."""
+        if self._grads is None:
+            self._setup()
+        return storage_bytes([
+            *self.params, *self.model.buffers(), *(g for g in self._grads or () if g is not None),
+            *(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+        ])
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state after the last estimate's step."""
-        from .memory import storage_bytes
-
+        """Bytes of optimizer state after a step."""
+        if self._grads is None:
+            self._setup()
         return storage_bytes(
             v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
         )
 
+    def step_transient(self) -> int:
+        """Bytes the optimizer step holds above what it leaves (its temporaries)."""
+        if self._grads is None:
+            self._setup()
+        return self._transient
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
 
-    def __exit__(self, *exc: Any) -> None:
-        return None
+def _weak(fn: Any) -> Callable[[], Any]:
+    """A weak reference to a function where one can be taken (a kept estimator must not keep the
+    user's loss function, and what it holds, alive), else a strong one."""
+    try:
+        return weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
+    except TypeError:
+        return lambda: fn
+
+
+def _template_key(template: Any) -> tuple[Any, ...]:
+    """What a trace depends on in a template batch: its shapes, dtypes, and integer values."""
+    parts = []
+    for t in B.tensors(template):
+        part: tuple[Any, ...] = (tuple(t.shape), t.dtype)
+        if _is_value(t):
+            part += (_digest(t),)
+        parts.append(part)
+    return tuple(parts)
+
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A digest of an integer tensor's values."""
+    data = t.detach().to("cpu").contiguous().reshape(-1)
+    if data.dtype == torch.bool:
+        data = data.to(torch.uint8)
+    try:
+        payload = data.numpy().tobytes()
+    except (RuntimeError, TypeError):  # no numpy: slower, the same purpose
+        payload = repr(data.tolist()).encode()
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()

@@ -33,73 +33,15 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from torch import nn
 
 from . import batches as B
-from .distributed import FINE, Agreement, check_distinct_samples, gather_numbers, world
+from .distributed import FINE, Agreement, check_distinct_samples, gather_numbers
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
-from .probe import zero_non_finite
-from .step import LossFn, Precision, forward_backward
+from .step import forward_backward
+from .trial import set_gradient_sync
 
-__all__ = ["check_mesh", "run_window", "trial_step"]
-
-
-def check_mesh(model: nn.Module) -> None:
-    """Refuse a sharding autotune does not drive: a mesh other than all ranks in one dimension."""
-    state = getattr(model, "_get_fsdp_state", None)
-    group = getattr(getattr(state(), "_fsdp_param_group", None), "mesh_info", None) if state else None
-    mesh = getattr(group, "mesh", None)
-    if mesh is None:
-        return
-    _, world_size = world()
-    if mesh.ndim != 1 or mesh.size() != world_size:
-        raise ValueError(
-            f"Invalid model: it is sharded over a device mesh of shape {tuple(mesh.shape)}, but autotune drives FSDP2 "
-            f"sharded over all {world_size} ranks in one dimension; shard with fully_shard(module) on the default "
-            "mesh (HSDP and tensor-parallel meshes are not supported)"
-        )
-
-
-def _set_sync(model: nn.Module, sync: bool) -> None:
-    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
-
-
-def trial_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    batch: Any,
-    device_type: str,
-    precision: Precision,
-    finite: bool = False,
-    *,
-    accumulating: bool = True,
-) -> None:
-    """FSDP2's steady-state step: no-sync and sync micro-batches, the optimizer step, both again.
-
-    The first pair and the step create the optimizer state; the second pair is a window of
-    ``fit``: the state live, the gradients zeroed after the step, the unsharded gradients of the
-    no-sync micro-batch held for the sync (the reduce-scatter), which makes the sharded ones.
-    ``accumulating=False`` is a window of one micro-batch: sync-only micro-batches, whose
-    backward reduce-scatters each block's gradients as it goes (none held unsharded).
-    """
-    syncs = (False, True) if accumulating else (True, True)
-    model.train()
-    try:
-        for sync in syncs:
-            _set_sync(model, sync)
-            forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
-        if finite:
-            zero_non_finite(optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)  # as after every step of fit: a window starts without gradients
-        for sync in syncs:
-            _set_sync(model, sync)
-            forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
-    finally:
-        _set_sync(model, True)
+__all__ = ["run_window"]
 
 
 # --- training windows ----------------------------------------------------------------------------
@@ -156,7 +98,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         for p in run.outside:
             p.grad = None
         run._restore_bn(bn_saved)
-        release_cached(device)
+        release_cached(device, collect=True)
         if over:
             failure = _lowered(run, window, peak)
             if failure is None:
@@ -217,7 +159,7 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float) -> tuple
     try:
         with ledger:
             for i in range(count):
-                _set_sync(model, i == count - 1)
+                set_gradient_sync(model, i == count - 1)
                 if i < len(own):
                     micro = own[i]
                     bnc.before_micro(micro.samples)
@@ -229,7 +171,7 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float) -> tuple
                 else:
                     _idle_micro(run)
     finally:
-        _set_sync(model, True)
+        set_gradient_sync(model, True)
     if not measure:
         return 0, total
     if device.type == "cuda":

@@ -173,7 +173,7 @@ def noise_scale(
 
     from .accumulate import accumulate
     from .checks import check_grad_mode, check_reiterable, check_trainable
-    from .probe import Snapshot
+    from .trial import Snapshot
     from .step import default_loss, forward_backward, normalize_precision
 
     from .distributed import parallel

@@ -1,4 +1,5 @@
-"""``autotune.plan``: probe the device, then derive micro-batch, accumulation, LR and BN momentum."""
+"""``autotune.plan`` and ``autotune.what_if``: probe the device, then derive micro-batch,
+accumulation, LR and BN momentum; or the same under other settings."""
 
 from __future__ import annotations
 
@@ -10,34 +11,34 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import batches as B
 from .bn import batchnorms
 from .checks import check_device_exists, check_grad_mode, check_optimizer, check_trainable
 from .distributed import BUCKET_BYTES, bucket_bytes_needed, bypass_nested, gather, on_every_rank, parallel, world
 from .errors import AutotuneError, NothingFits
-from .memory import cuda_memory_fraction, default_headroom, default_limit, outside_allocator, storage_bytes
+from .memory import (
+    CUDA_CONTEXT_ALLOWANCE,
+    CUDA_OUTSIDE,
+    allocator_cap,
+    cuda_memory_fraction,
+    default_headroom,
+    default_limit,
+    outside_allocator,
+    storage_bytes,
+)
 from .plans import Plan, Trial, budget_of, split_evenly, window_layout
-from . import batches as B
-from .probe import Progress, Snapshot, Workload, _trial_step, min_micro_batch, probe, sample_batch
-from .shapes import fit_shape_model
-from .whatif import estimate_rows
+from .probe import Progress, probe
+from .rng import RNGState
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
 from .scaling import follow_batch as follow_batch_settings
+from .shapes import fit_shape_model
+from .sharding import estimated, shard_estimates
 from .step import LossFn, default_loss, normalize_precision
+from .trial import Looked, Snapshot, Workload, min_micro_batch, sample_batch
 from .units import format_bytes, parse_bytes
+from .whatif import WhatIf, estimate_rows
 
-__all__ = ["CUDA_CONTEXT_ALLOWANCE", "CUDA_OUTSIDE", "allocator_cap", "plan"]
-
-# What an estimate-only plan for CUDA sets aside for the CUDA context (outside torch's tensors):
-# a few hundred MiB on current GPUs with lazy module loading.
-CUDA_CONTEXT_ALLOWANCE = 512 * 2**20
-
-# The set-aside entry for memory measured outside the CUDA allocator (context, library handles).
-CUDA_OUTSIDE = "the CUDA context and libraries outside torch's allocator (measured)"
-
-
-def allocator_cap(limit: int, set_aside: Iterable[tuple[str, int]]) -> int:
-    """The CUDA allocator's cap for a limit that counts everything: less what lives outside it."""
-    return limit - sum(b for name, b in set_aside if name == CUDA_OUTSIDE)
+__all__ = ["plan", "resolve_device", "what_if"]
 
 
 def _check_target(target_batch: Any) -> int:
@@ -53,7 +54,8 @@ def _check_target(target_batch: Any) -> int:
     return target_batch
 
 
-def _resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+def resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """The device to plan on: ``device``, or the model's; an error when the model is elsewhere."""
     check_trainable(model)
     check_device_exists(device)
     model_device = next(model.parameters()).device
@@ -206,9 +208,9 @@ def plan(
         raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs (>= 1), or None")
     inner_model = parallel(model).inner
     if verify or device is None:
-        device = _resolve_device(inner_model, device)
+        device = resolve_device(inner_model, device)
     else:  # estimate only: nothing runs on the device, so it need not hold the model, or exist
-        _resolve_device(inner_model, None)
+        resolve_device(inner_model, None)
         device = torch.device(device)
     precision_name = normalize_precision(precision)
     if lr_rule not in LR_RULES:
@@ -253,17 +255,19 @@ def plan(
     snapshot = Snapshot(model, optimizer, loader)
     shown = Progress(progress is not False and rank == 0, delay=None if isinstance(progress, bool) else float(progress))
     try:
+        looked: Looked
         if par.fsdp:
             # The trials that follow run in lockstep: a dataset that raises on one rank stops them all here.
-            batch, first_size, _, dims = on_every_rank(lambda: sample_batch(loader, max_batches=max_probe_batches),
-                                                       device=device, what="looking at its first batches")
+            looked = on_every_rank(lambda: sample_batch(loader, max_batches=max_probe_batches),
+                                   device=device, what="looking at its first batches")
         else:
-            batch, first_size, _, dims = sample_batch(loader, max_batches=max_probe_batches)
+            looked = sample_batch(loader, max_batches=max_probe_batches)
+        first_size = looked.first_size
         work = Workload(
             model=model,
             optimizer=optimizer,
             loss_fn=loss_fn or default_loss,
-            batch=batch,
+            batch=looked.batch,
             device=device,
             precision=precision_name,
             on_trial=_both(on_trial, shown.done),
@@ -321,13 +325,13 @@ def plan(
                     table = None
                     shards: list[Any] = []
                     if work.estimator is not None:  # say what would fit instead
-                        table = estimate_rows(work, _trial_step, budget=budget, upper=upper, lower=min_micro_batch(work.model))
+                        table = estimate_rows(work, budget=budget, upper=upper, lower=min_micro_batch(work.model))
                         if world_size == 1 and not par.fsdp:
                             shards = _shards_if_resident_too_big(work, budget, target_batch)
                     raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside,
                                         table=table, shards=shards)
-                if by_shape and dims and not par.fsdp:
-                    shape_model = _shape_model(work, dims, found, budget, upper, lengths)
+                if by_shape and (looked.varies or lengths) and not par.fsdp:
+                    shape_model = _shape_model(work, looked, found, budget, upper, lengths)
     except Exception as exc:
         error = exc
     finally:
@@ -423,9 +427,73 @@ def plan(
         shape_model=shape_model,
         checkpointing=checkpointing,
         optimizer_settings=settings,
+        probed_size=B.per_sample_numel(work.batch),
+        by_shape=by_shape,
+        memory_curve=work.curve,
         trials=tuple(work.trials),
         notes=tuple(notes),
     )
+
+
+_plan = plan  # what_if's own argument is called plan
+
+
+def what_if(
+    model: nn.Module,
+    loader: Iterable[Any],
+    *,
+    target_batch: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Any = None,
+    device: torch.device | str | None = None,
+    memory_limit: int | str | None = None,
+    headroom: float | None = None,
+    precision: str | None = None,
+    checkpointing: bool = False,
+    verify: bool = True,
+    progress: bool = True,
+    plan: Plan | None = None,
+) -> WhatIf:
+    """The largest micro-batch under other precisions, with activation checkpointing, and with an
+    optimizer of smaller state: one table, estimated; your own settings' row verified by a real step.
+
+    Takes the arguments of :func:`autotune.plan` (or ``plan=``, one made already with them, whose
+    budget and verified micro-batch are used). The model, optimizer and RNG are left as they were.
+    The estimates of the plan are reused (see :mod:`autotune.estimate`).
+
+    Returns:
+        A :class:`autotune.WhatIf`; ``str()`` of it is the table.
+
+    Example:
+        >>> print(autotune.what_if(model, loader, target_batch=512, memory_limit="24GiB"))  # doctest: +SKIP
+    """
+    if parallel(model).fsdp:
+        raise ValueError(
+            "Invalid model for what_if: it is sharded with FSDP2, and the table is estimated from a copy of the whole "
+            "model; call what_if on the model before fully_shard, or autotune.shard_plan for the figures per rank"
+        )
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    try:
+        p = plan if plan is not None else _plan(
+            model, loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
+            memory_limit=memory_limit, headroom=headroom, precision=precision, verify=verify,
+            progress=progress, by_shape=False, checkpointing=checkpointing,
+        )
+    except NothingFits as exc:
+        if exc.what_if is not None:
+            return exc.what_if  # type: ignore[no-any-return]
+        raise
+    rng = RNGState(loader)
+    try:
+        looked = sample_batch(loader)
+    finally:
+        rng.restore()
+    inner = parallel(model).inner
+    work = Workload(model=inner, optimizer=optimizer, loss_fn=loss_fn or default_loss, batch=looked.batch,
+                    device=torch.device(p.device), precision=normalize_precision(p.precision), checkpointing=p.checkpointing)
+    return estimate_rows(work, budget=p.budget, upper=-(-target_batch // p.world_size), lower=min_micro_batch(inner),
+                         own_micro_batch=p.micro_batch, verified=p.verified, own_curve=p.memory_curve)
 
 
 def _both(first: Callable[[Trial], Any] | None, second: Callable[[Trial], Any]) -> Callable[[Trial], Any]:
@@ -437,38 +505,64 @@ def _both(first: Callable[[Trial], Any] | None, second: Callable[[Trial], Any]) 
     return call
 
 
-def _shape_model(work: Workload, dims: list[tuple[int, int]], found: Any, budget: int, upper: int, lengths: Sequence[int] | None) -> Any:
-    """The shape model from estimates at a few lengths around the probed (longest) one; None when
-    the step cannot be estimated (real trials only)."""
+def _shape_model(work: Workload, looked: Looked, found: Any, budget: int, upper: int, lengths: Sequence[int] | None) -> Any:
+    """The shape model from the shapes the loader has (the shortest, one between and the probed,
+    longest one) and the lengths asked for; None when the step cannot be estimated.
+
+    A shape that cannot be estimated (an asked length longer than the model takes) is left out with
+    a note; nothing longer than the longest batch seen is estimated unless asked.
+    """
     estimator = work.estimator
     if estimator is None:
         work.notes.append("no model of memory against length: the step could not be estimated; every shape uses micro_batch")
         return None
-    longest = max(t.shape[d] for t, (i, d) in ((B.tensors(work.batch)[i], (i, d)) for i, d in dims))
-    wanted = {max(1, longest // 4), max(1, longest // 2), longest, 2 * longest, *(lengths or ())}
-    templates = {}
-    for length in sorted(wanted):
-        template = B.resize_length(work.batch, dims, length)
-        templates[B.per_sample_numel(template)] = template
-    lower = min_micro_batch(work.model)
-    model = fit_shape_model(
-        lambda samples, size: estimator(samples, templates[size]),
-        sorted(templates),
-        probed_size=B.per_sample_numel(work.batch),
+    probed = B.per_sample_numel(work.batch)
+    seen = sorted({B.per_sample_numel(t): t for t in looked.shapes}.items())
+    templates = {probed: work.batch}
+    if len(seen) > 1:
+        for size, template in (seen[0], seen[len(seen) // 2]):
+            templates.setdefault(size, template)
+    if lengths:
+        dims = B.length_dims([work.batch, *looked.shapes])
+        longest = B.longest_length(work.batch, dims)
+        accepted = _max_length(work.model)
+        for length in sorted(set(lengths)):
+            if accepted is not None and length > accepted:
+                work.notes.append(f"length {length} left out of the shape model: the model takes at most {accepted}")
+                continue
+            template = B.resize_length(work.batch, dims, length, longest=longest) if dims else None
+            if template is not None:
+                templates.setdefault(B.per_sample_numel(template), template)
+    curves = {}
+    for size, template in sorted(templates.items()):
+        try:
+            curves[size] = estimator.curve(None if size == probed else template)
+        except Exception as exc:  # a shape the model cannot take: it will not be trained at either
+            work.notes.append(f"per-sample size {size} left out of the shape model ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})")
+    return fit_shape_model(
+        curves,
+        probed_size=probed,
         probed_micro_batch=found.batch_size,
         probed_real_peak=found.peak,
         budget=budget,
-        lower=lower,
+        lower=min_micro_batch(work.model),
         upper=upper,
     )
-    return model
+
+
+def _max_length(model: nn.Module) -> int | None:
+    """The longest sequence a Hugging Face model takes (its position embeddings), when it says."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _shards_if_resident_too_big(work: Workload, budget: int, target_batch: int) -> list[Any]:
     """FSDP2 over 2, 4 and 8 ranks, estimated, when the weights, gradients and optimizer state alone
     exceed ``budget`` (accumulation cannot help then); else empty."""
-    from .sharding import estimated, shard_estimates
-
     lower = min_micro_batch(work.model)
     parts, activations = estimated(work, lower)
     if parts.resident <= budget:

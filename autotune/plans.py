@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .scaling import OptimizerSettings
+from .search import MemoryCurve
 from .shapes import ShapeModel
 from .units import format_bytes
 
@@ -82,6 +83,14 @@ class Plan:
         shape_model: for data whose samples vary in length, how memory grows with the per-sample
             size (see :mod:`autotune.shapes`); :meth:`micro_batch_for` reads it. None for
             fixed-shape data.
+        probed_size: elements per sample (over the batch's tensors) of the batch the plan probed,
+            the longest it looked at; 0 when unknown.
+        by_shape: whether training sizes each batch's micro-batch by its shape: the shape model, and
+            for a batch longer than any the plan measured an estimate made when it arrives (see
+            ``autotune.fit``). False: ``micro_batch`` for every shape.
+        memory_curve: the estimated peak against the micro-batch at the probed shape (see
+            :class:`autotune.search.MemoryCurve`), before calibration by the real trial; None when
+            the answer came from real trials (or from traces alone).
         bn_mode: how BatchNorm statistics are kept in training (``"adjust"``, ``"pooled"``,
             ``"precise"``, ``"optuna"``), None without BatchNorm or when left alone.
         memory_limit: the limit in bytes.
@@ -123,6 +132,9 @@ class Plan:
     shape_model: ShapeModel | None = None
     checkpointing: bool = False
     optimizer_settings: OptimizerSettings | None = None
+    probed_size: int = 0
+    by_shape: bool = True
+    memory_curve: MemoryCurve | None = None
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -149,7 +161,7 @@ class Plan:
             >>> plan.micro_batch_for(batch)  # doctest: +SKIP
             24
         """
-        if self.shape_model is None:
+        if self.shape_model is None or not self.by_shape:
             return self.micro_batch
         if isinstance(shape, bool) or not isinstance(shape, (int, float)):
             from . import batches as B
@@ -180,6 +192,8 @@ class Plan:
             values["rank_micro_batches"] = tuple(int(v) for v in values.get("rank_micro_batches", ()))
             model = values.get("shape_model")
             values["shape_model"] = ShapeModel.from_dict(model) if model else None
+            curve = values.get("memory_curve")
+            values["memory_curve"] = MemoryCurve.from_dict(curve) if curve else None
             settings = values.get("optimizer_settings")
             values["optimizer_settings"] = (
                 OptimizerSettings(**{**settings, "betas": tuple(settings["betas"]), "notes": tuple(settings.get("notes", ()))})
@@ -225,6 +239,7 @@ class Plan:
         data["set_aside"] = [list(pair) for pair in self.set_aside]
         data["rank_micro_batches"] = list(self.rank_micro_batches)
         data["shape_model"] = self.shape_model.to_dict() if self.shape_model is not None else None
+        data["memory_curve"] = self.memory_curve.to_dict() if self.memory_curve is not None else None
         if self.optimizer_settings is not None:
             data["optimizer_settings"] = {**dataclasses.asdict(self.optimizer_settings), "betas": list(self.optimizer_settings.betas),
                                           "notes": list(self.optimizer_settings.notes)}
@@ -268,13 +283,17 @@ class Plan:
 
 
 def peak_at(plan: Plan, size: int) -> int:
-    """The plan's peak memory at another micro-batch ``size``, from its trials.
+    """The plan's peak memory at another micro-batch ``size``.
 
-    The estimates (exact tensor counts) give the shape of the curve; it is scaled to agree with the
-    plan's real peak at ``plan.micro_batch``. Without estimates the real trials give a line.
+    The estimated curve (exact tensor counts) gives the shape; it is scaled to agree with the plan's
+    real peak at ``plan.micro_batch``. Without it, the estimates among the trials, else the real
+    trials, give a line.
     """
     if size == plan.micro_batch:
         return plan.peak_memory
+    if plan.memory_curve is not None:
+        ratio = plan.peak_memory / max(plan.memory_curve(plan.micro_batch), 1)
+        return max(0, int(ratio * plan.memory_curve(size)))
     from .search import Curve
 
     for estimate in (True, False):

@@ -18,10 +18,11 @@ from one sample and a second, larger size to get a line.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Curve", "Measurement", "SearchResult", "estimated_max", "largest_fitting"]
+__all__ = ["Curve", "Measurement", "MemoryCurve", "SearchResult", "estimated_max", "largest_fitting"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,118 @@ class Curve:
         return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
 
 
+@dataclass(frozen=True)
+class MemoryCurve:
+    """Peak bytes of a step against the micro-batch ``b``: the upper envelope of lines,
+    ``peak(b) = max_i(fixed_i + b * per_sample_i)``.
+
+    At a fixed per-sample shape the live bytes after each operation of a step are affine in the
+    micro-batch (every tensor's size is), so two traces of the step, at two sizes, give one line per
+    operation, and their upper envelope is the peak at every size: where the optimizer step or the
+    backward peaks is read off the lines, not guessed. Only the lines that are highest somewhere at
+    ``b >= 1`` are kept (usually one to three).
+
+    Attributes:
+        lines: ``(fixed, per_sample)`` pairs, by increasing ``per_sample``.
+        exact: whether the lines come from traces whose operations matched one for one (else it
+            is the line through the two peaks, which a kernel switch between the sizes can bend).
+    """
+
+    lines: tuple[tuple[float, float], ...]
+    exact: bool = True
+
+    @classmethod
+    def from_traces(cls, b1: int, live1: Sequence[float], b2: int, live2: Sequence[float]) -> MemoryCurve:
+        """The curve through two traces of the same operations at sizes ``b1 < b2``: ``live1[k]`` and
+        ``live2[k]`` are the live bytes after operation ``k``.
+
+        Example:
+            >>> curve = MemoryCurve.from_traces(2, [100, 260, 140], 3, [100, 340, 210])
+            >>> curve(2), curve(3), curve(10)
+            (260, 340, 900)
+        """
+        if b2 <= b1:
+            raise ValueError(f"Invalid sizes {b1}, {b2}: the second trace must be of a larger micro-batch")
+        if len(live1) != len(live2) or not live1:
+            raise ValueError(f"Invalid traces of {len(live1)} and {len(live2)} operations: they must be of the same step")
+        best: dict[float, float] = {}
+        for y1, y2 in zip(live1, live2):
+            slope = (y2 - y1) / (b2 - b1)
+            fixed = y1 - slope * b1
+            if fixed > best.get(slope, -math.inf):
+                best[slope] = fixed
+        return cls(_upper_envelope(best))
+
+    @classmethod
+    def through(cls, b1: int, peak1: float, b2: int, peak2: float) -> MemoryCurve:
+        """The line through two peaks (not exact: the step may peak elsewhere at other sizes)."""
+        slope = (peak2 - peak1) / (b2 - b1)
+        return cls(((peak1 - slope * b1, slope),), exact=False)
+
+    def __call__(self, b: float) -> int:
+        """The peak at ``b`` samples, in whole bytes."""
+        return _whole(max(fixed + b * per for fixed, per in self.lines))
+
+    def line_at(self, b: float) -> tuple[float, float]:
+        """The ``(fixed, per_sample)`` line that is the peak at ``b``."""
+        return max(self.lines, key=lambda line: line[0] + b * line[1])
+
+    def largest(self, budget: float, lower: int, upper: int) -> int:
+        """The largest ``b`` in ``[lower, upper]`` whose peak is within ``budget``; 0 if not even ``lower``'s is."""
+        if self(lower) > budget:
+            return 0
+        b = upper
+        for fixed, per in self.lines:
+            if per > 0:
+                b = min(b, math.floor((budget - fixed) / per))
+        b = max(b, lower)
+        while b > lower and self(b) > budget:  # float rounding at the boundary
+            b -= 1
+        while b < upper and self(b + 1) <= budget:
+            b += 1
+        return b
+
+    def scaled(self, factor: float) -> MemoryCurve:
+        """Every line times ``factor`` (a real/estimated calibration)."""
+        return MemoryCurve(tuple((fixed * factor, per * factor) for fixed, per in self.lines), self.exact)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The curve as a JSON-ready dict."""
+        return {"lines": [list(line) for line in self.lines], "exact": self.exact}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryCurve:
+        """The curve back from :meth:`to_dict`'s output."""
+        lines = tuple((float(a), float(c)) for a, c in data["lines"])
+        if not lines:
+            raise ValueError("Invalid memory curve: it has no line")
+        return cls(lines, bool(data.get("exact", True)))
+
+
+def _whole(value: float) -> int:
+    """Bytes as a whole number: a value within rounding of an integer is that integer, else rounded up."""
+    nearest = round(value)
+    return int(nearest) if abs(value - nearest) < 1e-6 * max(1.0, abs(value)) else math.ceil(value)
+
+
+def _upper_envelope(lines: dict[float, float]) -> tuple[tuple[float, float], ...]:
+    """The lines ``fixed + b * slope`` (``{slope: fixed}``) that are the maximum somewhere at ``b >= 1``."""
+    hull: list[tuple[float, float]] = []  # (slope, fixed), by increasing slope
+    for slope in sorted(lines):
+        fixed = lines[slope]
+        while hull:
+            s0, f0 = hull[-1]
+            # the new line passes the last one at b = (f0 - fixed) / (slope - s0)
+            cross = (f0 - fixed) / (slope - s0)
+            start = (hull[-2][1] - f0) / (s0 - hull[-2][0]) if len(hull) >= 2 else -math.inf
+            if cross <= max(start, 1.0):
+                hull.pop()  # the last line is never the highest at b >= 1
+            else:
+                break
+        hull.append((slope, fixed))
+    return tuple((f, s) for s, f in hull)
+
+
 def _largest_below(model: Callable[[int], float], budget: int, lo: int, hi: int) -> int:
     """Largest b in [lo, hi] with model(b) <= budget, assuming model grows with b (lo if none)."""
     if model(hi) <= budget:
@@ -98,6 +211,7 @@ def estimated_max(
     upper: int,
     *,
     lower: int = 1,
+    start: int | None = None,
     max_estimates: int = 24,
 ) -> tuple[int, dict[int, int]]:
     """Largest ``b`` in ``[lower, upper]`` whose estimated peak is within ``budget``.
@@ -107,6 +221,8 @@ def estimated_max(
         budget: bytes available.
         upper: the largest size worth considering.
         lower: the smallest size that can train (2 for models whose BatchNorm needs two samples).
+        start: the size to estimate first, when something already points at the answer (else
+            ``lower``, then 16 for a line).
         max_estimates: a bound on calls to ``estimate``.
 
     Returns:
@@ -119,12 +235,8 @@ def estimated_max(
             points[b] = estimate(b)
         return points[b]
 
-    if est(lower) > budget:
-        return 0, points
-    if upper == lower:
-        return lower, points
-    lo, hi = lower, upper + 1  # est(lo) fits; hi is the smallest known failure (or past upper)
-    probe = min(upper, max(16, lower + 1))
+    lo, hi = lower - 1, upper + 1  # lo: the largest known fit (lower - 1: none); hi: the smallest known failure
+    probe = lower if start is None else min(max(start, lower), upper)
     prev_width = None
     while len(points) < max_estimates:
         if est(probe) <= budget:
@@ -134,6 +246,12 @@ def estimated_max(
         width = hi - lo
         if width <= 1:
             break
+        if lo < lower:  # nothing is known to fit: the smallest size next
+            probe = lower
+            continue
+        if start is None and len(points) == 1:
+            probe = min(upper, max(16, lower + 1))  # a second point for a line
+            continue
         guess = _largest_below(Curve(points), budget, lo, hi - 1)
         if guess == lo:
             probe = lo + 1  # the line puts the boundary at lo: confirm with the neighbour
@@ -142,7 +260,7 @@ def estimated_max(
         else:
             probe = guess
         prev_width = width
-    return lo, points
+    return (lo if lo >= lower else 0), points
 
 
 def largest_fitting(
@@ -154,6 +272,7 @@ def largest_fitting(
     lower: int = 1,
     max_real: int = 8,
     tolerance: float = 0.03,
+    start: int | None = None,
 ) -> SearchResult:
     """Largest batch size in ``[lower, upper]`` whose real step fits ``budget``.
 
@@ -165,6 +284,8 @@ def largest_fitting(
         lower: the smallest size that can train (1, or 2 for BatchNorm on 2-d inputs).
         max_real: a bound on real steps.
         tolerance: stop once the largest fit is within this fraction of the smallest failure.
+        start: the first size to run, when the estimates already found it (``estimate`` is then
+            only asked for the sizes around it).
 
     Returns:
         A :class:`SearchResult`; ``batch_size == 0`` means even ``lower`` samples did not fit.
@@ -176,7 +297,10 @@ def largest_fitting(
     est_points: dict[int, int] = {}
     cached: Callable[[int], int] | None = None
     if estimate is not None:
-        estimated, est_points = estimated_max(estimate, budget, upper, lower=lower)
+        if start is None:
+            estimated, est_points = estimated_max(estimate, budget, upper, lower=lower)
+        else:
+            estimated = start
 
         def cached(b: int) -> int:
             if b not in est_points:
@@ -185,7 +309,7 @@ def largest_fitting(
     fits_at: dict[int, int] = {}  # real fits: batch -> peak
     failed_at: dict[int, int] = {}  # real failures: batch -> peak seen (a lower bound)
     lo, hi = lower - 1, upper + 1  # lo: largest real fit (lower - 1: none); hi: smallest failure
-    candidate = max(estimated or lower, lower)
+    candidate = max(estimated or lower, lower) if start is None else min(max(start, lower), upper)
     for used in range(1, max_real + 1):
         m = real(candidate)
         if m.fits:

@@ -1,29 +1,34 @@
 """Memory as a function of samples and shape, for data whose samples vary in length.
 
-For a fixed per-sample shape the peak of a training step is affine in the number of samples,
-``peak(b) = F + b * f``. With variable-length data (sequences padded per batch) both terms depend on
-the length: activations grow linearly with it (MLPs, convolutions, flash attention) or
-quadratically (attention that materialises its scores). The shape model measures ``F`` and ``f``
-by estimates at a few lengths, two sample counts each, and fits each as a quadratic in the
-per-sample size ``s`` (elements per sample over all tensors of the batch, which is proportional to
-the length):
+For a fixed per-sample shape the peak of a training step is a curve in the number of samples (see
+:class:`autotune.search.MemoryCurve`). With variable-length data (sequences padded per batch) the
+curve depends on the length: activations grow linearly with it (MLPs, convolutions, flash
+attention) or quadratically (attention that materialises its scores). The shape model is built only
+when the batches a plan looks at differ in shape, from the shapes they have (never longer ones,
+unless asked): each shape's own curve gives its exact micro-batch, and between them the active line
+of each curve, ``peak(b) = F + b * f`` near where that shape fills the memory, is fitted as a
+quadratic in the per-sample size ``s`` (elements per sample over all tensors of the batch, which is
+proportional to the length):
 
     peak(b, s) = F(s) + b * f(s),   F(s) = F0 + F1 s + F2 s**2,   f(s) = f0 + f1 s + f2 s**2
 
-It is calibrated by the real trial at the probed (worst) shape, ``real = scale * estimate``, as the
-search calibrates a single shape, and answers :meth:`ShapeModel.micro_batch`: the largest count that
-fits for a size. Pure: no torch.
+It is calibrated by the real trial at the probed (longest) shape, ``real = scale * estimate``, and
+answers :meth:`ShapeModel.micro_batch`: the largest count that fits for a size, never below the
+verified micro-batch for a shape no longer than the probed one, and never above it for a longer
+one. Pure: no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ShapeModel", "fit_quadratic", "fit_shape_model", "sample_counts"]
+from .search import MemoryCurve
+
+__all__ = ["ShapeModel", "fit_quadratic", "fit_shape_model"]
 
 
 def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
@@ -86,8 +91,10 @@ class ShapeModel:
         lower: the smallest micro-batch (2 with BatchNorm).
         upper: the largest (this rank's share of the target batch).
         probed_size: the per-sample size the real trial ran at.
-        probed_micro_batch: the micro-batch verified there; never exceeded at that size or longer.
+        probed_micro_batch: the micro-batch verified there: the answer at that size, never less for
+            a shorter one, never more for a longer one.
         sizes: the per-sample sizes the estimates were taken at.
+        micro_batches: the micro-batch at each of ``sizes``, from that shape's own curve.
     """
 
     fixed: tuple[float, float, float]
@@ -99,6 +106,7 @@ class ShapeModel:
     probed_size: int
     probed_micro_batch: int
     sizes: tuple[int, ...] = ()
+    micro_batches: tuple[int, ...] = ()
 
     def peak(self, samples: int, size: float) -> float:
         """Predicted real peak bytes of a step with ``samples`` of per-sample size ``size``."""
@@ -107,23 +115,33 @@ class ShapeModel:
     def micro_batch(self, size: float) -> int:
         """The largest micro-batch whose step fits the budget at per-sample size ``size``.
 
-        Never below ``lower`` (an out-of-memory retry handles a shape nothing fits) nor above
-        ``upper``; at the probed size or longer, never above the verified micro-batch.
+        At a size that was estimated, that shape's own answer; elsewhere the fitted model's. Never
+        below ``lower`` (an out-of-memory retry handles a shape nothing fits) nor above ``upper``; at
+        the probed size the verified micro-batch, never less for a shorter size and never more for a
+        longer one.
         """
-        per = _poly(self.per_sample, size)
-        room = self.budget / self.scale - _poly(self.fixed, size)
-        if per <= 0:
-            b = self.upper
+        if size == self.probed_size:
+            return self.probed_micro_batch
+        known: dict[float, int] = dict(zip(self.sizes, self.micro_batches))
+        if size in known:
+            b = known[size]
         else:
-            b = math.floor(room / per) if room > 0 else 0
-        if size >= self.probed_size:
+            per = _poly(self.per_sample, size)
+            room = self.budget / self.scale - _poly(self.fixed, size)
+            if per <= 0:
+                b = self.upper
+            else:
+                b = math.floor(room / per) if room > 0 else 0
+        if size < self.probed_size:
+            b = max(b, self.probed_micro_batch)
+        else:
             b = min(b, self.probed_micro_batch)
         return max(self.lower, min(self.upper, b))
 
     def to_dict(self) -> dict[str, Any]:
         """The model as a JSON-ready dict."""
         data = dataclasses.asdict(self)
-        for k in ("fixed", "per_sample", "sizes"):
+        for k in ("fixed", "per_sample", "sizes", "micro_batches"):
             data[k] = list(data[k])
         return data
 
@@ -134,21 +152,16 @@ class ShapeModel:
         for k in ("fixed", "per_sample"):
             values[k] = tuple(float(v) for v in values[k])
         values["sizes"] = tuple(int(v) for v in values.get("sizes", ()))
+        values["micro_batches"] = tuple(int(v) for v in values.get("micro_batches", ()))
+        if len(values["micro_batches"]) not in (0, len(values["sizes"])):
+            raise ValueError("Invalid shape model: one micro-batch per size is expected")
+        if not values["micro_batches"]:  # an older plan: the sizes without their own answers
+            values["sizes"] = ()
         return cls(**values)
 
 
-def sample_counts(size: int, probed_size: int, probed_micro_batch: int, lower: int, upper: int) -> tuple[int, int]:
-    """Two sample counts to estimate at a size: near where that size fills the memory, where the
-    peak is affine in the samples (small counts can peak in the optimizer step instead)."""
-    near = max(lower, min(upper, round(probed_micro_batch * probed_size / max(size, 1))))
-    b1 = max(lower, near // 2)
-    b2 = max(near, b1 + 1)
-    return b1, b2
-
-
 def fit_shape_model(
-    estimate: Callable[[int, int], int],
-    sizes: Sequence[int],
+    curves: Mapping[int, MemoryCurve],
     *,
     probed_size: int,
     probed_micro_batch: int,
@@ -157,25 +170,22 @@ def fit_shape_model(
     lower: int,
     upper: int,
 ) -> ShapeModel:
-    """Build a :class:`ShapeModel` from estimates ``estimate(samples, size) -> bytes`` at ``sizes``.
-
-    Sizes whose estimate raises (longer than the model accepts, e.g. past its position embeddings)
-    are left out; at least one size must remain.
-    """
-    points: list[tuple[int, float, float]] = []
-    for size in sorted(set(sizes)):
-        b1, b2 = sample_counts(size, probed_size, probed_micro_batch, lower, upper)
-        try:
-            p1, p2 = estimate(b1, size), estimate(b2, size)
-        except Exception:  # a length the model cannot take: it will not be trained at either
-            continue
-        per = (p2 - p1) / (b2 - b1)
-        points.append((size, p1 - b1 * per, per))
-    if not points:
-        raise ValueError("Invalid sizes: no per-sample size could be estimated for the shape model")
-    xs = [p[0] for p in points]
-    fixed = fit_quadratic(xs, [p[1] for p in points])
-    per_sample = fit_quadratic(xs, [p[2] for p in points])
-    raw = _poly(fixed, probed_size) + probed_micro_batch * _poly(per_sample, probed_size)
-    scale = max(1.0, probed_real_peak / raw) if raw > 0 else 1.0
-    return ShapeModel(fixed, per_sample, scale, budget, lower, upper, probed_size, probed_micro_batch, tuple(xs))
+    """Build a :class:`ShapeModel` from the estimated curve of each per-sample size (``curves``,
+    the probed size's included)."""
+    if probed_size not in curves:
+        raise ValueError(f"Invalid curves: the probed size {probed_size} has none")
+    estimated = curves[probed_size](probed_micro_batch)
+    scale = max(1.0, probed_real_peak / estimated) if estimated > 0 else 1.0
+    xs, fixed, per, answers = [], [], [], []
+    for size in sorted(curves):
+        curve = curves[size]
+        own = curve.largest(budget / scale, lower, upper)
+        f0, f1 = curve.line_at(max(own, lower))  # the line that decides where this shape fills the memory
+        xs.append(size)
+        fixed.append(f0)
+        per.append(f1)
+        answers.append(own)
+    return ShapeModel(
+        fit_quadratic(xs, fixed), fit_quadratic(xs, per), scale, budget, lower, upper, probed_size, probed_micro_batch,
+        tuple(xs), tuple(answers),
+    )

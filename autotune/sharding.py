@@ -25,7 +25,6 @@ figure is an estimate from the same fake-tensor step as :class:`autotune.estimat
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .units import format_bytes
+from .checkpointing import blocks
+from .estimate import estimator_for
+from .memory import CUDA_CONTEXT_ALLOWANCE, default_headroom, default_limit, storage_bytes
+from .plans import budget_of, split_evenly
+from .rng import RNGState
+from .search import estimated_max
+from .step import default_loss, normalize_precision
+from .trial import Workload, min_micro_batch, sample_batch
+from .units import format_bytes, parse_bytes
 
 __all__ = ["ShardEstimate", "ShardParts", "shard_estimates", "shard_parts", "shard_plan"]
 
@@ -134,8 +141,6 @@ class ShardEstimate:
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
-    from .checkpointing import blocks
-
     def holding(modules: list[nn.Module]) -> list[nn.Module]:
         return [m for m in modules if any(True for _ in m.parameters())]
 
@@ -148,8 +153,6 @@ def _units(model: nn.Module) -> list[nn.Module]:
 
 def shard_parts(model: nn.Module, optimizer_state: int, step_temporaries: int = 0) -> ShardParts:
     """The parts of ``model`` a sharded run divides, with ``optimizer_state`` bytes estimated."""
-    from .memory import storage_bytes
-
     units = _units(model)
     sizes = [storage_bytes(u.parameters()) for u in units]
     parameters = storage_bytes(model.parameters())
@@ -169,35 +172,24 @@ def _trainable(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
-def _forward_backward(model: nn.Module, optimizer: Any, loss_fn: Any, batch: Any, device_type: str, precision: Any) -> None:
-    from .step import forward_backward
-
-    model.train()
-    forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
-
-
 def estimated(work: Any, lower: int) -> tuple[ShardParts, Callable[[int], int]]:
     """The parts of ``work``'s model and its activations at any micro-batch, on fake tensors.
 
-    The activations are a forward and backward's peak less the weights and gradients; the
-    optimizer state and the step's temporaries come from an estimate of the whole trial step.
+    The activations are the steady-state forward and backward's peak less the weights, buffers,
+    gradients and optimizer state; the optimizer state and the step's temporaries come from the
+    estimator's optimizer step (the same estimator as the plan's, see :mod:`autotune.estimate`).
     """
-    from .estimate import Estimator
-    from .probe import _trial_step
-
-    full = Estimator(work, _trial_step)
-    whole_step = full(lower)
-    fb = Estimator(work, _forward_backward)
+    estimator = estimator_for(work)
     cache: dict[int, int] = {}
-    parts = shard_parts(work.model, full.optimizer_state_bytes())
+    parts = shard_parts(work.model, estimator.optimizer_state_bytes(), estimator.step_transient())
+    resident = estimator.resident()
 
     def activations(b: int) -> int:
         if b not in cache:
-            cache[b] = max(0, fb(b) - parts.parameters - parts.buffers - parts.gradients)
+            cache[b] = max(0, estimator.trace(b).backward_peak - resident)
         return cache[b]
 
-    temporaries = max(0, whole_step - parts.resident - activations(lower))
-    return dataclasses.replace(parts, step_temporaries=temporaries), activations
+    return parts, activations
 
 
 def shard_estimates(
@@ -214,9 +206,6 @@ def shard_estimates(
     ``activations(b)`` is what a forward and backward of ``b`` samples adds on one device to the
     weights and gradients (activations and temporaries).
     """
-    from .plans import split_evenly
-    from .search import estimated_max
-
     out = []
     for n in ranks:
         if n < 1 or target_batch < n:
@@ -269,14 +258,6 @@ def shard_plan(
         >>> for row in autotune.shard_plan(model, loader, target_batch=512, memory_limit="80GiB"):  # doctest: +SKIP
         ...     print(row)
     """
-    from .memory import default_headroom, default_limit
-    from .planner import CUDA_CONTEXT_ALLOWANCE
-    from .plans import budget_of
-    from .probe import Workload, min_micro_batch, sample_batch
-    from .rng import RNGState
-    from .step import default_loss, normalize_precision
-    from .units import parse_bytes
-
     counts = [ranks] if isinstance(ranks, int) else list(ranks)
     device = torch.device(device)
     if memory_limit is None:
@@ -291,7 +272,7 @@ def shard_plan(
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rng = RNGState(loader)
     try:
-        batch, _, _, _ = sample_batch(loader)
+        batch = sample_batch(loader).batch
     finally:
         rng.restore()
     work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or default_loss, batch=batch, device=device,

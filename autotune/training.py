@@ -64,12 +64,14 @@ from .distributed import (
     world,
 )
 from .errors import AutotuneError, AutotuneWarning, NothingFits
+from .estimate import estimator_for
 from .fsdp import run_window as fsdp_window
-from .memory import TensorLedger, cuda_memory_fraction, is_out_of_memory, release_cached
+from .memory import TensorLedger, allocator_cap, cuda_memory_fraction, is_out_of_memory, release_cached
 from .noise import NoiseMeter
-from .planner import _resolve_device, allocator_cap, plan as make_plan
+from .planner import plan as make_plan
+from .planner import resolve_device
 from .plans import Plan, peak_at, split_evenly
-from .probe import held_tensors, min_micro_batch
+from .trial import Workload, held_tensors, min_micro_batch
 from .rng import RNGState
 from .scaling import adjusted_bn_momentum
 from .step import LossFn, Precision, autocast, default_loss, forward_backward, normalize_precision
@@ -338,7 +340,7 @@ def fit(
     device = _fit_device(model, device)
     if par.ddp is None and not par.fsdp:
         model.to(device)
-    _resolve_device(inner, device)  # the model has parameters, all on the device
+    resolve_device(inner, device)  # the model has parameters, all on the device
     if par.ddp is None and not par.fsdp and is_distributed():
         broadcast_model(inner, par.group, device)  # the same start on every rank, as DDP makes it
     if optimizer is None:
@@ -387,7 +389,7 @@ def fit(
         for epoch in range(epochs):
             set_epoch(loader, first_epoch + epoch)
             windows = accumulate(
-                loader, plan, count=count, drop_last=local_drop, min_micro_batch=min_micro,
+                run.meeting(loader), plan, count=count, drop_last=local_drop, min_micro_batch=min_micro,
                 distributed=False, skip_empty=run.world_size == 1, pad=pad, cap=run.cap,
             )
             seen_samples = seen_items = 0
@@ -526,14 +528,54 @@ class _Run:
         # Out-of-memory corrections of the shape model: (per-sample size, micro-batch) pairs that
         # cap that size and longer ones; shorter shapes keep their own micro-batches.
         self.corrections: list[tuple[int, int]] = []
+        # Micro-batches estimated for per-sample sizes longer than the plan measured (see meet).
+        self.longer: dict[int, int] = {}
 
     def cap(self, size: int) -> int:
-        """The micro-batch for samples of per-sample ``size``: the plan's, less what OOMs taught."""
-        cap = self.plan.micro_batch_for(size)
+        """The micro-batch for samples of per-sample ``size``: the plan's (or one estimated when that
+        size arrived, see :meth:`meet`), less what OOMs taught."""
+        cap = self.longer.get(size) or self.plan.micro_batch_for(size)
         for at, limit in self.corrections:
             if size >= at:
                 cap = min(cap, limit)
         return cap
+
+    def meeting(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """``loader``'s batches, each :meth:`met <meet>` before it is cut into micro-batches."""
+        for batch in loader:
+            self.meet(batch)
+            yield batch
+
+    def meet(self, batch: Any) -> None:
+        """A batch longer than anything the plan measured gets its micro-batch estimated now, before
+        it runs, instead of running out of memory (a batch within 10% of a measured length takes
+        that length's micro-batch, scaled down as if memory grew with the square of the length).
+
+        Only with a plan sized by shape (``plan.by_shape``), not under FSDP2 (lockstep), and while
+        the step can be estimated; otherwise the out-of-memory retry stays the safety net.
+        """
+        plan = self.plan
+        if not (plan.by_shape and plan.probed_size) or self.par.fsdp or self.longer is _NO_ESTIMATES:
+            return
+        size = B.per_sample_numel(batch)
+        known = {plan.probed_size: plan.micro_batch, **(dict(zip(plan.shape_model.sizes, plan.shape_model.micro_batches)) if plan.shape_model else {}),
+                 **self.longer}
+        if size <= max(known) or size in known:
+            return
+        below = max(k for k in known if k < size)
+        if size <= 1.1 * below:
+            self.longer[size] = max(plan.min_micro_batch, math.floor(known[below] * (below / size) ** 2))
+            return
+        work = Workload(model=self.model, optimizer=self.optimizer, loss_fn=self.loss_fn, batch=batch, device=self.device,
+                        precision=self.precision, checkpointing=self.checkpointing)
+        curve = plan.memory_curve
+        scale = plan.peak_memory / max(curve(plan.micro_batch), 1) if curve is not None else (plan.shape_model.scale if plan.shape_model else 1.0)
+        try:
+            size_b, _ = estimator_for(work).largest(int(plan.budget / max(scale, 1.0)), sum(plan.micro_batches), confirm=True)
+        except Exception:  # the step cannot be estimated: the plan's micro-batch, and the OOM retry
+            self.longer = _NO_ESTIMATES
+            return
+        self.longer[size] = max(plan.min_micro_batch, size_b)
 
     def __enter__(self) -> _Run:
         from tqdm.auto import tqdm  # imported here: `import autotune` stays light
@@ -684,7 +726,7 @@ class _Run:
         for p in self.outside:
             p.grad = None
         self._restore_bn(bn_saved)
-        release_cached(self.device)
+        release_cached(self.device, collect=True)
         floor = self.plan.min_micro_batch
         if failed_size <= floor:
             raise NothingFits(
@@ -860,6 +902,9 @@ class _Run:
             return
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record.loss:.4g}", samples_s=f"{record.samples / max(record.seconds, 1e-9):.0f}", refresh=False)
+
+
+_NO_ESTIMATES: dict[int, int] = {}  # _Run.longer once the step could not be estimated
 
 
 def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:

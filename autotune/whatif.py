@@ -1,4 +1,4 @@
-"""What would make the batch fit: the largest micro-batch under other settings, estimated.
+"""The what-if table: the largest micro-batch under other settings, estimated.
 
 When a model's weights and optimizer state fill most of the device, the question is not only "how
 many samples fit" but "what should I change". The estimator answers it without a GPU and without
@@ -9,23 +9,26 @@ touching the model: for each combination of
 - optimizer: the one given, or one with smaller state (SGD with momentum: one buffer per parameter
   instead of Adam's two; SGD without momentum when the given one is SGD with momentum),
 
-it estimates the largest micro-batch and the peak per sample. Every row is an estimate; the row of
-your own settings is the plan's, verified by a real step.
+it estimates the largest micro-batch and the peak per sample, with the same estimator as the plan
+(:mod:`autotune.estimate`: two traces and one confirming trace per row; the row of your own settings
+is the plan's, verified by a real step). :func:`autotune.what_if` makes the table for a model;
+``NothingFits`` carries it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .estimate import estimator_for
 from .units import format_bytes
 
-__all__ = ["WhatIf", "WhatIfRow", "estimate_rows", "what_if"]
+__all__ = ["WhatIf", "WhatIfRow", "estimate_rows"]
 
 
 @dataclass(frozen=True)
@@ -111,33 +114,21 @@ def _smaller_optimizer(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[
     return "SGD with momentum", lambda groups: torch.optim.SGD(groups, lr=0.01, momentum=0.9)
 
 
-def _line(points: dict[int, int], size: int) -> tuple[float | None, float | None]:
-    """(per-sample bytes, fixed bytes) from estimates: the slope between the two largest sizes."""
-    sizes = sorted(points)
-    if len(sizes) < 2:
-        return None, None
-    top = [b for b in sizes if b <= max(size, sizes[1])][-2:] if size else sizes[-2:]
-    if len(top) < 2:
-        top = sizes[:2]
-    (b1, b2) = top
-    per = (points[b2] - points[b1]) / (b2 - b1)
-    return per, points[b2] - per * b2
-
-
 def estimate_rows(
     work: Any,
-    step: Callable[..., None],
     *,
     budget: int,
     upper: int,
     lower: int,
     own_micro_batch: int | None = None,
     verified: bool = False,
+    own_curve: Any = None,
 ) -> WhatIf:
-    """The table for a workload: every combination estimated with ``estimated_max``."""
-    from .estimate import Estimator
-    from .search import estimated_max
+    """The table for a workload: every combination's largest micro-batch, estimated
+    (:meth:`autotune.estimate.Estimator.largest`, confirmed by a trace at the answer).
 
+    ``own_micro_batch`` and ``own_curve`` are the plan's answer for your own settings, reused.
+    """
     precisions = ["fp32", "fp16" if work.precision == "fp16" else "bf16"]
     if work.precision != "fp32":
         precisions.reverse()
@@ -150,84 +141,29 @@ def estimate_rows(
     rows = []
     for precision, ckpt, (name, factory) in itertools.product(precisions, checkpointings, optimizers):
         changes = int(precision != work.precision) + int(ckpt != bool(work.checkpointing)) + int(factory is not None)
+        own = changes == 0 and own_micro_batch is not None
         try:
-            estimator = Estimator(work, step, precision=precision, checkpointing=ckpt, optimizer=factory)
-            size, points = estimated_max(estimator, budget, upper, lower=lower)
+            estimator = estimator_for(work, precision=precision, checkpointing=ckpt,
+                                      optimizer=(name, factory) if factory is not None else None)
+            size, peak = estimator.largest(budget, upper, confirm=True)
         except ValueError:  # no blocks to checkpoint
             continue
-        per, fixed = _line(points, size)
-        own = changes == 0 and own_micro_batch is not None
+        if own and own_curve is not None:
+            peak = own_curve
+        per, fixed = _line(peak, own_micro_batch if own and own_micro_batch is not None else size, lower)
         rows.append(WhatIfRow(precision, ckpt, name, own_micro_batch if own else size, per, fixed, changes, verified and own))  # type: ignore[arg-type]
     rows.sort(key=lambda r: (r.changes, r.precision != work.precision, r.checkpointing != bool(work.checkpointing)))
     return WhatIf(tuple(rows), budget, lower)
 
 
-def what_if(
-    model: torch.nn.Module,
-    loader: Iterable[Any],
-    *,
-    target_batch: int,
-    optimizer: torch.optim.Optimizer | None = None,
-    loss_fn: Any = None,
-    device: torch.device | str | None = None,
-    memory_limit: int | str | None = None,
-    headroom: float | None = None,
-    precision: str | None = None,
-    checkpointing: bool = False,
-    verify: bool = True,
-    progress: bool = True,
-    plan: Any = None,
-) -> WhatIf:
-    """The largest micro-batch under other precisions, with activation checkpointing, and with an
-    optimizer of smaller state: one table, estimated; your own settings' row verified by a real step.
-
-    Takes the arguments of :func:`autotune.plan` (or ``plan=``, one made already with them, whose
-    budget and verified micro-batch are used). The model, optimizer and RNG are left as they were.
-
-    Returns:
-        A :class:`WhatIf`; ``str()`` of it is the table.
-
-    Example:
-        >>> print(autotune.what_if(model, loader, target_batch=512, memory_limit="24GiB"))  # doctest: +SKIP
-    """
-    from .distributed import parallel
-    from .errors import NothingFits
-    from .planner import plan as make_plan
-
-    if parallel(model).fsdp:
-        raise ValueError(
-            "Invalid model for what_if: it is sharded with FSDP2, and the table is estimated from a copy of the whole "
-            "model; call what_if on the model before fully_shard, or autotune.shard_plan for the figures per rank"
-        )
-    from .probe import Workload, _trial_step, min_micro_batch, sample_batch
-    from .rng import RNGState
-    from .step import default_loss, normalize_precision
-
-    if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    own: int | None = None
-    try:
-        p = plan if plan is not None else make_plan(
-            model, loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
-            memory_limit=memory_limit, headroom=headroom, precision=precision, verify=verify,
-            progress=progress, by_shape=False, checkpointing=checkpointing,
-        )
-        budget, own, dev = p.budget, p.micro_batch, torch.device(p.device)
-        upper = -(-target_batch // p.world_size)
-        verify, precision, checkpointing = p.verified, p.precision, p.checkpointing
-    except NothingFits as exc:
-        if exc.what_if is not None:
-            return exc.what_if  # type: ignore[no-any-return]
-        raise
-    rng = RNGState(loader)
-    try:
-        batch, _, _, _ = sample_batch(loader)
-    finally:
-        rng.restore()
-    from .distributed import parallel
-
-    inner = parallel(model).inner
-    work = Workload(model=inner, optimizer=optimizer, loss_fn=loss_fn or default_loss, batch=batch, device=dev,
-                    precision=normalize_precision(precision), checkpointing=checkpointing)
-    return estimate_rows(work, _trial_step, budget=budget, upper=upper, lower=min_micro_batch(inner),
-                         own_micro_batch=own, verified=verify)
+def _line(peak: Callable[[int], int], size: int, lower: int) -> tuple[float | None, float | None]:
+    """(per-sample bytes, fixed bytes) of the peak around ``size``: the active line of a curve, or
+    the slope between ``size`` and the size below it."""
+    line_at = getattr(peak, "line_at", None)
+    if line_at is not None:
+        fixed, per = line_at(max(size, lower))
+        return per, fixed
+    b2 = max(size, lower + 1)
+    b1 = b2 - 1
+    per = float(peak(b2) - peak(b1))
+    return per, peak(b2) - per * b2

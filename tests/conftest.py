@@ -32,3 +32,29 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+class _Errors(__import__("logging").Handler):
+    def __init__(self):
+        super().__init__(level=__import__("logging").ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def no_torch_errors_logged():
+    """No test may make torch log an error (a fake-tensor traceback on stderr during a plan that succeeds)."""
+    import logging
+
+    import torch._subclasses.fake_tensor  # noqa: F401  (its logger, which does not propagate, exists)
+
+    handler = _Errors()
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.split(".")[0] == "torch"]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield
+    for logger in loggers:
+        logger.removeHandler(handler)
+    assert not handler.records, f"torch logged: {handler.records[0].getMessage()}"

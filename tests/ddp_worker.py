@@ -428,7 +428,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     estimate = None
     if c.get("estimate"):
         # What autotune.sharding estimates from the unsharded model, per rank at micro-batch `estimate`.
-        from autotune.probe import Workload
+        from autotune.trial import Workload
         from autotune.sharding import estimated
 
         whole = TokenModel()
@@ -443,7 +443,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                          memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False)
     limit = c.get("train_limits", c["limits"])[rank]
     ledger = TensorLedger("cpu")
-    ledger.track(autotune.probe.held_tensors(model, opt))
+    ledger.track(autotune.trial.held_tensors(model, opt))
     if c.get("preloaded"):
         ledger.ignore(t for batch in loader for t in batch)
     with ledger:

@@ -101,20 +101,21 @@ def test_out_of_memory_messages_of_every_backend_are_recognised(message):
 
 def test_allocator_retries_alone_do_not_reject_a_trial(monkeypatch):
     import autotune.probe as probe
+    from autotune.trial import Snapshot, Workload
 
     retries = iter([3, 5])  # the allocator retried twice during the step (cuDNN workspace sizing)
     monkeypatch.setattr(probe, "reset_peak", lambda device: next(retries))
     monkeypatch.setattr(probe, "allocator_peak", lambda device: (1000, next(retries)))
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    work = probe.Workload(model=model, optimizer=opt, loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+    work = Workload(model=model, optimizer=opt, loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
                           batch=(torch.randn(4, 4), torch.randn(4, 2)), device=torch.device("cpu"))
     work.device = types.SimpleNamespace(type="cuda")  # what the trial reads for its verdict
     monkeypatch.setattr(probe, "TensorLedger", lambda *a, **k: memory.TensorLedger("cpu", **k))
-    monkeypatch.setattr(probe, "release_cached", lambda device: None)
+    monkeypatch.setattr(probe, "release_cached", lambda device, **kwargs: None)
     monkeypatch.setattr(probe, "synchronize", lambda device: None)
     monkeypatch.setattr(probe.B, "to_device", lambda batch, device: batch)
-    m = probe._real_trial(work, 4, budget=10**9, snapshot=probe.Snapshot(model, opt))
+    m = probe._real_trial(work, 4, budget=10**9, snapshot=Snapshot(model, opt))
     assert m.fits
     assert any("retried 2 time(s) at micro-batch 4" in n and "fitted" in n for n in work.notes)
 

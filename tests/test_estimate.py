@@ -16,7 +16,7 @@ from torch import nn
 import autotune
 from autotune.estimate import Estimator, cuda_attention_backend, optimizer_for_device
 from autotune.memory import TensorLedger
-from autotune.probe import Workload, _trial_step
+from autotune.trial import Workload
 
 transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402
@@ -44,7 +44,7 @@ def real_peak(model, optimizer, loss_fn, batch, precision=None):
 
 def estimated(model, optimizer, loss_fn, batch, b, precision="fp32", device="cpu"):
     work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn, batch=batch, device=torch.device(device), precision=precision)
-    estimator = Estimator(work, _trial_step)
+    estimator = Estimator(work)
     return estimator(b), estimator
 
 
@@ -331,3 +331,36 @@ def test_a_default_cpu_plan_budgets_the_resident_growth(monkeypatch):
     assert any(not t.estimate and not t.fits for t in plan.trials)
     assert plan.peak_memory >= plan.micro_batch * 2 * 2**20 * 0.9
     assert plan.peak_memory <= plan.budget
+
+
+# --- estimates that cannot run -------------------------------------------------------------
+
+
+class HostOp(nn.Module):
+    """Reads its activations on the host (``.numpy()``), as models calling scipy or numpy do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x):
+        h = self.body[0](x)
+        scale = float(abs(h.detach().numpy()).mean() > -1.0)  # 1.0, known only from the values
+        return self.body[2](self.body[1](h) * scale)
+
+
+def test_a_model_with_a_host_op_plans_with_real_trials_and_one_line_why(capfd):
+    from helpers import OPTIMIZERS, data_for, true_max
+
+    model = HostOp()
+    data = data_for("mlp")
+    limit = 1_300_000
+    truth = true_max(model, OPTIMIZERS["sgd"], data[0], limit, 256)
+    plan = autotune.plan(model, data, target_batch=256, optimizer=OPTIMIZERS["sgd"](model.parameters()), memory_limit=limit,
+                         headroom=0, progress=False)
+    assert all(not t.estimate for t in plan.trials)
+    why = [n for n in plan.notes if "estimate unavailable" in n]
+    assert len(why) == 1 and "numpy" in why[0] and "\n" not in why[0]
+    assert plan.micro_batch == truth
+    assert capfd.readouterr().err == ""  # nothing from torch's logger while planning
