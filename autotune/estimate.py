@@ -75,7 +75,7 @@ from .search import MemoryCurve, estimated_max
 from .step import forward_backward
 from .trial import Workload, min_micro_batch
 
-__all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "optimizer_for_device"]
+__all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "forget", "optimizer_for_device"]
 
 # Operations on real integer tensors alone run for real when their results hold at most this many
 # elements (an attention mask's pattern, positions, labels): a larger result stays fake.
@@ -325,6 +325,16 @@ def _optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
         for s in optimizer.state.values()
     )
     return type(optimizer), groups, state
+
+
+def forget() -> None:
+    """Drop every kept estimator and fake copy, and the fake tensors' dispatch cache: the next
+    estimate starts from nothing (benchmarks measure cold plans this way)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _ESTIMATORS.clear()
+    _COPIES.clear()
+    FakeTensorMode.cache_clear()
 
 
 def estimator_for(

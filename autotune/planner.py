@@ -170,11 +170,14 @@ def plan(
         estimate: False skips the estimate and searches with real trials only.
         max_probe_batches: how many batches of ``loader`` to look at for the worst case.
         epochs: the run's length, if known: the recommended warm-up is then capped at 10% of it.
-        by_shape: for data whose samples vary in length (sequences), also build a model of memory
-            against length (a few estimates) so that ``plan.micro_batch_for(batch)`` sizes each
-            batch by its own shape; False uses ``micro_batch`` for every shape.
-        lengths: lengths (of the varying dimension) the shape model must cover, besides a quarter,
-            half, once and twice the longest seen.
+        by_shape: when the batches looked at differ in shape (sequences of varying length), also
+            build a model of memory against length from the shapes they have (two traces each for
+            the shortest, one between and the longest) so that ``plan.micro_batch_for(batch)``
+            sizes each batch by its own shape, and let ``fit`` estimate a longer shape when it
+            arrives; False uses ``micro_batch`` for every shape.
+        lengths: lengths (of the longest varying dimension; the others are scaled with it) the
+            shape model must cover besides the shapes seen, up to what the model's position
+            embeddings take (a longer one is left out, with a note).
         checkpointing: plan for activation checkpointing on the model's blocks (see
             :mod:`autotune.checkpointing`; ``fit(checkpointing=True)`` trains that way).
         follow_batch: for Adam-family optimizers, move betas, epsilon and (decoupled) weight decay

@@ -142,16 +142,19 @@ def estimate_rows(
     for precision, ckpt, (name, factory) in itertools.product(precisions, checkpointings, optimizers):
         changes = int(precision != work.precision) + int(ckpt != bool(work.checkpointing)) + int(factory is not None)
         own = changes == 0 and own_micro_batch is not None
-        try:
-            estimator = estimator_for(work, precision=precision, checkpointing=ckpt,
-                                      optimizer=(name, factory) if factory is not None else None)
-            size, peak = estimator.largest(budget, upper, confirm=True)
-        except ValueError:  # no blocks to checkpoint
-            continue
-        if own and own_curve is not None:
-            peak = own_curve
-        per, fixed = _line(peak, own_micro_batch if own and own_micro_batch is not None else size, lower)
-        rows.append(WhatIfRow(precision, ckpt, name, own_micro_batch if own else size, per, fixed, changes, verified and own))  # type: ignore[arg-type]
+        if own and own_curve is not None:  # the plan's own answer and curve: nothing to estimate again
+            size, peak = own_micro_batch, own_curve
+        else:
+            try:
+                estimator = estimator_for(work, precision=precision, checkpointing=ckpt,
+                                          optimizer=(name, factory) if factory is not None else None)
+                size, peak = estimator.largest(budget, upper, confirm=True)
+            except ValueError:  # no blocks to checkpoint
+                continue
+            if own:
+                size = own_micro_batch
+        per, fixed = _line(peak, size, lower)  # type: ignore[arg-type]
+        rows.append(WhatIfRow(precision, ckpt, name, size, per, fixed, changes, verified and own))  # type: ignore[arg-type]
     rows.sort(key=lambda r: (r.changes, r.precision != work.precision, r.checkpointing != bool(work.checkpointing)))
     return WhatIf(tuple(rows), budget, lower)
 

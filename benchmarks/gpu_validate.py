@@ -45,8 +45,8 @@ from torch import nn
 
 import autotune
 from autotune.memory import TensorLedger, cuda_memory_fraction, outside_allocator
-from autotune.planner import CUDA_CONTEXT_ALLOWANCE
-from autotune.probe import _trial_step
+from autotune.memory import CUDA_CONTEXT_ALLOWANCE
+from autotune.trial import trial_step as _trial_step
 
 GiB = 2**30
 MiB = 2**20

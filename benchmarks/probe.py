@@ -2,7 +2,7 @@
 
 For each model, optimizer and memory limit (enforced by counting tensor bytes, on the CPU) it prints
 the true largest micro-batch (every size tried from 1 upwards, with a step written independently of
-autotune's probe), the size found, found/true, the real and estimated trials, the estimate's peak
+autotune's probe), the size found, found/true, the real trials and the traces on fake tensors, the estimated peak (the memory curve's)
 over the real peak at the size found, and the seconds, with estimates (the default) and with real
 trials only.
 
@@ -49,6 +49,7 @@ def run_case(model_name: str, opt_name: str, limit: int) -> list[dict]:
     exhaustive = time.perf_counter() - start
     rows = []
     for mode, estimate in (("estimate+real", True), ("real only", False)):
+        autotune.estimate.forget()  # each case pays for its own estimates
         start = time.perf_counter()
         plan = autotune.plan(
             model, data, target_batch=TARGET, optimizer=make_opt(model.parameters()),
@@ -57,7 +58,8 @@ def run_case(model_name: str, opt_name: str, limit: int) -> list[dict]:
         seconds = time.perf_counter() - start
         est = {t.batch_size: t.peak_memory for t in plan.trials if t.estimate}
         real = {t.batch_size: t.peak_memory for t in plan.trials if not t.estimate and t.fits}
-        ratio = est[plan.micro_batch] / real[plan.micro_batch] if plan.micro_batch in est and plan.micro_batch in real else None
+        at = plan.memory_curve(plan.micro_batch) if plan.memory_curve is not None else est.get(plan.micro_batch)
+        ratio = at / real[plan.micro_batch] if at is not None and plan.micro_batch in real else None
         rows.append(
             dict(
                 model=model_name, optimizer=opt_name, limit=limit, mode=mode, true_max=truth,

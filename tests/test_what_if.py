@@ -134,3 +134,49 @@ def test_a_slow_plan_shows_its_trials_on_stderr_and_progress_false_is_silent(mon
             assert "autotune: real step at micro-batch" in shown and "autotune: estimate at micro-batch" in shown
         else:
             assert "autotune:" not in shown
+
+
+def test_every_row_is_the_largest_size_that_fits_for_real_on_the_cpu():
+    """Each row is a promise: its micro-batch fits a real step of that configuration, and one more does not."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from autotune.checkpointing import activation_checkpointing
+    from autotune.demo import demo_model
+    from autotune.memory import TensorLedger
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    def real(model, make_opt, batch, size, precision, checkpointing):
+        model = copy.deepcopy(model)
+        model.train()
+        opt = make_opt(model.parameters())
+        index = torch.arange(size) % batch[0].shape[0]
+        b = (batch[0][index], batch[1][index])
+        ledger = TensorLedger("cpu")
+        ledger.track([*model.parameters(), *model.buffers(), *b])
+        with activation_checkpointing(model) if checkpointing else contextlib.nullcontext(), ledger:
+            for i in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    value = loss(model, b)
+                value.backward()
+                del value
+                if i == 0:
+                    opt.step()
+        return ledger.peak
+
+    torch.manual_seed(0)
+    model = demo_model()
+    data = [(torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)))]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    table = autotune.what_if(model, data, target_batch=256, optimizer=opt, loss_fn=loss, memory_limit="48MiB", progress=False)
+    assert len(table.rows) == 8
+    for row in table.rows:
+        if "(given)" in row.optimizer:
+            make_opt = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+        else:
+            make_opt = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)  # noqa: E731
+        assert real(model, make_opt, data[0], row.micro_batch, row.precision, row.checkpointing) <= table.budget, row
+        assert real(model, make_opt, data[0], row.micro_batch + 1, row.precision, row.checkpointing) > table.budget, row
