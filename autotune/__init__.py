@@ -15,6 +15,7 @@ from .planner import plan, what_if
 from .plans import Plan, Trial
 from .sharding import ShardEstimate, shard_plan
 from .training import AutotuneWarning, FitResult, StepRecord, fit
+from .trial import is_planning
 from .tune import BNTuning, OptunaBN, tune_bn_momentum
 from .whatif import WhatIf, WhatIfRow
 from .units import format_bytes, parse_bytes
@@ -44,6 +45,7 @@ __all__ = [
     "accumulate",
     "fit",
     "format_bytes",
+    "is_planning",
     "noise_scale",
     "pad_to_longest",
     "parse_bytes",

@@ -293,6 +293,7 @@ def accumulate(
     skip_empty: bool = True,
     pad: Pad | None = None,
     cap: Callable[[int], int] | None = None,
+    shares: Callable[[int], int] | None = None,
 ) -> Iterator[Window]:
     """Re-batch ``loader`` into optimizer-step windows of micro-batches with exact loss weights.
 
@@ -323,6 +324,9 @@ def accumulate(
         cap: ``cap(per_sample_size) -> int``, the micro-batch for each shape (default: the plan's
             :meth:`Plan.micro_batch_for`, which sizes each shape by its own memory when the plan
             has a shape model).
+        shares: ``shares(i) -> int``, this rank's samples in window ``i`` of the epoch (default:
+            the plan's, the same every window). ``fit`` passes :func:`autotune.plans.rotated_share`
+            under data parallelism, so that the ranks' shards run out together.
 
     Yields:
         :class:`Window` objects; iterate one to get its :class:`Micro` batches.
@@ -358,11 +362,11 @@ def accumulate(
         distributed = is_distributed()
     index = 0
     samples = items = 0
-    for pieces, full in _windows(loader, window_size, min_size):
+    for pieces, full in _windows(loader, shares or (lambda i: window_size), min_size):
         if not full and drop_last:
             break
         window = Window(
-            pieces, position=index, micro_batch=micro_batch, sizes=sizes if full else None, count=count,
+            pieces, position=index, micro_batch=micro_batch, sizes=sizes if full and shares is None else None, count=count,
             distributed=distributed, min_micro_batch=min_size, cap=cap, pad=pad,
         )
         index += 1
@@ -379,8 +383,9 @@ def accumulate(
         )
 
 
-def _windows(loader: Iterable[Any], window_size: int, min_size: int = 1) -> Iterator[tuple[list[Any], bool]]:
-    """Consecutive runs of exactly ``window_size`` samples (the last may be short): (pieces, full).
+def _windows(loader: Iterable[Any], size_of: Callable[[int], int], min_size: int = 1) -> Iterator[tuple[list[Any], bool]]:
+    """Consecutive runs of exactly ``size_of(i)`` samples for run ``i`` (the last may be short):
+    (pieces, full).
 
     A last run of fewer than ``min_size`` samples (one sample, for BatchNorm) joins the run before.
     """
@@ -389,6 +394,8 @@ def _windows(loader: Iterable[Any], window_size: int, min_size: int = 1) -> Iter
     def runs() -> Iterator[tuple[list[Any], bool]]:
         pending: list[Any] = []
         have = 0
+        index = 0
+        window_size = size_of(index)
         for batch in loader:
             n = B.batch_size(batch)
             start = 0
@@ -400,6 +407,8 @@ def _windows(loader: Iterable[Any], window_size: int, min_size: int = 1) -> Iter
                 if have == window_size:
                     yield pending, True
                     pending, have = [], 0
+                    index += 1
+                    window_size = size_of(index)
         if pending:
             yield pending, False
 

@@ -1,7 +1,7 @@
 """Probe results stored on disk, keyed by everything that changes the answer.
 
 Files live in ``$XDG_CACHE_HOME/autotune`` (default ``~/.cache/autotune``), one JSON file per key.
-A file that cannot be read is ignored with a warning, never fatal.
+A file that cannot be read is ignored with a one-line warning on stderr, never fatal.
 """
 
 from __future__ import annotations
@@ -9,11 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "cache_key", "load", "store"]
+__all__ = ["cache_dir", "cache_key", "load", "store", "warn"]
+
+
+def warn(message: str) -> None:
+    """A cache problem, said in one line on stderr (it never stops the command)."""
+    print(f"autotune: warning: {message}", file=sys.stderr)
 
 
 def cache_dir() -> Path:
@@ -39,7 +44,7 @@ def load(key: str) -> dict[str, Any] | None:
             raise ValueError("not a JSON object")
         return data
     except (OSError, ValueError) as exc:
-        warnings.warn(f"Ignoring the unreadable cache file {path} ({exc}); probing again", stacklevel=2)
+        warn(f"ignoring the unreadable cache file {path} ({exc}); probing again")
         return None
 
 
@@ -53,6 +58,6 @@ def store(key: str, data: dict[str, Any]) -> Path | None:
         tmp.write_text(json.dumps(data))
         tmp.replace(path)
     except OSError as exc:
-        warnings.warn(f"Could not write the cache file {path} ({exc})", stacklevel=2)
+        warn(f"could not write the cache file {path} ({exc})")
         return None
     return path

@@ -4,8 +4,9 @@ Checkpointing keeps only each block's inputs during the forward pass and recompu
 backward: activation memory drops to about one block's worth, for roughly a third more compute.
 :func:`activation_checkpointing` turns it on for a model and off again when the block ends:
 
-- a Hugging Face model that supports it: its own ``gradient_checkpointing_enable()`` (and
-  ``gradient_checkpointing_disable()`` afterwards, unless it was on already);
+- a Hugging Face model that supports it: its own ``activation_checkpointing_enable()`` (transformers
+  5; ``gradient_checkpointing_enable()`` before it), and the matching ``disable`` afterwards, unless
+  it was on already;
 - any other model: every block of its largest ``nn.ModuleList`` (the transformer layers), or else
   every child of a top-level ``nn.Sequential``, runs under ``torch.utils.checkpoint.checkpoint``
   (non-reentrant).
@@ -42,16 +43,20 @@ def activation_checkpointing(model: nn.Module) -> Iterator[None]:
         ValueError: the model has no blocks autotune can find (wrap yours with
             ``torch.utils.checkpoint.checkpoint`` yourself).
     """
-    hf_enable = getattr(model, "gradient_checkpointing_enable", None)
-    if callable(hf_enable) and getattr(model, "supports_gradient_checkpointing", False):
-        was_on = bool(getattr(model, "is_gradient_checkpointing", False))
+    if getattr(model, "supports_gradient_checkpointing", False) and callable(getattr(model, "gradient_checkpointing_enable", None)):
+        # transformers 5 renamed it activation_checkpointing_* (the old names warn); older ones have only those.
+        new = callable(getattr(model, "activation_checkpointing_enable", None))
+        was_on = bool(getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False))
         if not was_on:
-            hf_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if new:
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
         try:
             yield
         finally:
             if not was_on:
-                model.gradient_checkpointing_disable()  # type: ignore[operator]
+                (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()  # type: ignore[operator]
         return
     found = blocks(model)
     if not found:
@@ -62,9 +67,11 @@ def activation_checkpointing(model: nn.Module) -> Iterator[None]:
     from torch.utils.checkpoint import checkpoint
 
     def checkpointed(forward: Any) -> Any:
+        # Marked, so that a copy of the model (autotune.estimate's) knows to drop it: it runs ``forward``.
         def run(*args: Any, **kwargs: Any) -> Any:
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
+        run.autotune_checkpointed = True  # type: ignore[attr-defined]
         return run
 
     wrapped = []

@@ -17,9 +17,13 @@ import torch
 from torch import nn
 
 __all__ = [
+    "check_callable",
     "check_count_value",
     "check_device_exists",
+    "check_flag",
     "check_grad_mode",
+    "check_loader",
+    "check_model",
     "check_optimizer",
     "check_positive_number",
     "check_reiterable",
@@ -30,13 +34,25 @@ __all__ = [
 
 
 def check_device_exists(device: torch.device | str | None) -> None:
-    """Refuse a CUDA device on a machine without CUDA (torch would assert deep inside)."""
+    """Refuse a device this machine lacks, or one autotune cannot measure (torch would fail deep inside)."""
     if device is None:
         return
     try:
         d = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"Invalid device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if d.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ValueError(
+                f"Invalid device {str(d)!r}: this machine has no Apple GPU (torch.backends.mps.is_available() is False); "
+                "train on device='cpu' or 'cuda'"
+            )
+    elif d.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(
+            f"Invalid device {str(d)!r}: autotune measures memory on 'cpu', 'cuda' (and 'mps' where there is one); "
+            "train on one of those"
+        )
     if d.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
@@ -66,7 +82,8 @@ def check_grad_mode(what: str) -> None:
 
 
 def check_trainable(model: nn.Module) -> None:
-    """The model has parameters, they are initialised, and at least one is trainable."""
+    """The model is a module with parameters, initialised, with data, and at least one trainable."""
+    check_model(model)
     params = list(model.parameters())
     lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
@@ -86,6 +103,45 @@ def check_trainable(model: nn.Module) -> None:
             "(requires_grad=False), so the loss has no gradient; unfreeze the ones to train "
             "(p.requires_grad_(True))"
         )
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"Invalid model {type(model).__name__}: its parameters {', '.join(meta[:3])}{' ...' if len(meta) > 3 else ''} "
+            "are on the meta device, without data: nothing can train them or measure their memory; materialise "
+            "the model first (model.to_empty(device='cpu') and initialise it, or load its weights)"
+        )
+
+
+def check_model(model: Any) -> None:
+    """``model`` is a ``torch.nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Invalid model of type {type(model).__name__}: pass the torch.nn.Module to train")
+
+
+def check_loader(loader: Any) -> None:
+    """``loader`` is an iterable of batches (not None, and not a DataLoader that yields single samples)."""
+    if loader is None or isinstance(loader, (str, bytes)) or not isinstance(loader, Iterable):
+        raise TypeError(
+            f"Invalid loader of type {type(loader).__name__}: pass an iterable of batches, such as a "
+            "torch.utils.data.DataLoader or a list of (inputs, targets) pairs"
+        )
+    if getattr(loader, "batch_size", 0) is None and getattr(loader, "batch_sampler", None) is None and hasattr(loader, "dataset"):
+        raise ValueError(
+            "Invalid loader: DataLoader(batch_size=None) yields single samples, without a batch dimension; give it a "
+            "batch_size (e.g. DataLoader(dataset, batch_size=32)): autotune re-batches them into micro-batches"
+        )
+
+
+def check_callable(name: str, value: Any, call: str) -> None:
+    """``value`` is None or callable; ``call`` shows how it is called, for the message."""
+    if value is not None and not callable(value):
+        raise TypeError(f"Invalid {name} {value!r} ({type(value).__name__}): pass a function {call}, or None")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name} {value!r} ({type(value).__name__}): give True or False")
 
 
 def check_optimizer(model: nn.Module, optimizer: Any) -> None:

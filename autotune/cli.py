@@ -323,11 +323,11 @@ def _rounded_limit(limit: int) -> int:
 
 
 def _cached_plan(entry: dict[str, Any] | None, target: int) -> tuple[Any, Any] | None:
-    """The plan and breakdown of a cache entry, or None (with a warning) when it is not a sound plan."""
-    import warnings
-
+    """The plan and breakdown of a cache entry, or None (with a one-line warning) when any part of it
+    is not what the report wrote: the plan, its memory breakdown and its device facts."""
     import autotune
 
+    from . import cache
     from .report import MemoryBreakdown
 
     if entry is None:
@@ -337,11 +337,20 @@ def _cached_plan(entry: dict[str, Any] | None, target: int) -> tuple[Any, Any] |
         if plan.effective_batch != target:
             raise ValueError(f"its target batch {plan.effective_batch} is not {target}")
         memory = entry.get("memory")
-        breakdown = MemoryBreakdown(**memory) if memory else None
-        if breakdown is not None and any(v is not None and v < 0 for v in (breakdown.parameters, breakdown.buffers, breakdown.gradients, breakdown.optimizer_state, breakdown.activations)):
-            raise ValueError("negative memory in its breakdown")
-    except (TypeError, ValueError, AttributeError) as exc:
-        warnings.warn(f"Ignoring a cache entry that is not a sound plan ({exc}); probing again", stacklevel=2)
+        if memory is not None and not isinstance(memory, dict):
+            raise ValueError(f"its memory breakdown is a {type(memory).__name__}")
+        breakdown = MemoryBreakdown(**memory) if memory is not None else None
+        if breakdown is not None:
+            numbers = (breakdown.parameters, breakdown.buffers, breakdown.gradients, breakdown.optimizer_state, breakdown.activations)
+            if any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0) for v in numbers):
+                raise ValueError("its memory breakdown holds a negative or non-numeric size")
+        device = entry.get("device")
+        if not isinstance(device, dict) or set(device) != {"device", "name", "total", "free", "other_processes"}:
+            raise ValueError("its device facts are not the report's")
+        if device["device"] != plan.device.split(":")[0] and device["device"] != plan.device:
+            raise ValueError(f"its device {device['device']!r} is not the plan's {plan.device!r}")
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        cache.warn(f"ignoring a cache entry that is not a sound plan ({exc}); probing again")
         return None
     return plan, breakdown
 
@@ -361,6 +370,11 @@ def _report(args: argparse.Namespace) -> int:
 
     if not args.model and not args.demo:
         raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
+    if args.model and args.demo:
+        raise UsageError(f"--demo probes the built-in model, and MODEL {args.model!r} was given too: drop one of them")
+    if args.regression and args.num_classes is not None:
+        raise UsageError(f"--num-classes {args.num_classes} and --regression ask for two kinds of targets: class targets, or "
+                         "float targets shaped like the output; drop one")
     if args.demo:
         defaults = {**DEMO, "input_shape": [DEMO["input_shape"]], "device": "cpu"}
         for name, value in defaults.items():

@@ -73,7 +73,7 @@ from . import batches as B
 from .memory import CUDA_BLOCK, TensorLedger, storage_bytes
 from .search import MemoryCurve, estimated_max
 from .step import forward_backward
-from .trial import Workload, min_micro_batch
+from .trial import Workload, min_micro_batch, planning
 
 __all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "forget", "optimizer_for_device"]
 
@@ -496,6 +496,7 @@ class Estimator:
         attention = _CudaAttention() if self.target == "cuda" else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(_quiet_torch())
+            stack.enter_context(planning())
             if self.checkpointing:
                 from .checkpointing import activation_checkpointing
 

@@ -26,7 +26,7 @@ from .memory import (
     outside_allocator,
     storage_bytes,
 )
-from .plans import Plan, Trial, budget_of, split_evenly, window_layout
+from .plans import Plan, Trial, budget_of, window_layout
 from .probe import Progress, probe
 from .rng import RNGState
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
@@ -311,9 +311,10 @@ def plan(
             if bucket:
                 set_aside.append(("the gradient sync's bucket", bucket))
         budget = budget_of(limit, sum(b for _, b in set_aside), headroom)
-        upper = split_evenly(target_batch, world_size)[rank]  # this rank's share (the first ranks take one more)
-        if par.fsdp:
-            upper = split_evenly(target_batch, world_size)[0]  # in lockstep every rank searches the same sizes
+        # The largest share of a window: the remainder of target_batch / world_size takes turns among
+        # the ranks (plans.rotated_share), so every rank sometimes has one more. Under FSDP2 every rank
+        # searches the same sizes anyway (lockstep).
+        upper = -(-target_batch // world_size)
         capped = memory_limit is not None and verify and not par.fsdp  # FSDP2: counted, never enforced mid-step
         with cuda_memory_fraction(device, allocator_cap(limit, set_aside) if capped else None):
             with bypass_nested(par.nested):
@@ -588,6 +589,15 @@ def _nothing_fits(
     advice = _smallest_change(table) or "try precision='bf16', a smaller model, activation checkpointing, or a larger memory_limit"
     if shards:
         advice = _shard_advice(shards) + "; or " + advice
+    if measured and needed <= budget:
+        # The step ran out of memory below its budget, twice: what is missing is not the step's.
+        return NothingFits(
+            f"Even micro_batch={smallest} ran out of memory with only {format_bytes(needed)} counted, within the budget "
+            f"of {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less {headroom:.0%} headroom), twice: the "
+            "device's memory is taken by something outside this step (another process, or memory torch does not "
+            "count); free it, or give a memory_limit below what is really free",
+            needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards,
+        )
     return NothingFits(
         f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
         f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "

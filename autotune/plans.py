@@ -19,7 +19,7 @@ from .search import MemoryCurve
 from .shapes import ShapeModel
 from .units import format_bytes
 
-__all__ = ["Plan", "Trial", "budget_of", "peak_at", "split_evenly", "window_layout"]
+__all__ = ["Plan", "Trial", "budget_of", "peak_at", "rotated_share", "split_evenly", "window_layout"]
 
 
 @dataclass(frozen=True)
@@ -321,6 +321,23 @@ def split_evenly(total: int, parts: int) -> tuple[int, ...]:
         raise ValueError(f"Invalid parts {parts!r}: it must be at least 1")
     base, extra = divmod(total, parts)
     return tuple(base + 1 if i < extra else base for i in range(parts))
+
+
+def rotated_share(target_batch: int, world_size: int, rank: int, window: int) -> int:
+    """This rank's samples in window ``window`` of an epoch: ``target_batch`` shared among the ranks,
+    with the ``target_batch % world_size`` extra samples going to ranks that take turns.
+
+    Window ``i`` gives one more sample to the ranks ``(i * e + j) % world_size`` for ``j < e``
+    (``e = target_batch % world_size``): over ``world_size`` windows every rank takes exactly
+    ``target_batch`` samples, so equal shards run out together and only the last step of an epoch is
+    short (a fixed split would leave the first ranks' shards to end early, and several short steps).
+
+    Example:
+        >>> [rotated_share(10, 3, rank, 0) for rank in range(3)], [rotated_share(10, 3, rank, 1) for rank in range(3)]
+        ([4, 3, 3], [3, 4, 3])
+    """
+    base, extra = divmod(target_batch, world_size)
+    return base + int((rank - window * extra) % world_size < extra)
 
 
 def window_layout(

@@ -35,7 +35,7 @@ from .memory import (
 )
 from .plans import Trial
 from .search import Measurement, MemoryCurve, SearchResult, largest_fitting
-from .trial import Snapshot, Workload, min_micro_batch, sharded_trial_step, trial_step
+from .trial import Snapshot, Workload, min_micro_batch, planning, sharded_trial_step, trial_step, without_step_hooks
 from .units import format_bytes
 
 __all__ = ["Progress", "probe"]
@@ -213,9 +213,33 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
 
 
 def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: bool = False) -> Measurement:
+    """One real trial of ``b`` samples under ``budget``, recorded.
+
+    An out-of-memory error in a step that stayed within its budget came from outside what the step
+    counts (another process, a transient spike of the device's own memory): the trial runs once more,
+    after freeing what can be freed, and its second outcome counts; a note says so.
+    """
     device = work.device
     if work.on_start is not None:
         work.on_start(b)
+    fits, peak, seconds, oom = _attempt(work, b, budget, snapshot, whole=whole)
+    if oom and peak <= budget:
+        release_cached(device, collect=True)
+        first = peak
+        fits, peak, more, oom = _attempt(work, b, budget, snapshot, whole=whole)
+        seconds += more
+        work.notes.append(
+            f"an out-of-memory error at micro-batch {b} with {format_bytes(first)} counted, within the budget of "
+            f"{format_bytes(budget)} (memory taken outside the step), was tried once more: "
+            + ("it fitted" if fits else "it failed again" if oom else "it did not fit")
+        )
+    work.record(Trial(b, peak, fits, seconds, estimate=False))
+    return Measurement(fits, peak)
+
+
+def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: bool) -> tuple[bool, int, float, bool]:
+    """Run the trial step once: ``(fits, peak bytes, seconds, whether it raised out of memory)``."""
+    device = work.device
     release_cached(device)
     # A compact copy: a slice of a larger tensor would count the whole of its storage.
     batch = B.map_tensors(B.to_device(B.repeat_to(work.batch, b), device), _compact)
@@ -230,31 +254,32 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whol
     # allocator's fragmentation, library scratch memory): its resident size is sampled.
     resident = ResidentPeak() if (device.type == "cpu" and work.resident) else None
     start = time.perf_counter()
-    fits = True
+    oom = False
     snapshot.prepare_trial()
     step: Callable[..., None] = trial_step
     if work.fsdp:
         step = functools.partial(sharded_trial_step, accumulating=not whole)
     try:
-        with ledger, (resident if resident is not None else contextlib.nullcontext()):
+        # Your optimizer's step hooks never see a trial's step (at learning rate 0, not a training step).
+        with planning(), without_step_hooks(work.optimizer), ledger, (resident if resident is not None else contextlib.nullcontext()):
             step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision, finite=snapshot.zero_lr)
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        fits = False
+        oom = True
         exc.__traceback__ = None  # drop the frames that hold the step's tensors
     finally:
         seconds = time.perf_counter() - start
         del batch
         snapshot.restore()
-        release_cached(device, collect=device.type == "cuda" or not fits)
+        release_cached(device, collect=device.type == "cuda" or oom)
     peak = ledger.peak
     if resident is not None and resident.growth is not None:
         peak = max(peak, held + resident.growth)
     reserved, retries_after = allocator_peak(device)
     peak = max(peak, reserved)
-    fits = fits and peak <= budget
+    fits = not oom and peak <= budget
     if device.type == "cuda" and retries_after > retries:
         # Not a failure: cuDNN sizes its workspaces from the device's free memory, not the cap, and
         # the allocator freeing its cache to serve one is how it recovers. The headroom covers it.
@@ -262,5 +287,4 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whol
             f"the CUDA allocator freed its cache and retried {retries_after - retries} time(s) at micro-batch {b} "
             f"(fragmentation, or a library workspace sized from free memory); the step {'fitted' if fits else 'did not fit'}"
         )
-    work.record(Trial(b, peak, fits, seconds, estimate=False))
-    return Measurement(fits, peak)
+    return fits, peak, seconds, oom

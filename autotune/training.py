@@ -36,9 +36,13 @@ from . import batches as B
 from .accumulate import Count, Pad, Window, accumulate
 from .bn import BNController, FinishedRun, batchnorms, resolve_bn
 from .checks import (
+    check_callable,
     check_count_value,
     check_device_exists,
+    check_flag,
     check_grad_mode,
+    check_loader,
+    check_model,
     check_optimizer,
     check_positive_number,
     check_reiterable,
@@ -70,8 +74,8 @@ from .memory import TensorLedger, allocator_cap, cuda_memory_fraction, is_out_of
 from .noise import NoiseMeter
 from .planner import plan as make_plan
 from .planner import resolve_device
-from .plans import Plan, peak_at, split_evenly
-from .trial import Workload, held_tensors, min_micro_batch
+from .plans import Plan, peak_at, rotated_share, split_evenly
+from .trial import Workload, check_step, held_tensors, min_micro_batch
 from .rng import RNGState
 from .scaling import adjusted_bn_momentum
 from .step import LossFn, Precision, autocast, default_loss, forward_backward, normalize_precision
@@ -90,12 +94,14 @@ class StepRecord:
         samples: samples in the window.
         items: loss items in the window (samples, or what ``count`` returned).
         loss: the exact mean loss over the window's items.
-        lr: the first param group's learning rate applied in this step (scaled).
+        lr: the first param group's learning rate of this step (scaled; not applied when ``skipped``).
         micro_batch: the largest micro-batch used for this window.
         seconds: wall time of the step.
         micro_batches: the sizes of the micro-batches that ran (on this rank).
         noise_scale: the gradient noise scale measured so far (``B_simple`` in loss items; see
             :mod:`autotune.noise`), or None before it can be estimated.
+        skipped: fp16 only: the GradScaler found non-finite gradients and skipped the optimizer
+            step (the weights are those of the step before; the scale was lowered).
     """
 
     step: int
@@ -108,6 +114,7 @@ class StepRecord:
     seconds: float
     micro_batches: tuple[int, ...] = ()
     noise_scale: float | None = None
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,8 +269,8 @@ def fit(
             ``GradScaler``, unscaled once per window before clipping).
         clip_grad_norm: clip the accumulated gradient's norm to this, once per window.
         lr_rule: as for :func:`autotune.plan`.
-        base_batch: as for :func:`autotune.plan`. When not given, ``fit`` warns before scaling the
-            learning rate by a batch size it had to guess.
+        base_batch: as for :func:`autotune.plan`. When not given, the plan's notes say which batch
+            size the learning rate was assumed to be tuned at (``result.plan.base_batch_source``).
         count: ``count(batch) -> int``, loss items in a batch (e.g. non-padding tokens); default:
             samples.
         pad: ``pad(batches) -> batch`` joining batches padded to different lengths (e.g.
@@ -308,8 +315,22 @@ def fit(
         >>> result.plan.accumulation_steps, result.history[-1].loss  # doctest: +SKIP
     """
     # --- checks: nothing has changed yet ------------------------------------------------------
+    check_model(model)
+    check_loader(loader)
     if plan is None and target_batch is None:
         raise TypeError("fit() needs target_batch= (samples per optimizer step), or plan=")
+    check_callable("loss_fn", loss_fn, "loss_fn(model, batch) -> the batch's mean loss as a scalar tensor")
+    check_callable("callback", callback, "callback(record) called after each optimizer step")
+    check_callable("pad", pad, "pad(batches) -> batch, such as autotune.pad_to_longest")
+    check_flag("drop_last", drop_last)
+    check_flag("checkpointing", checkpointing)
+    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "unscale_", "step", "update", "get_scale")):
+        raise TypeError(f"Invalid scaler {scaler!r} ({type(scaler).__name__}): pass a torch.amp.GradScaler, or None (fp16 makes one)")
+    if not (isinstance(noise_scale, bool) or (isinstance(noise_scale, int) and noise_scale >= 1)):
+        raise ValueError(
+            f"Invalid noise_scale {noise_scale!r}: give True (measure at most 1% of the step time), False, or every "
+            "how many windows to measure (an int >= 1)"
+        )
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"Invalid epochs {epochs!r}: give a whole number >= 1")
     if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
@@ -331,10 +352,23 @@ def fit(
     if optimizer is not None:
         check_optimizer(inner, optimizer)
     check_scheduler(scheduler, optimizer if optimizer is not None else object())  # type: ignore[arg-type]
-    precision_name = normalize_precision(precision)
+    precision_name = normalize_precision(precision if (precision is not None or plan is None) else plan.precision)
+    if plan is not None and precision is not None and precision_name != plan.precision:
+        raise ValueError(
+            f"Invalid precision {precision!r}: the plan given was made for {plan.precision!r}, whose memory it measured; "
+            "leave precision out, or make a new plan with this precision"
+        )
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     # Every rank looks at its first batches: one whose dataset raises stops them all, together.
     on_every_rank(_check_count, loader, count, par.group, device=None, group=par.group, what="looking at its first batches")
+    if plan is not None and not par.fsdp and not is_one_shot(loader):
+        # Without a probe, nothing has run the loss on this loader's batches yet: one forward and
+        # backward on a sample of the first, put back after, so a bad batch or loss is refused now
+        # (on the model's device: moving it is the setup's). Under FSDP2 a forward is collective:
+        # the first window checks it, every rank together.
+        model_device = next(inner.parameters()).device
+        on_every_rank(lambda: check_step(inner, loss_fn or default_loss, loader, device=model_device, precision=precision_name),
+                      device=None, group=par.group, what="running its loss on its first batch")
 
     # --- setup ----------------------------------------------------------------------------------
     device = _fit_device(model, device)
@@ -352,14 +386,6 @@ def fit(
             device=device, memory_limit=limit, headroom=headroom, lr_rule=lr_rule,
             base_batch=base_batch, precision=precision_name, epochs=epochs, progress=progress,
             checkpointing=checkpointing,
-        )
-    if plan.lr_scale != 1.0 and plan.base_batch_source != "given":
-        warnings.warn(
-            f"Scaling the learning rate x{plan.lr_scale:.4g} ({plan.lr_rule} rule) from batch {plan.base_batch}, "
-            f"{plan.base_batch_source}, to {plan.effective_batch}: if your learning rate was tuned at another "
-            "batch size, pass base_batch= (or lr_rule='none' to keep it)",
-            AutotuneWarning,
-            stacklevel=2,
         )
     bns = batchnorms(inner)
     min_micro = max(plan.min_micro_batch, min_micro_batch(inner))
@@ -390,7 +416,7 @@ def fit(
             set_epoch(loader, first_epoch + epoch)
             windows = accumulate(
                 run.meeting(loader), plan, count=count, drop_last=local_drop, min_micro_batch=min_micro,
-                distributed=False, skip_empty=run.world_size == 1, pad=pad, cap=run.cap,
+                distributed=False, skip_empty=run.world_size == 1, pad=pad, cap=run.cap, shares=run.shares if run.world_size > 1 else None,
             )
             seen_samples = seen_items = 0
             while max_steps is None or len(history) < max_steps:
@@ -405,12 +431,12 @@ def fit(
                     continue
                 run.check_finite(loss, window, step=len(history) + 1, epoch=epoch)
                 noise = run.measure_noise(agreed)  # the window's gradient, before clipping
-                lr = run.step()  # clip, step at the scaled LR, schedule, zero
+                lr, skipped = run.step()  # clip, step at the scaled LR, schedule, zero
                 record = StepRecord(
                     step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
                     loss=loss, lr=lr, micro_batch=max((m.samples for m in window), default=0) if window else 0,
                     seconds=time.perf_counter() - start, micro_batches=tuple(m.samples for m in window) if window else (),
-                    noise_scale=noise,
+                    noise_scale=noise, skipped=skipped,
                 )
                 run.pace_noise(record.seconds)
                 history.append(record)
@@ -539,6 +565,12 @@ class _Run:
             if size >= at:
                 cap = min(cap, limit)
         return cap
+
+    def shares(self, window: int) -> int:
+        """This rank's samples in the epoch's window ``window``: the target shared among the ranks, the
+        remainder taking turns (:func:`autotune.plans.rotated_share`), so that equal shards run out
+        together and only an epoch's last step is short."""
+        return rotated_share(self.plan.effective_batch, self.world_size, self.rank, window)
 
     def meeting(self, loader: Iterable[Any]) -> Iterator[Any]:
         """``loader``'s batches, each :meth:`met <meet>` before it is cut into micro-batches."""
@@ -826,11 +858,11 @@ class _Run:
             "or set clip_grad_norm"
         )
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, bool]:
         """Unscale, clip, step at ``lr_scale`` times the scheduled LR, schedule, zero the gradients
         (the exchange at the window's end already made them the global mean).
 
-        Returns the first param group's learning rate applied.
+        Returns the first param group's learning rate of the step, and whether the GradScaler skipped it.
         """
         optimizer, scaler = self.optimizer, self.scaler
         step = self.steps + 1
@@ -862,9 +894,12 @@ class _Run:
                     g.update(settings.apply(g))
                 g["lr"] = g["lr"] * self.plan.lr_scale
             lr = float(optimizer.param_groups[0]["lr"])
+            skipped = False
             if scaler is not None:
+                before = float(scaler.get_scale())
                 scaler.step(optimizer)
                 scaler.update()
+                skipped = float(scaler.get_scale()) < before  # it lowers the scale exactly when it skips
             else:
                 optimizer.step()
         except Exception as exc:
@@ -885,7 +920,7 @@ class _Run:
         optimizer.zero_grad(set_to_none=True)
         for p in self.outside:  # parameters outside the optimizer do not pile up gradients either
             p.grad = None
-        return lr
+        return lr, skipped
 
     def _ledger_for_step(self) -> Any:
         """The first optimizer step creates the optimizer state: count it under a CPU limit."""

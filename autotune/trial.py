@@ -10,6 +10,7 @@ step on fake copies; real trials (:mod:`autotune.probe`) run it on the device, b
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ from .step import LossFn, Precision, forward_backward
 __all__ = [
     "EXACT_AT_ZERO_LR",
     "Looked",
+    "check_step",
+    "checked_batch",
+    "is_planning",
+    "planning",
     "Snapshot",
     "Workload",
     "held_tensors",
@@ -35,6 +40,7 @@ __all__ = [
     "set_gradient_sync",
     "sharded_trial_step",
     "trial_step",
+    "without_step_hooks",
     "zero_non_finite",
 ]
 
@@ -229,7 +235,7 @@ def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> Looked:
     worst, worst_numel, first_size, seen = None, -1, 0, 0
     shapes: dict[Any, Any] = {}  # per-sample shapes -> one small template of them
     for batch in loader:
-        size, sample_shapes = B.size_and_shapes(batch)
+        size, sample_shapes = checked_batch(batch, seen)
         numel = B.per_sample_numel(batch)
         if seen == 0:
             first_size = size
@@ -246,6 +252,109 @@ def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> Looked:
             "drop_last=True, that it holds at least one full batch"
         )
     return Looked(worst, first_size, seen, tuple(shapes.values()))
+
+
+def checked_batch(batch: Any, index: int) -> tuple[int, Any]:
+    """``(samples, per-sample shapes)`` of the loader's batch number ``index``; an error naming the
+    loader and the batch when it is not a batch autotune can cut (no tensor, a scalar, tensors that
+    disagree on the batch size, no sample)."""
+    try:
+        size, shapes = B.size_and_shapes(batch)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"Invalid loader: its batch {index} is not a batch ({exc})") from None
+    if size == 0:
+        raise ValueError(
+            f"Invalid loader: its batch {index} holds no sample (dim 0 of size 0); drop empty batches from the "
+            "loader (a sampler or collate_fn that yields them)"
+        )
+    return size, shapes
+
+
+def check_step(model: nn.Module, loss_fn: LossFn, loader: Any, *, device: torch.device, precision: Precision) -> None:
+    """Refuse a loader or a loss that cannot train, before training changes anything.
+
+    Looks at the loader's first batch (its generators put back) and runs one forward and backward of
+    the loss on a sample of it, between a :class:`Snapshot` and its restore: a malformed batch, a
+    loss that is not a scalar tensor with a gradient, or an error in your code is raised here, with
+    the model, its gradients, the RNGs and the loader exactly as they were.
+    """
+    rng = RNGState(loader)
+    try:
+        batch = next(iter(loader), _NONE)
+    finally:
+        rng.restore()
+    if batch is _NONE:
+        raise ValueError(
+            "Invalid loader: it yielded no batches; check the dataset is not empty and, with drop_last=True, that it "
+            "holds at least one full batch"
+        )
+    size, _ = checked_batch(batch, 0)
+    sample = B.to_device(B.slice_batch(batch, 0, min(size, min_micro_batch(model))), device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    snapshot = Snapshot(model, torch.optim.SGD(params, lr=0.0), loader)
+    try:
+        with planning():
+            model.train()
+            forward_backward(model, loss_fn, sample, device_type=device.type, precision=precision)
+    finally:
+        snapshot.restore()
+
+
+_NONE = object()
+_PLANNING = [0]  # how many trials or estimates are running (see planning)
+
+
+def is_planning() -> bool:
+    """Whether autotune is running a trial or an estimate of your step right now.
+
+    Planning runs your model's forward and backward (and so its module hooks): once per trace on fake
+    tensors (two or three per plan) and twice per real trial (usually one per plan), and never your
+    optimizer's step hooks (a trial steps at a learning rate of 0; it is not a training step). A hook
+    that counts what it sees or keeps tensors can skip those calls::
+
+        def hook(module, inputs, output):
+            if not autotune.is_planning():
+                activations.append(output.detach())
+    """
+    return _PLANNING[0] > 0
+
+
+@contextlib.contextmanager
+def planning() -> Iterator[None]:
+    """While it runs, :func:`is_planning` is True and the optimizers' step hooks (every optimizer's
+    own and torch's global ones) are set aside, then put back."""
+    from torch.optim import optimizer as opt_module
+
+    saved = []
+    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        hooks = getattr(opt_module, name, None)
+        if hooks is not None:
+            saved.append((hooks, dict(hooks)))
+            hooks.clear()
+    _PLANNING[0] += 1
+    try:
+        yield
+    finally:
+        _PLANNING[0] -= 1
+        for hooks, values in saved:
+            hooks.update(values)
+
+
+@contextlib.contextmanager
+def without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """``optimizer``'s own step hooks set aside while a trial steps it (an EMA in a post-hook must not
+    see a trial's step), then put back."""
+    saved = []
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        hooks = getattr(optimizer, name, None)
+        if hooks is not None:
+            saved.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, values in saved:
+            hooks.update(values)
 
 
 @dataclass

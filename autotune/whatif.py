@@ -82,9 +82,20 @@ class WhatIf:
         """The rows in which at least the smallest micro-batch fits."""
         return tuple(r for r in self.rows if r.micro_batch >= self.lower)
 
+    def without_checkpointing(self, row: WhatIfRow) -> WhatIfRow | None:
+        """The row with ``row``'s precision and optimizer and checkpointing off (None if absent)."""
+        return next((r for r in self.rows if not r.checkpointing and r.precision == row.precision and r.optimizer == row.optimizer), None)
+
+    def checkpointing_hurts(self, row: WhatIfRow) -> bool:
+        """Whether ``row`` turns checkpointing on and fits fewer samples than without it: every block's
+        input is kept anyway (a Sequential of single layers), and recomputing only adds temporaries."""
+        other = self.without_checkpointing(row) if row.checkpointing else None
+        return other is not None and row.micro_batch < other.micro_batch
+
     def smallest_change(self) -> WhatIfRow | None:
-        """The row with the fewest changed settings that fits (the largest micro-batch among them)."""
-        fits = [r for r in self.fitting() if r.changes > 0]
+        """The row with the fewest changed settings that fits (the largest micro-batch among them),
+        never one whose checkpointing fits fewer samples than the same row without it."""
+        fits = [r for r in self.fitting() if r.changes > 0 and not self.checkpointing_hurts(r)]
         if not fits:
             return None
         return min(fits, key=lambda r: (r.changes, -r.micro_batch))
@@ -97,7 +108,18 @@ class WhatIf:
             per = "-" if r.per_sample is None else format_bytes(r.per_sample)
             fixed = "-" if r.fixed is None else format_bytes(r.fixed)
             tag = "verified" if r.verified else ("yours, estimate" if r.changes == 0 else "estimate")
+            if self.checkpointing_hurts(r):
+                tag += ", fewer than without checkpointing"
             lines.append(f"{r.precision:<10} {'on' if r.checkpointing else 'off':<14} {r.optimizer:<26} {r.micro_batch:>11} {per:>12} {fixed:>12}  {tag}")
+        hurt = [r for r in self.rows if self.checkpointing_hurts(r)]
+        if hurt:
+            r = hurt[0]
+            off = self.without_checkpointing(r)
+            lines.append(
+                f"activation checkpointing lowers the micro-batch here ({off.micro_batch if off else '?'} -> {r.micro_batch} with "
+                f"{r.precision}, {r.optimizer}): it keeps each block's input, which for these blocks is what the step keeps "
+                "anyway, and recomputing adds temporaries; it helps models of deep blocks (transformer layers)"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

@@ -167,6 +167,34 @@ def non_scalar_loss(s: Setup) -> Any:
     return plan_for(s, loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1], reduction="none"))
 
 
+def with_plan(s: Setup, loader: Any = None, **kw: Any) -> Any:
+    """fit with a plan given: nothing has probed, so fit's own checks must refuse the input."""
+    return autotune.fit(s.model, s.loader if loader is None else loader, plan=manual_plan(), optimizer=s.opt, progress=False, **kw)
+
+
+def loss_returning(value: Any) -> Callable[[nn.Module, Any], Any]:
+    def loss_fn(model: nn.Module, batch: Any) -> Any:
+        out = F.cross_entropy(model(batch[0]), batch[1])
+        return value(out)
+
+    return loss_fn
+
+
+def pairs(n: int = 8) -> list[Any]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(3)]
+
+
+def unbatched(s: Setup) -> Any:
+    return with_plan(s, DataLoader(s.loader.dataset, batch_size=None))
+
+
+def meta_model(s: Setup) -> Any:
+    with torch.random.fork_rng(), torch.device("meta"):  # Net seeds the RNG as it is built
+        model = Net()
+    return autotune.plan(model, s.loader, target_batch=16, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), memory_limit="1MiB")
+
+
 @dataclass(frozen=True)
 class Case:
     """A bad input: what was passed, the call, and the error it must get."""
@@ -235,6 +263,33 @@ API: list[Case] = [
     Case("`count` returning 2.5", lambda s: fit(s, count=lambda b: 2.5), ValueError, "Invalid item count 2.5"),
     Case("`count` that is 0 for every batch", lambda s: fit(s, count=lambda b: 0), ValueError, "returned 0 items for each of the first"),
     Case("a non-finite loss in the first step", nan_loss, autotune.AutotuneError, r"Non-finite loss \(nan\) at step 1 \(epoch 0, window 0", kept="weights"),
+    Case("a loss returning a float (plan given)", lambda s: with_plan(s, loss_fn=loss_returning(float)), TypeError, "loss_fn returned float"),
+    Case("a loss returning an int (plan given)", lambda s: with_plan(s, loss_fn=lambda m, b: 1), TypeError, "loss_fn returned int"),
+    Case("a loss returning a tuple (plan given)", lambda s: with_plan(s, loss_fn=loss_returning(lambda v: (v, 1))), TypeError, "loss_fn returned tuple"),
+    Case("a loss without a gradient (plan given)", lambda s: with_plan(s, loss_fn=lambda m, b: torch.tensor(1.0)), ValueError, "does not require grad"),
+    Case("a loss returning a float (probed)", lambda s: fit(s, loss_fn=loss_returning(float)), TypeError, "loss_fn returned float"),
+    Case("a loader yielding None (plan given)", lambda s: with_plan(s, [None, None]), TypeError, "Invalid loader: its batch 0 is not a batch"),
+    Case("a loader yielding scalars (plan given)", lambda s: with_plan(s, [torch.tensor(1.0)]), ValueError, "Invalid loader: its batch 0 is not a batch.*0-d tensor"),
+    Case("a loader yielding ragged lists (plan given)", lambda s: with_plan(s, [[[1.0, 2.0], [3.0]]]), TypeError, "Invalid loader: its batch 0 is not a batch.*holds no tensor"),
+    Case("tensors that disagree on dim 0 (plan given)", lambda s: with_plan(s, [(torch.zeros(8, 6), torch.zeros(5, dtype=torch.long))]), ValueError, "disagree on the batch size"),
+    Case("`DataLoader(batch_size=None)` (plan given)", unbatched, ValueError, r"DataLoader\(batch_size=None\) yields single samples"),
+    Case("`DataLoader(batch_size=None)` (probed)", lambda s: autotune.fit(s.model, DataLoader(s.loader.dataset, batch_size=None), 16, optimizer=s.opt, progress=False), ValueError, r"batch_size=None\) yields single samples"),
+    Case("an empty loader (plan given)", lambda s: with_plan(s, []), ValueError, "yielded no batches"),
+    Case("batches of 0 samples (plan given)", lambda s: with_plan(s, pairs(0)), ValueError, "holds no sample"),
+    Case("batches of 0 samples (probed)", lambda s: autotune.fit(s.model, pairs(0), 16, optimizer=s.opt, progress=False), ValueError, "holds no sample"),
+    Case("`callback=5`", lambda s: fit(s, callback=5), TypeError, "Invalid callback 5"),
+    Case("`pad=5`", lambda s: fit(s, pad=5), TypeError, "Invalid pad 5"),
+    Case("`scaler=5`", lambda s: fit(s, scaler=5), TypeError, "Invalid scaler 5"),
+    Case("`loss_fn='mse'`", lambda s: fit(s, loss_fn="mse"), TypeError, "Invalid loss_fn 'mse'"),
+    Case("`model=None`", lambda s: autotune.fit(None, s.loader, 16), TypeError, "Invalid model of type NoneType"),
+    Case("`loader=None`", lambda s: autotune.fit(s.model, None, 16, optimizer=s.opt), TypeError, "Invalid loader of type NoneType"),
+    Case("`noise_scale='x'`", lambda s: fit(s, noise_scale="x"), ValueError, "Invalid noise_scale 'x'"),
+    Case("`noise_scale=-1`", lambda s: fit(s, noise_scale=-1), ValueError, "Invalid noise_scale -1"),
+    Case("`drop_last='yes'`", lambda s: fit(s, drop_last="yes"), TypeError, "Invalid drop_last 'yes'"),
+    Case("a model on the meta device", meta_model, ValueError, "are on the meta device"),
+    Case("`device='mps'` on a machine without one", lambda s: fit(s, device="mps"), ValueError, "Invalid device 'mps'"),
+    Case("`device='xla'`", lambda s: plan_for(s, device="xla"), ValueError, "Invalid device 'xla'"),
+    Case("`precision='bf16'` for a plan made in fp32", lambda s: with_plan(s, precision="bf16"), ValueError, "the plan given was made for 'fp32'"),
     Case("`accumulate(loader, 0)`", lambda s: list(autotune.accumulate(s.loader, 0, target_batch=8)), ValueError, "Invalid plan 0"),
     Case("`accumulate(loader, 4)` without `target_batch`", lambda s: list(autotune.accumulate(s.loader, 4)), ValueError, "give target_batch >= 1"),
 ]
@@ -273,7 +328,9 @@ CLI: list[tuple[str, list[str], int, str]] = [
     ("a `--loader` that yields nothing", ["report", "--demo", "--loader", "{models}:loader_empty"], 2, "it yielded no batches"),
     ("`--plot` into a missing directory", ["report", "--demo", "--plot", "/nonexistent/dir/m.png"], 2, "does not exist"),
     ("`--plot` onto a directory", ["report", "--demo", "--plot", "{tmp}"], 2, "it is a directory"),
-    ("an estimate the meta device cannot make (`--device cuda`)", ["report", "{models}:needs_values", "--input-shape", "4", "--target-batch", "8", "--device", "cuda", "--memory-limit", "80GiB"], 2, "Cannot estimate this model without running it"),
+    ("an estimate fake tensors cannot make (`--device cuda`)", ["report", "{models}:needs_values", "--input-shape", "4", "--target-batch", "8", "--device", "cuda", "--memory-limit", "80GiB"], 2, "Cannot estimate this model without running it"),
+    ("`--num-classes 3 --regression`", ["report", "--demo", "--num-classes", "3", "--regression"], 2, "ask for two kinds of targets"),
+    ("`--demo` with a MODEL", ["report", "{models}:lm", "--demo"], 2, "--demo probes the built-in model, and MODEL"),
     ("a limit nothing fits in", ["report", "--demo", "--memory-limit", "1MiB"], 1, "use a larger --memory-limit"),
 ]
 
@@ -302,7 +359,7 @@ class NeedsValues(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 3)
     def forward(self, x):
-        if x.abs().sum().item() < 0:  # reads a value: no estimate on the meta device
+        if x.abs().sum().item() < 0:  # reads a float value: no estimate on fake tensors
             x = -x
         return self.lin(x)
 

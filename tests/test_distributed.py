@@ -15,13 +15,28 @@ import ddp_worker as W
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
-def shares(target, world):
+def shares(target, world, window=0):
+    """Each rank's samples in window ``window`` of an epoch, by the rule docs/distributed.md states: the
+    target shared evenly, its remainder going to ranks that take turns (window k: one more for the
+    ranks (k * remainder + j) % world, j < remainder)."""
     base, extra = divmod(target, world)
-    return [base + (1 if r < extra else 0) for r in range(world)]
+    more = {(window * extra + j) % world for j in range(extra)}
+    return [base + (1 if r in more else 0) for r in range(world)]
+
+
+def global_windows(seqs, target):
+    """Global window k: each rank's next ``shares(target, world, k)[r]`` samples, until no rank has any."""
+    world = len(seqs)
+    at, k = [0] * world, 0
+    while any(at[r] < len(seqs[r]) for r in range(world)):
+        share = shares(target, world, k)
+        yield [s for r in range(world) for s in seqs[r][at[r] : at[r] + share[r]]]
+        at = [a + s for a, s in zip(at, share)]
+        k += 1
 
 
 def reference(config, world, *, model_class=W.TokenModel):
-    """Single process: the global window k is rank r's k-th run of share_r samples, for every r;
+    """Single process: the global window k is rank r's next shares(target, world, k)[r] samples, for every r;
     one optimizer step on the exact token mean of each global window (no step for a window with no
     token), until no rank has data."""
     torch.set_default_dtype(torch.float64)
@@ -29,7 +44,6 @@ def reference(config, world, *, model_class=W.TokenModel):
         samples = W.token_samples(config["n"], lengths=tuple(config.get("lengths", (10, 10))), empty_every=config.get("empty_every", 0),
                                   by_parity=config.get("by_parity"))
         seqs = [[samples[i] for i in W.rank_indices(len(samples), r, world, config.get("shards", "sampler"))] for r in range(world)]
-        share = shares(config["target"], world)
         model = model_class()
         if config.get("optimizer") == "adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
@@ -37,10 +51,7 @@ def reference(config, world, *, model_class=W.TokenModel):
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
         steps = 0
         for _ in range(config.get("epochs", 1)):
-            k = 0
-            while any(k * share[r] < len(seqs[r]) for r in range(world)):
-                window = [s for r in range(world) for s in seqs[r][k * share[r] : (k + 1) * share[r]]]
-                k += 1
+            for window in global_windows(seqs, config["target"]):
                 total, items = 0.0, 0
                 for x, y in window:  # one sample at a time: lengths differ
                     real = y != W.PAD
@@ -95,6 +106,29 @@ def test_any_target_and_world_size_at_the_end_of_an_epoch(tmp_path, world, n, ta
     # whatever the micro-batches
     for o in outs:
         assert o["collectives"].count("all_reduce") == len(o["history"]) + 3
+
+
+@pytest.mark.parametrize(
+    "world, n, target, shards",
+    [(3, 102, 10, "sampler"), (3, 102, 7, "sampler"), (2, 81, 10, "sampler"), (3, 98, 10, "strided"), (2, 81, 7, "strided")],
+    ids=["W3-N102-T10", "W3-N102-T7", "W2-N81-T10", "W3-N98-T10-uneven", "W2-N81-T7-uneven"],
+)
+def test_every_step_but_an_epochs_last_is_full_while_every_shard_has_data(tmp_path, world, n, target, shards):
+    """The rule of docs/distributed.md: the remainder of target / world takes turns among the ranks, so
+    equal shards (a DistributedSampler) run out together and only the epoch's last step is short;
+    with uneven shards every step is full until the first shard ends. Exact in float64."""
+    config = {**BASE, "n": n, "target": target, "shards": shards}
+    W.launch(world, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, world)
+    assert_exact(outs, config, world)
+    steps = [r["samples"] for r in outs[0]["history"]]
+    sizes = [len(rank_indices) for rank_indices in (W.rank_indices(n, r, world, shards) for r in range(world))]
+    if len(set(sizes)) == 1:
+        assert steps[:-1] == [target] * (len(steps) - 1) and 0 < steps[-1] <= target
+    else:  # full while every shard has data: until the smallest shard ends
+        full = next((i for i, s in enumerate(steps) if s < target), len(steps))
+        assert full * (target // world) <= min(sizes) <= (full + 1) * (-(-target // world))
+    assert sum(steps) == sum(sizes)  # every sample once (a DistributedSampler pads to equal shards)
 
 
 def test_ranks_that_load_the_same_samples_are_warned(tmp_path):

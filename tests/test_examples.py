@@ -11,12 +11,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 pytest.importorskip("sklearn")
 
 
-def run(name):
-    return subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, check=True, timeout=300).stdout
+def run(name, *, stderr=False):
+    done = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, check=True, timeout=300)
+    return (done.stdout, done.stderr) if stderr else done.stdout
 
 
 def test_quickstart_accumulates_and_learns():
-    out = run("quickstart.py")
+    out, err = run("quickstart.py", stderr=True)
+    assert "Warning" not in err and "Traceback" not in err, err  # the first example a newcomer runs is quiet
     steps = int(re.search(r"accumulation_steps=(\d+)", out).group(1))
     assert steps > 1
     assert "effective_batch=256" in out

@@ -292,3 +292,28 @@ def test_out_of_memory_retry_leaves_batchnorm_as_if_the_attempt_never_happened()
     assert (model.bn.running_var - reference.bn.running_var).abs().max().item() <= 1e-10
     assert int(model.bn.num_batches_tracked) == int(reference.bn.num_batches_tracked)
     assert max_param_diff(model, reference) <= 1e-10
+
+
+def test_fp16_steps_the_scaler_skipped_are_marked():
+    """A gradient that overflows in fp16 (the loss itself finite): the GradScaler skips that step, and its record says so."""
+    torch.set_default_dtype(torch.float32)
+    model = mlp()
+    data = dataset(128)
+    data = TensorDataset(data.tensors[0].float(), data.tensors[1])
+    calls = []
+
+    def loss_fn(net, batch):
+        x, y = batch
+        loss = F.cross_entropy(net(x), y)
+        calls.append(1)
+        if len(calls) <= 2:  # the first step: a gradient of 1e35 per weight, a value that cancels
+            w = next(net.parameters())
+            loss = loss + 1e35 * w.sum() - 1e35 * w.sum().detach()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    plan = autotune.plan(model, DataLoader(data, batch_size=16), target_batch=64, memory_limit="1MiB", precision="fp16", progress=False)
+    result = autotune.fit(model, DataLoader(data, batch_size=16), plan=plan, loss_fn=loss_fn, progress=False)
+    assert [r.skipped for r in result.history] == [True, False]
+    assert math.isfinite(result.history[0].loss)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the second step did train

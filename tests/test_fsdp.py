@@ -119,17 +119,15 @@ def gpt2_reference(config, world):
     the exact mean of the next-token losses of its samples, each sample run alone, unpadded."""
     import hf_models
     import torch.nn.functional as F
-    from test_distributed import shares
+    from test_distributed import global_windows
 
     torch.set_default_dtype(torch.float64)
     try:
         samples = W.text_samples(config["n"])
         seqs = [[samples[i] for i in W.rank_indices(len(samples), r, world, "sampler")] for r in range(world)]
-        share = shares(config["target"], world)
         model = hf_models.gpt2()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        for k in range(config["steps"]):
-            window = [s for r in range(world) for s in seqs[r][k * share[r] : (k + 1) * share[r]]]
+        for _, window in zip(range(config["steps"]), global_windows(seqs, config["target"])):
             total = sum(F.cross_entropy(model(t.unsqueeze(0)).logits[0, :-1], t[1:], reduction="sum") for t in window)
             items = sum(t.shape[0] - 1 for t in window)
             opt.zero_grad(set_to_none=True)

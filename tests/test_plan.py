@@ -349,3 +349,88 @@ def test_bad_loaders(loader, error, match):
 def test_model_without_parameters():
     with pytest.raises(ValueError, match="has no parameters"):
         autotune.plan(nn.ReLU(), data_for("mlp"), target_batch=64)
+
+
+# --- your hooks ---------------------------------------------------------------------------
+
+
+def test_planning_never_steps_your_optimizer_hooks_and_says_when_it_runs_your_forward():
+    torch.manual_seed(0)
+    model = MODELS["mlp"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ema = [p.detach().clone() for p in model.parameters()]
+    stepped = []
+
+    def update_ema(optimizer, args, kwargs):  # an exponential moving average of the weights, kept in a post-hook
+        stepped.append(1)
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.mul_(0.9).add_(p, alpha=0.1)
+
+    opt.register_step_post_hook(update_ema)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    global_pre = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: stepped.append("global"))
+    seen = {"training": 0, "planning": 0}
+
+    def count(module, inputs, output):
+        seen["planning" if autotune.is_planning() else "training"] += 1
+
+    model.register_forward_hook(count)
+    before = [e.clone() for e in ema]
+    try:
+        plan = autotune.plan(model, data_for("mlp"), target_batch=256, optimizer=opt, memory_limit=LIMITS["mlp", "sgd"],
+                             headroom=0, progress=False)
+    finally:
+        global_pre.remove()
+    assert not stepped  # neither the optimizer's post-hook nor the global pre-hook saw a trial's step
+    assert all(torch.equal(a, b) for a, b in zip(ema, before))
+    assert seen == {"training": 0, "planning": seen["planning"]} and seen["planning"] >= 1
+    assert not autotune.is_planning()
+    # and the hooks are back: a real step runs them
+    F.cross_entropy(model(data_for("mlp")[0][0]), data_for("mlp")[0][1]).backward()
+    opt.step()
+    assert stepped == [1] and seen["training"] == 1
+    assert plan.micro_batch > 1
+
+
+# --- an out-of-memory error from outside the step -------------------------------------------
+
+
+def test_a_transient_out_of_memory_error_is_tried_again_and_never_becomes_nothing_fits():
+    torch.manual_seed(0)
+    model = MODELS["mlp"]()
+    data = data_for("mlp")
+    limit = LIMITS["mlp", "sgd"]
+    failed = []
+
+    def loss_fn(net, batch):
+        x, y = batch
+        if not estimating(x) and not failed:
+            failed.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (another process took it)")
+        return F.cross_entropy(net(x), y)
+
+    truth = true_max(model, OPTIMIZERS["sgd"], data[0], limit, 256)
+    plan = autotune.plan(model, data, target_batch=256, optimizer=OPTIMIZERS["sgd"](model.parameters()), loss_fn=loss_fn,
+                         memory_limit=limit, headroom=0, progress=False)
+    assert failed and plan.micro_batch == truth
+    assert any("was tried once more: it fitted" in n for n in plan.notes)
+
+
+def test_out_of_memory_below_the_budget_every_time_is_said_without_contradiction():
+    model = MODELS["mlp"]()
+
+    def loss_fn(net, batch):
+        x, y = batch
+        if not estimating(x):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return F.cross_entropy(net(x), y)
+
+    with pytest.raises(autotune.NothingFits) as excinfo:
+        autotune.plan(model, data_for("mlp"), target_batch=256, optimizer=OPTIMIZERS["sgd"](model.parameters()), loss_fn=loss_fn,
+                      memory_limit="64MiB", headroom=0, progress=False)
+    text = str(excinfo.value)
+    assert "ran out of memory with only" in text and "within the budget of 64.00 MiB" in text
+    assert "needs at least" not in text
+    assert excinfo.value.needed <= excinfo.value.budget
