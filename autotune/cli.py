@@ -533,11 +533,11 @@ def _report(args: argparse.Namespace) -> int:
             print()
             print("Gradient noise scale")
             if noise is None:
-                print("  not measurable here: the gradient is too small against its noise on these batches")
+                print("  not measurable here: the loader holds too few samples for two windows of micro-batches")
             else:
                 print(f"  {noise}")
                 said = advice(noise, args.target_batch)
-                print(f"  {said}" if said else f"  target {args.target_batch} is within 2x of it: a good batch for this model")
+                print(f"  {said}" if said else f"  target {args.target_batch}: its range is not clearly 2x away from it, so no advice")
     return 0
 
 

@@ -18,11 +18,12 @@ every rank at the next exchange. Everything here is a no-op in a single process.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -31,14 +32,17 @@ __all__ = [
     "BUCKET_BYTES",
     "Agreement",
     "GradientSync",
+    "announce",
     "broadcast_model",
     "check_distinct_samples",
     "check_mesh",
+    "failure_watch",
     "gather",
     "gather_numbers",
     "is_distributed",
     "on_every_rank",
     "set_epoch",
+    "stop_every_rank",
     "sum_over_ranks",
     "unwrap",
     "world",
@@ -559,6 +563,193 @@ def on_every_rank(fn: Any, *args: Any, device: torch.device | None = None, group
 
     rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
     raise AutotuneError(f"rank {rank} failed {what}, so every rank stops: {message}")
+
+
+# --- stopping every rank when one fails inside a collective step (FSDP2) ----------------------------
+
+_FAILED = "autotune/failed"  # the store key the failing rank writes its error under
+
+
+def _store() -> Any:
+    """The default process group's key-value store (None when there is none to reach)."""
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def stop_every_rank(own: BaseException, group: Any = None, *, what: str) -> NoReturn:
+    """A rank's step raised inside a lockstep step (FSDP2: every forward and backward is collective):
+    make every rank stop within seconds, each naming the cause, instead of leaving the others waiting
+    in a collective until the process group's timeout.
+
+    On the rank whose own code failed: its error is written to the process group's store, the
+    process group is aborted (its peers' pending collectives then fail at once), and it raises its own
+    error after the others have read it (at most ``ACK_SECONDS``). On a rank whose collective failed
+    because a peer aborted: an :class:`AutotuneError` naming that rank and its error. The process
+    group cannot be used afterwards: the run is over.
+    """
+    from .errors import AutotuneError
+
+    store = _store()
+    rank, size = world(group)
+    told = _read_failure(store)
+    if told is not None and told[0] != rank:
+        _ack(store, rank)
+        raise AutotuneError(f"rank {told[0]} failed {what}, so every rank stops: {told[1]}") from own
+    if store is not None:
+        try:
+            store.set(_FAILED, f"{rank}\n{type(own).__name__}: {own}")
+        except Exception:
+            store = None
+    _abort(group)
+    if store is not None:
+        _wait_for_acks(store, [r for r in range(size) if r != rank])
+    raise own
+
+
+ACK_SECONDS = 10.0  # how long a failing rank waits for the others to read its error
+
+
+def _read_failure(store: Any) -> tuple[int, str] | None:
+    if store is None:
+        return None
+    try:
+        if not store.check([_FAILED]):
+            return None
+        text = store.get(_FAILED).decode()
+    except Exception:
+        return None
+    rank, _, message = text.partition("\n")
+    return int(rank), message
+
+
+def _ack(store: Any, rank: int) -> None:
+    try:
+        store.set(f"{_FAILED}/read/{rank}", "1")
+    except Exception:
+        pass
+
+
+def _wait_for_acks(store: Any, ranks: Sequence[int]) -> None:
+    import datetime
+
+    try:
+        store.wait([f"{_FAILED}/read/{r}" for r in ranks], datetime.timedelta(seconds=ACK_SECONDS))
+    except Exception:  # a peer that never reads it: its own collective has failed anyway
+        pass
+
+
+def announce(group: Any = None) -> None:
+    """Before a lockstep step: this rank's host and process id in the store, so that a failing peer
+    can close its connections to this process (see :func:`_abort`)."""
+    store = _store()
+    if store is None or not is_distributed():
+        return
+    import socket
+
+    try:
+        store.set(f"{_FAILED}/process/{world(group)[0]}", f"{socket.gethostname()} {os.getpid()}")
+    except Exception:
+        pass
+
+
+def _abort(group: Any) -> None:
+    """Make the peers' pending collectives fail now.
+
+    NCCL: the communicator is aborted (and the peers' :class:`failure_watch` aborts theirs). gloo
+    has no abort that reaches a peer waiting in a receive: its connections close only when the
+    process group is freed, which FSDP2's own references prevent. So this rank's TCP connections to
+    its peers' processes (announced in the store; never the store's own) are shut down: each peer's
+    pending receive fails at once with "connection closed by peer".
+    """
+    dist = torch.distributed
+    try:
+        backend = dist.get_backend(group)
+    except Exception:
+        backend = None
+    if backend == "nccl":
+        try:
+            dist.distributed_c10d._abort_process_group(group)
+        except Exception:
+            pass
+        return
+    _close_peer_connections(group)
+
+
+def _close_peer_connections(group: Any) -> None:
+    import socket
+
+    store = _store()
+    if store is None:
+        return
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - a dependency
+        return
+    rank, size = world(group)
+    host = socket.gethostname()
+    peers: set[int] = set()
+    for r in range(size):
+        if r == rank:
+            continue
+        try:
+            text = store.get(f"{_FAILED}/process/{r}").decode() if store.check([f"{_FAILED}/process/{r}"]) else ""
+        except Exception:
+            continue
+        name, _, pid = text.partition(" ")
+        if name == host and pid.isdigit():
+            peers.add(int(pid))
+    store_port = getattr(store, "port", None) or int(os.environ.get("MASTER_PORT", "0") or 0)
+    try:
+        everyone = psutil.net_connections(kind="tcp")
+        mine = psutil.Process().net_connections(kind="tcp")
+    except Exception:
+        return
+    owner = {(c.laddr.ip, c.laddr.port): c.pid for c in everyone if c.laddr}
+    for c in mine:
+        if not c.raddr or c.fd is None or c.fd < 0 or store_port in (c.laddr.port, c.raddr.port):
+            continue
+        if owner.get((c.raddr.ip, c.raddr.port)) in peers:
+            try:
+                with socket.socket(fileno=os.dup(c.fd)) as s:
+                    s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class failure_watch:
+    """While a lockstep step runs with NCCL, a thread watches the store for another rank's failure and
+    aborts this rank's process group, so that a collective this rank is blocked in fails at once
+    (gloo's blocked collectives fail by themselves when the failing rank destroys its group)."""
+
+    def __init__(self, group: Any = None, *, interval: float = 0.2) -> None:
+        self.group, self.interval = group, interval
+        self._stop: Any = None
+
+    def __enter__(self) -> failure_watch:
+        import threading
+
+        dist = torch.distributed
+        store = _store()
+        if store is None or not is_distributed() or dist.get_backend(self.group) != "nccl":
+            return self
+        rank = world(self.group)[0]
+        self._stop = threading.Event()
+
+        def watch() -> None:
+            while not self._stop.wait(self.interval):
+                told = _read_failure(store)
+                if told is not None and told[0] != rank:
+                    _abort(self.group)
+                    return
+
+        threading.Thread(target=watch, name="autotune-failure-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._stop is not None:
+            self._stop.set()
 
 
 def check_distinct_samples(batch: Any, device: torch.device | None = None, group: Any = None) -> None:

@@ -20,9 +20,11 @@ cannot run on their own, so everything happens in lockstep:
   micro-batch.
 
 The limit is counted, not enforced, for the same reason as in trials: on the CPU by the tensor
-ledger, on CUDA by the allocator's peak (the allocator is not capped). A real CUDA out-of-memory
-error inside a forward cannot be recovered in lockstep: that rank raises, and the others fail at
-the process group's timeout.
+ledger, on CUDA by the allocator's peak (the allocator is not capped). An error raised inside one
+rank's forward or backward (its own code, or a real CUDA out-of-memory error, which lockstep cannot
+recover from) stops every rank within seconds: that rank writes its error to the process group's
+store and aborts the group, so the others' pending collectives fail at once and they raise, naming
+it (:func:`autotune.distributed.stop_every_rank`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 
 from . import batches as B
-from .distributed import FINE, Agreement, check_distinct_samples, gather_numbers
+from .distributed import FINE, Agreement, announce, check_distinct_samples, failure_watch, gather_numbers, stop_every_rank
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
 from .step import forward_backward
@@ -63,6 +65,8 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         run.spare = B.slice_batch(window[0].batch, 0, min(run.plan.min_micro_batch, window[0].samples))
     bn_saved = run._save_bn()
     device, group = run.device, run.par.group
+    if not run.checked_samples:  # once per run: where a failing peer finds this process
+        announce(group)
     world_size = run.world_size
     while True:
         has = window is not None and failure is None
@@ -88,7 +92,11 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
             )
         count = max(int(r[1]) for r in rows)
         scale = world_size * (window.items if has else 0) / total_items
-        peak, loss_sum = _run_micro_batches(run, window if has else None, count, scale)
+        try:
+            with failure_watch(group):
+                peak, loss_sum = _run_micro_batches(run, window if has else None, count, scale)
+        except Exception as exc:  # inside collective forwards: every rank stops within seconds, naming the cause
+            stop_every_rank(exc, group, what="in this window")
         over = run.limit is not None and peak > run.limit
         rows = gather_numbers([float(over), loss_sum, float(peak)], device, group)
         if not any(r[0] for r in rows):

@@ -39,11 +39,19 @@ class NoiseScale:
     """A measured gradient noise scale.
 
     Attributes:
-        value: ``B_simple``, in loss items (samples, or what ``count`` counts).
-        error: its standard error (from the spread of the per-step estimates).
-        steps: how many windows it averages (the moving averages' effective length).
+        value: ``B_simple``, in loss items (samples, or what ``count`` counts): the ratio of the
+            averaged ``tr(S)`` and ``|G|^2`` estimates (``inf`` when ``|G|^2`` averages <= 0: the
+            gradient is not told apart from its noise).
+        error: its standard error (delta method over the averaged windows; ``inf`` with ``value``).
+        steps: the effective number of windows the averages hold (``(sum w)^2 / sum w^2`` of their
+            weights: for the moving average of many windows about 199, for a few their count).
         gradient_sq: the averaged ``|G|^2`` estimate.
         trace: the averaged ``tr(S)`` estimate.
+        low: the lower end of the range the noise scale lies in at the stated level (two standard
+            errors, about 95%; Fieller's interval for a ratio of means, which stays honest when
+            ``|G|^2`` is barely told from its noise).
+        high: the upper end (``inf`` when ``|G|^2`` is not two standard errors above zero: then the
+            noise scale is only known to be at least ``low``).
     """
 
     value: float
@@ -51,9 +59,17 @@ class NoiseScale:
     steps: float
     gradient_sq: float
     trace: float
+    low: float = 0.0
+    high: float = math.inf
 
     def __str__(self) -> str:
-        return f"~{self.value:,.0f} items (±{self.error:,.0f}, {self.steps:.0f} windows)"
+        if math.isinf(self.high):
+            return f"at least ~{self.low:,.0f} items (the gradient is not told from its noise; {self.steps:.0f} windows)"
+        return f"~{self.value:,.0f} items (between {self.low:,.0f} and {self.high:,.0f}; {self.steps:.0f} windows)"
+
+
+# The ranges said are two standard errors wide on each side (about 95% for a normal estimate).
+Z = 2.0
 
 
 class NoiseMeter:
@@ -67,6 +83,7 @@ class NoiseMeter:
         self.beta = beta
         self.n = 0
         self._g = self._t = self._g2 = self._t2 = self._gt = 0.0
+        self._w2 = 0.0  # the sum of the squared weights, for the effective number of windows
 
     def add(self, small_sq: float, small: float, big_sq: float, big: float) -> None:
         """One window: ``|G_b|^2`` of ``small`` items and ``|G_B|^2`` of ``big`` items."""
@@ -80,56 +97,83 @@ class NoiseMeter:
         self._g2 = b * self._g2 + (1 - b) * g * g
         self._t2 = b * self._t2 + (1 - b) * t * t
         self._gt = b * self._gt + (1 - b) * g * t
+        self._w2 = b * b * self._w2 + (1 - b) ** 2
         self.n += 1
 
     def estimate(self) -> NoiseScale | None:
-        """The current estimate, or None before two windows or while ``|G|^2`` averages <= 0."""
+        """The current estimate and its range, or None before two windows."""
         if self.n < 2:
             return None
-        correction = 1 - self.beta**self.n
-        g, t = self._g / correction, self._t / correction
+        w1 = 1 - self.beta**self.n  # the sum of the weights: the bias correction
+        g, t = self._g / w1, self._t / w1
+        steps = w1 * w1 / self._w2
+        # weighted variances and covariance of the per-window estimates (unbiased for the weights)
+        spread = steps / (steps - 1) if steps > 1 else 1.0
+        var_g = max(self._g2 / w1 - g * g, 0.0) * spread
+        var_t = max(self._t2 / w1 - t * t, 0.0) * spread
+        cov = (self._gt / w1 - g * t) * spread
+        vg, vt, c = var_g / steps, var_t / steps, cov / steps  # of the averages
         if g <= 0 or t <= 0:
-            return None
-        var_g = max(self._g2 / correction - g * g, 0.0)
-        var_t = max(self._t2 / correction - t * t, 0.0)
-        cov = self._gt / correction - g * t
-        # the windows the averages hold: n for few, 1 / (1 - beta) * (1 + beta) for many
-        steps = min(float(self.n), (1 + self.beta) / (1 - self.beta))
-        ratio = t / g
-        rel = (var_t / (t * t) + var_g / (g * g) - 2 * cov / (t * g)) / steps  # the delta method
-        return NoiseScale(ratio, ratio * math.sqrt(max(rel, 0.0)), steps, g, t)
+            value, error = math.inf, math.inf
+        else:
+            value = t / g
+            error = value * math.sqrt(max(vt / (t * t) + vg / (g * g) - 2 * c / (t * g), 0.0))  # the delta method
+        low, high = _fieller(t, g, vt, vg, c)
+        return NoiseScale(value, error, steps, g, t, low, high)
+
+
+def _fieller(t: float, g: float, vt: float, vg: float, c: float) -> tuple[float, float]:
+    """The range of ``t / g`` at :data:`Z` standard errors (Fieller's theorem): the ``rho`` with
+    ``(t - rho g)^2 <= Z^2 var(t - rho g)``. When ``g`` is not ``Z`` errors above zero the range has no
+    upper end; its lower end is then the smallest ratio of ``t`` and ``g`` within their ranges."""
+    z2 = Z * Z
+    a = g * g - z2 * vg
+    if a > 0:
+        b = t * g - z2 * c
+        disc = max(b * b - a * (t * t - z2 * vt), 0.0)
+        root = math.sqrt(disc)
+        return max((b - root) / a, 0.0), (b + root) / a
+    top = t - Z * math.sqrt(vt)
+    return (max(top, 0.0) / (g + Z * math.sqrt(vg)) if g + Z * math.sqrt(vg) > 0 else 0.0), math.inf
 
 
 def advice(noise: NoiseScale, target: int) -> str | None:
-    """Plain words when ``target`` (loss items per step, as the noise scale) is far from the noise
-    scale (None when it is within 2x of it).
+    """Plain words when ``target`` (loss items per step, as the noise scale) is clearly far from the
+    noise scale: its whole range (``noise.low`` to ``noise.high``) more than 2x away; else None.
 
-    From ``S = S_min (1 + B_noise / B)`` and ``E = E_min (1 + B / B_noise)``: at ``B = B_noise`` a
-    run takes twice the minimal steps and twice the minimal samples.
+    From ``S = S_min (1 + B_noise / B)`` and ``E = E_min (1 + B / B_noise)`` (McCandlish et al. 2018),
+    a target ``B`` takes ``(1 + B_noise / B) / 2`` times the optimizer steps and ``(1 + B / B_noise) / 2``
+    times the samples of a target at ``B_noise`` to reach the same loss.
 
     Example:
-        >>> print(advice(NoiseScale(600.0, 50.0, 100.0, 1.0, 600.0), 4096))
-        target 4096 is ~6.8x the measured noise scale (~600): each step costs 6.8x the samples of a step at 600 but makes at most 1.74x its progress, so reaching the same loss takes ~3.9x the samples. Consider a smaller target with more steps (noise scale ±50, 100 windows; an SGD-theory quantity, advice for Adam).
+        >>> print(advice(NoiseScale(600.0, 50.0, 100.0, 1.0, 600.0, 500.0, 700.0), 4096))
+        target 4096 is ~6.8x the measured noise scale (~600, between 500 and 700): reaching the same loss takes ~3.9x the samples of a target of 600, for ~0.57x its optimizer steps. Consider a smaller target with more steps (100 windows; an SGD-theory quantity, advice for Adam).
     """
     b = noise.value
-    if b <= 0 or 0.5 * b <= target <= 2 * b:
-        return None
-    tail = f" (noise scale ±{noise.error:,.0f}, {noise.steps:.0f} windows; an SGD-theory quantity, advice for Adam)."
-    ratio = target / b
-    if ratio > 2:
-        progress = 2.0 / (1.0 + b / target)  # per step, against a step at B_noise
-        samples = (1.0 + target / b) / 2.0  # samples to the same loss, against B_noise
+    tail = f" ({noise.steps:.0f} windows; an SGD-theory quantity, advice for Adam)."
+    if noise.high < target / 2 and b > 0:
+        samples = (1.0 + target / b) / 2.0
+        steps = (1.0 + b / target) / 2.0
         return (
-            f"target {target} is ~{ratio:.1f}x the measured noise scale (~{b:,.0f}): each step costs {ratio:.1f}x the samples "
-            f"of a step at {b:,.0f} but makes at most {progress:.2f}x its progress, so reaching the same loss takes "
-            f"~{samples:.1f}x the samples. Consider a smaller target with more steps" + tail
+            f"target {target} is ~{target / b:.1f}x the measured noise scale (~{b:,.0f}, between {noise.low:,.0f} and "
+            f"{noise.high:,.0f}): reaching the same loss takes ~{samples:.1f}x the samples of a target of {b:,.0f}, for "
+            f"~{steps:.2f}x its optimizer steps. Consider a smaller target with more steps" + tail
         )
-    steps = (1.0 + b / target) / 2.0
-    return (
-        f"target {target} is ~{1 / ratio:.1f}x below the measured noise scale (~{b:,.0f}): reaching the same loss takes "
-        f"~{steps:.1f}x the optimizer steps of a target of {b:,.0f}, for about the same samples. A larger target "
-        "(more accumulation) would need fewer steps" + tail
-    )
+    if noise.low > 2 * target:
+        at_least = noise.low
+        if math.isinf(noise.high):
+            said = f"at least ~{at_least:,.0f}"
+        else:
+            said = f"~{b:,.0f}, between {noise.low:,.0f} and {noise.high:,.0f}"
+        # the most conservative reading: the noise scale at its lower end
+        steps = (1.0 + at_least / target) / 2.0
+        samples = (1.0 + target / at_least) / 2.0
+        return (
+            f"target {target} is below the measured noise scale ({said}): reaching the same loss takes at least "
+            f"~{steps:.1f}x the optimizer steps of a target of {at_least:,.0f}, and ~{samples:.2f}x its samples. A larger "
+            "target (more accumulation) would need fewer steps" + tail
+        )
+    return None
 
 
 def noise_scale(
@@ -163,11 +207,12 @@ def noise_scale(
         precision: as for :func:`autotune.fit`.
 
     Returns:
-        The :class:`NoiseScale`, or None when ``|G|^2`` could not be told from the noise.
+        The :class:`NoiseScale` (open-ended above, ``high`` infinite, when ``|G|^2`` could not be
+        told from its noise), or None with fewer than two windows.
 
     Example:
         >>> autotune.noise_scale(model, loader, micro_batch=32)  # doctest: +SKIP
-        NoiseScale(value=612.4, error=48.0, steps=50.0, ...)
+        NoiseScale(value=612.4, error=48.0, steps=46.3, ..., low=520.0, high=730.1)
     """
     import torch
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import batches as B
-from .distributed import gather_numbers
+from .distributed import announce, failure_watch, gather_numbers, stop_every_rank
 from .errors import AutotuneError
 from .estimate import estimator_for
 from .memory import (
@@ -188,26 +188,21 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
     The ranks' budgets may differ (per-rank limits), so the search runs against the smallest and
     each trial reports the tightest rank's peak shifted onto it: ``max_r(peak_r - budget_r) +
     min_r(budget_r)``. A size then fits when it fits on every rank, and every rank's search takes
-    the same path (a different path would pair different collectives). A trial that fails on one
-    rank for another reason than memory stops every rank.
+    the same path (a different path would pair different collectives). A trial that raises on one
+    rank (its own error, or a real out-of-memory error inside a forward, which lockstep cannot
+    recover from) stops every rank within seconds (:func:`autotune.distributed.stop_every_rank`).
     """
+    announce()  # where a failing peer finds this process
     common = int(min(r[0] for r in gather_numbers([float(budget)], work.device)))
 
     def real(b: int) -> Measurement:
-        failure: BaseException | None = None
         try:
-            measured = measure(b)
-        except Exception as exc:
-            failure, measured = exc, Measurement(False, 0)
-        rows = gather_numbers([float(failure is not None), float(measured.fits), float(measured.peak - budget)], work.device)
-        failed = [r for r, row in enumerate(rows) if row[0]]
-        if failure is not None:
-            raise failure
-        if failed:
-            raise AutotuneError(
-                f"rank {failed[0]} failed in its trial at micro-batch {b} (its own error says why); every rank stops"
-            )
-        return Measurement(all(r[1] for r in rows), int(max(r[2] for r in rows)) + common)
+            with failure_watch():
+                measured = measure(b)
+        except Exception as exc:  # inside collective forwards: every rank stops within seconds, naming the cause
+            stop_every_rank(exc, what=f"in its trial at micro-batch {b}")
+        rows = gather_numbers([float(measured.fits), float(measured.peak - budget)], work.device)
+        return Measurement(all(r[0] for r in rows), int(max(r[1] for r in rows)) + common)
 
     return real, common
 
@@ -265,7 +260,7 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
             step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision, finite=snapshot.zero_lr)
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
-        if not is_out_of_memory(exc):
+        if not is_out_of_memory(exc) or work.fsdp:  # under FSDP2 the others wait in a collective: see _in_lockstep
             raise
         oom = True
         exc.__traceback__ = None  # drop the frames that hold the step's tensors

@@ -127,14 +127,17 @@ class FitResult:
         history: one :class:`StepRecord` per optimizer step.
         bn_tuning: the momentum study of ``bn=OptunaBN(...)`` (else None).
         noise_scale: the gradient noise scale over the run (:class:`autotune.noise.NoiseScale`:
-            value, standard error, windows averaged), None when it was not measured (one
-            micro-batch per window in one process, or ``noise_scale=False``).
+            value, its range, windows averaged), None when it was not measured (``noise_note``
+            says why).
+        noise_note: why the noise scale is missing or only a lower bound, in words; None when it
+            was measured with both ends of its range.
     """
 
     plan: Plan
     history: tuple[StepRecord, ...]
     bn_tuning: Any = None
     noise_scale: Any = None
+    noise_note: str | None = None
 
     def advice(self) -> str | None:
         """Plain words when the target batch is far from the measured noise scale (else None).
@@ -359,16 +362,19 @@ def fit(
             "leave precision out, or make a new plan with this precision"
         )
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    # Every rank looks at its first batches: one whose dataset raises stops them all, together.
-    on_every_rank(_check_count, loader, count, par.group, device=None, group=par.group, what="looking at its first batches")
-    if plan is not None and not par.fsdp and not is_one_shot(loader):
-        # Without a probe, nothing has run the loss on this loader's batches yet: one forward and
-        # backward on a sample of the first, put back after, so a bad batch or loss is refused now
-        # (on the model's device: moving it is the setup's). Under FSDP2 a forward is collective:
-        # the first window checks it, every rank together.
-        model_device = next(inner.parameters()).device
-        on_every_rank(lambda: check_step(inner, loss_fn or default_loss, loader, device=model_device, precision=precision_name),
-                      device=None, group=par.group, what="running its loss on its first batch")
+    # Every rank looks at its first batches: one whose dataset raises stops them all, together (one
+    # small collective). Without a probe, nothing has run the loss on this loader's batches yet: one
+    # forward and backward on a sample of the first, put back after, so a bad batch or loss is refused
+    # now (on the model's device: moving it is the setup's). Under FSDP2 a forward is collective: the
+    # first window checks it, every rank together.
+    check_loss = plan is not None and not par.fsdp and not is_one_shot(loader)
+
+    def look() -> None:
+        _check_count(loader, count, par.group)
+        if check_loss:
+            check_step(inner, loss_fn or default_loss, loader, device=next(inner.parameters()).device, precision=precision_name)
+
+    on_every_rank(look, device=None, group=par.group, what="looking at its first batches")
 
     # --- setup ----------------------------------------------------------------------------------
     device = _fit_device(model, device)
@@ -462,8 +468,29 @@ def fit(
             recording=run.bnc.recording,
         )
         tuning = mode.finish(inner, finished)
+    measured = run.noise.estimate() if run.noise is not None else None
     return FitResult(plan=run.plan, history=tuple(history), bn_tuning=tuning,
-                     noise_scale=run.noise.estimate() if run.noise is not None else None)
+                     noise_scale=measured, noise_note=_noise_note(measured, run, noise_scale))
+
+
+def _noise_note(noise: Any, run: _Run, asked: bool | int) -> str | None:
+    """Why ``FitResult.noise_scale`` is missing or open-ended (None when it is measured)."""
+    if asked is False:
+        return "not measured: noise_scale=False"
+    if run.par.fsdp:
+        return "not measured under FSDP2: its backward averages the gradients over the ranks, and the meter needs a rank's own"
+    if noise is None:
+        measured = run.noise.n if run.noise is not None else 0
+        return (
+            f"not measurable: {measured} window(s) of more than one micro-batch were measured and it takes two (a window "
+            "of one micro-batch has no smaller gradient to compare with; a target that fits in one micro-batch has none)"
+        )
+    if math.isinf(noise.high):
+        return (
+            f"only a lower bound: the window's gradient was not told apart from its noise over {noise.steps:.0f} windows "
+            "(the noise scale is far above the target, or the run is short); it is at least noise_scale.low"
+        )
+    return None
 
 
 def _total_steps(loader: Iterable[Any], plan: Plan, epochs: int, max_steps: int | None) -> int | None:
@@ -827,7 +854,7 @@ class _Run:
                 self.noise.add(float(small_sq) / (weight * weight) / scale, items, big_sq / scale, float(agreed.items))
             self.noise_seconds = time.perf_counter() - start + self.first_norm_seconds
         estimate = self.noise.estimate()
-        return estimate.value if estimate is not None else None
+        return estimate.value if estimate is not None and math.isfinite(estimate.value) else None
 
     def pace_noise(self, step_seconds: float) -> None:
         """Measure the next window or not: at most 1% of the step time goes to the meter.

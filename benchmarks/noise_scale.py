@@ -7,13 +7,24 @@ standard error and the windows it averages) and ``fit``'s advice, then the overh
 ``fit`` with ``noise_scale=True`` against ``noise_scale=False``, interleaved runs, the median ratio
 of the times.
 
+Then how honest the stated range is (``--coverage``, or alone with ``--coverage-only``): over
+repeated runs at fixed weights (learning rate 0, so the truth does not move), each on its own
+samples, how often the range ``[low, high]`` covers the true noise scale, how often it is open-ended
+(the gradient not told from its noise), the median estimate over the truth, and how often advice is
+given. Two problems with a known truth: linear regression with Gaussian inputs and noise (closed
+form), and an MLP near and off a fixed teacher, its truth computed from 50,000 per-example gradients. Beside
+them, the coverage of ``value +- 2 * error`` as autotune computed it before (delta method, windows
+counted as if independent), for comparison.
+
     python benchmarks/noise_scale.py            # a minute or two on 2 CPU cores
+    python benchmarks/noise_scale.py --coverage-only
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import sys
 import time
@@ -28,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from quickstart import cnn, digits  # noqa: E402
 
 import autotune  # noqa: E402
+from autotune.noise import NoiseMeter, advice  # noqa: E402
 
 
 class TinyLM(nn.Module):
@@ -81,11 +93,129 @@ def workloads():
     yield ("small LM (tokens)", TinyLM, text(2048), lm_loss, tokens, plan_for(64, 16), 3)
 
 
+# --- coverage of the stated range ------------------------------------------------------------------
+
+
+def _old_range(meter: NoiseMeter) -> tuple[float, float] | None:
+    """value +- 2 * error as autotune stated it before: delta method over min(windows, 199) as if
+    the windows were independent and equally weighted; None where it returned None (|G|^2 <= 0)."""
+    n, beta = meter.n, meter.beta
+    w1 = 1 - beta**n
+    g, t = meter._g / w1, meter._t / w1
+    if n < 2 or g <= 0 or t <= 0:
+        return None
+    var_g, var_t = max(meter._g2 / w1 - g * g, 0.0), max(meter._t2 / w1 - t * t, 0.0)
+    cov = meter._gt / w1 - g * t
+    steps = min(float(n), (1 + beta) / (1 - beta))
+    value = t / g
+    error = value * math.sqrt(max((var_t / (t * t) + var_g / (g * g) - 2 * cov / (t * g)) / steps, 0.0))
+    return value - 2 * error, value + 2 * error
+
+
+def linear_regression(seed: int, windows: int, small: int, big: int, *, d: int = 8, sigma: float = 0.5, delta2: float = 0.002):
+    """(|G_b|^2, |G_B|^2) per window, and the closed-form truth (see tests/test_noise.py)."""
+    g = torch.Generator().manual_seed(0)
+    w_star = torch.randn(d, generator=g, dtype=torch.float64)
+    delta = torch.randn(d, generator=g, dtype=torch.float64)
+    delta = delta / delta.norm() * math.sqrt(delta2)
+    g = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(windows, big, d, generator=g, dtype=torch.float64)
+    y = x @ w_star + sigma * torch.randn(windows, big, generator=g, dtype=torch.float64)
+    per_example = 2 * x * ((x @ (w_star + delta)) - y).unsqueeze(-1)
+    pairs = list(zip(per_example[:, :small].mean(1).square().sum(-1).tolist(), per_example.mean(1).square().sum(-1).tolist()))
+    return pairs, ((d + 1) * delta2 + sigma**2 * d) / delta2
+
+
+class Teacher:
+    """An MLP student at fixed weights near a random teacher (each weight off by ``off``), regressing
+    it under label noise: the closer, the smaller |G|^2 and the larger the noise scale."""
+
+    def __init__(self, off: float) -> None:
+        torch.manual_seed(3)
+        self.student = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).double()
+        self.teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).double()
+        with torch.no_grad():
+            for s, t in zip(self.student.parameters(), self.teacher.parameters()):
+                s.copy_(t + off * torch.randn_like(t))
+        self.params = {k: v.detach() for k, v in self.student.named_parameters()}
+
+    def data(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 16, generator=g, dtype=torch.float64)
+        with torch.no_grad():
+            y = self.teacher(x).squeeze(-1) + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+        return x, y
+
+    def per_example(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.func import functional_call, grad, vmap
+
+        def loss(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            return (functional_call(self.student, params, (xi.unsqueeze(0),)).squeeze() - yi) ** 2
+
+        grads = vmap(grad(loss), in_dims=(None, 0, 0))(self.params, x, y)
+        return torch.cat([v.reshape(len(x), -1) for v in grads.values()], dim=1)
+
+    def truth(self) -> float:
+        x, y = self.data(50_000, seed=1)
+        g = self.per_example(x, y)
+        mean = g.mean(0)
+        return float(((g - mean).square().sum(1).mean()) / mean.square().sum())
+
+
+def mlp_windows(teacher: Teacher, seed: int, windows: int, small: int, big: int) -> list[tuple[float, float]]:
+    x, y = teacher.data(windows * big, seed=2000 + seed)
+    g = teacher.per_example(x, y).view(windows, big, -1)
+    return list(zip(g[:, :small].mean(1).square().sum(-1).tolist(), g.mean(1).square().sum(-1).tolist()))
+
+
+def coverage(runs: int) -> None:
+    near, far = Teacher(0.01), Teacher(0.05)
+    near_truth, far_truth = near.truth(), far.truth()
+    cases = [
+        ("linear regression, target 64 (8 x 8)", lambda s: linear_regression(s, 150, 8, 64)),
+        ("linear regression, target 512 (64 x 8)", lambda s: linear_regression(s, 150, 64, 512)),
+        ("MLP near its teacher, target 64 (8 x 8)", lambda s: (mlp_windows(near, s, 150, 8, 64), near_truth)),
+        ("MLP near its teacher, target 512 (64 x 8)", lambda s: (mlp_windows(near, s, 150, 64, 512), near_truth)),
+        ("MLP off its teacher, target 64 (8 x 8)", lambda s: (mlp_windows(far, s, 150, 8, 64), far_truth)),
+    ]
+    print(f"coverage of the stated range over {runs} runs of 150 windows each (fixed weights, fresh samples per run)")
+    print(f"{'problem':<44}{'truth':>9}{'covered':>9}{'open':>7}{'median/truth':>14}{'advised':>9}{'before: covered':>17}{'None':>6}")
+    for name, make in cases:
+        covered = open_ended = advised = old_covered = old_none = 0
+        ratios = []
+        truth = 0.0
+        for seed in range(runs):
+            pairs, truth = make(seed)
+            small, big = (8, 64) if "target 64" in name else (64, 512)
+            meter = NoiseMeter()
+            for gs, gb in pairs:
+                meter.add(gs, small, gb, big)
+            est = meter.estimate()
+            covered += est.low <= truth <= est.high
+            open_ended += math.isinf(est.high)
+            advised += advice(est, big) is not None
+            if math.isfinite(est.value):
+                ratios.append(est.value / truth)
+            old = _old_range(meter)
+            old_none += old is None
+            old_covered += old is not None and old[0] <= truth <= old[1]
+        median = statistics.median(ratios) if ratios else float("nan")
+        print(f"{name:<44}{truth:>9,.0f}{covered / runs:>9.0%}{open_ended / runs:>7.0%}{median:>14.2f}{advised / runs:>9.0%}"
+              f"{old_covered / runs:>17.0%}{old_none / runs:>6.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--coverage", action="store_true", help="also measure how often the stated range covers the truth")
+    parser.add_argument("--coverage-only", action="store_true")
+    parser.add_argument("--coverage-runs", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.coverage or args.coverage_only:
+        coverage(args.coverage_runs)
+        if args.coverage_only:
+            return
     for name, make, loader, loss_fn, count, plan, epochs in workloads():
         torch.manual_seed(0)
         model = make()

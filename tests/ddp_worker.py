@@ -193,6 +193,9 @@ def run(rank: int, world: int, port: int, outdir: str, scenario: str, config: di
                 out = SCENARIOS[scenario](rank, world, config)
             except Exception as exc:
                 out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "at": time.time()}
+                if config.get("linger"):  # a failing process that does not exit: its exit must not be what frees the others
+                    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+                    time.sleep(config["linger"])
         out["warnings"] = [str(w.message) for w in caught]
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         if "error" not in out:
@@ -439,7 +442,18 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     model = shard(TokenModel())
     opt = (torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1) if c.get("optimizer") == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.5))
-    plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=token_loss,
+    loss_fn = token_loss
+    if c.get("fail_rank") == rank:  # an error inside this rank's forward, at its n-th training micro-batch
+        calls: list[int] = []
+
+        def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:  # noqa: F811
+            if not autotune.is_planning():
+                calls.append(1)
+                if len(calls) == c["fail_call"]:
+                    raise ValueError("a failure inside the forward")
+            return token_loss(model, batch)
+
+    plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=loss_fn,
                          memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False)
     limit = c.get("train_limits", c["limits"])[rank]
     ledger = TensorLedger("cpu")
@@ -447,7 +461,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     if c.get("preloaded"):
         ledger.ignore(t for batch in loader for t in batch)
     with ledger:
-        result = autotune.fit(model, loader, plan=plan, optimizer=opt, loss_fn=token_loss, count=count_tokens,
+        result = autotune.fit(model, loader, plan=plan, optimizer=opt, loss_fn=loss_fn, count=count_tokens,
                               memory_limit=limit, lr_rule="none", progress=False, epochs=c.get("epochs", 1),
                               pad=autotune.pad_to_longest if c.get("pad") else None)
     return {

@@ -161,6 +161,19 @@ def test_a_bad_sample_on_one_rank_stops_every_rank_within_seconds(tmp_path, bad,
     assert_stopped_together(tmp_path, "fsdp", config, bad, when)
 
 
+def test_an_error_inside_one_ranks_forward_stops_every_rank_within_seconds(tmp_path):
+    """Rank 1 raises inside its forward, in the middle of a window, while rank 0 waits in that forward's
+    collective; rank 1 then lingers (no exit frees rank 0). Rank 0 stops within seconds, naming rank 1
+    and its error, well before the process group's 20 s timeout."""
+    config = {"n": 96, "target": 24, "lengths": (6, 6), "limits": [BIG, BIG], "fail_rank": 1, "fail_call": 3, "linger": 25}
+    W.launch(2, str(tmp_path), "fsdp", config, timeout=60)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert outs[1]["error"] == "ValueError: a failure inside the forward"
+    assert outs[0]["error"].startswith("AutotuneError: rank 1 failed in this window, so every rank stops")
+    assert "a failure inside the forward" in outs[0]["error"]
+    assert outs[0]["at"] - outs[1]["at"] < 10
+
+
 # --- one process: what is refused ---------------------------------------------------------------
 
 

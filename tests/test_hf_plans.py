@@ -94,3 +94,4 @@ def test_one_real_trial_finds_the_largest_size_and_fit_trains_it(name, padded):
     assert plan.micro_batch_for(loader[0]) == plan.micro_batch
     result = autotune.fit(model, loader, plan=plan, optimizer=opt, max_steps=1, progress=False)
     assert result.history[0].micro_batches == plan.micro_batches  # the verified micro-batch, on the probed shape
+    assert result.noise_scale is None and "it takes two" in result.noise_note  # one window: said, not silent
