@@ -12,7 +12,10 @@ from torch import nn
 
 import ddp_worker as W
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.slow,  # processes of their own: skipped by `pytest -m "not slow"`, run by CI
+]
 
 
 def shares(target, world, window=0):

@@ -25,6 +25,17 @@ def test_quickstart_accumulates_and_learns():
     assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.9
 
 
+@pytest.mark.parametrize("name", ["hf_trainer.py", "lightning_callback.py", "accelerate_script.py"])
+def test_the_trainer_examples_keep_the_target(name):
+    pytest.importorskip({"hf_trainer.py": "transformers", "lightning_callback.py": "lightning", "accelerate_script.py": "accelerate"}[name])
+    out = run(name)
+    kept = re.search(r"(\d+) per device x (\d+) accumulation steps x 1 device\(s\) = (\d+) samples", out)
+    micro, steps, target = map(int, kept.groups())
+    assert steps > 1 and micro * steps == target
+    if name != "hf_trainer.py":
+        assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.9
+
+
 def test_multitask_example_learns_both_heads():
     out = run("multitask.py")
     digit, parity = map(float, re.search(r"digit ([\d.]+), parity ([\d.]+)", out).groups())
@@ -48,12 +59,14 @@ def torchrun(name, cwd):
     return done.stdout
 
 
+@pytest.mark.slow
 def test_ddp_example_under_torchrun(tmp_path):
     out = torchrun("ddp.py", tmp_path)
     assert "world_size=2" in out and "effective_batch=1024" in out
     assert int(re.search(r"accumulation_steps=(\d+)", out).group(1)) > 1
 
 
+@pytest.mark.slow
 def test_fsdp_example_under_torchrun(tmp_path):
     out = torchrun("fsdp.py", tmp_path)
     assert "estimate: 2 ranks" in out and "world_size=2" in out and "effective_batch=512" in out

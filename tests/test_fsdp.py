@@ -15,7 +15,10 @@ import ddp_worker as W
 from test_distributed import assert_exact, assert_pooled_is_one_global_forward, assert_stopped_together, results
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.slow,  # processes of their own: skipped by `pytest -m "not slow"`, run by CI
+]
 
 BIG = "64MiB"
 

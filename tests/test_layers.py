@@ -46,6 +46,21 @@ def imports(path: Path) -> tuple[set[str], bool]:
     return found - {path.stem}, top_torch
 
 
+INTEGRATIONS = PACKAGE / "integrations"  # above everything: each may import any module of the package
+
+
+def test_the_integrations_import_nothing_above_them_and_no_trainer_at_the_top():
+    for path in INTEGRATIONS.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level: the trainers are imported where they are used
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.split(".")[0] in ("transformers", "accelerate") for n in names), path.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                assert (node.module or "").split(".")[0] not in ("cli", "__init__"), path.name
+
+
 def test_every_module_has_its_place_in_the_layers():
     modules = {p.stem for p in PACKAGE.glob("*.py")}
     assert modules == set(LAYERS), f"place these in LAYERS: {sorted(modules - set(LAYERS))}; gone: {sorted(set(LAYERS) - modules)}"

@@ -1,0 +1,95 @@
+"""Accelerate, planned: the micro-batch for your DataLoader and the accumulation for your Accelerator.
+
+Accelerate's ``find_executable_batch_size`` retries a function with a smaller batch after each
+out-of-memory error and knows nothing of accumulation. :func:`plan_accumulation` plans once, with
+your model, optimizer, loss and a loader of your batches, and returns the per-device micro-batch and
+``gradient_accumulation_steps`` that reach the target exactly; with ``apply=True`` (the default) it
+also sets ``accelerator.gradient_accumulation_steps``. Your script then builds its DataLoader with
+``settings.micro_batch`` and trains with ``accelerator.accumulate(model)``::
+
+    settings = autotune.integrations.accelerate.plan_accumulation(
+        accelerator, model, DataLoader(dataset, batch_size=32), target_batch=256, optimizer=optimizer,
+    )
+    loader = DataLoader(dataset, batch_size=settings.micro_batch, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+
+Plan before ``accelerator.prepare``: the model then still holds its own parameters (not a DDP
+wrapper's), on the device you move it to. Exactness: ``accelerator.backward`` divides each
+micro-batch's loss by the accumulation steps, exact for these equal micro-batches of a loss that is
+the mean over samples, not for token losses with padding (a note says so: ``autotune.accumulate``
+weights each micro-batch by its items). At an epoch's end Accelerate steps on what is left, still
+divided by the full accumulation: give an epoch a multiple of ``micro_batch x accumulation_steps``
+samples for exact steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..planner import plan as make_plan
+from ..step import LossFn
+from .common import TrainerSettings, equal_settings, missing
+
+__all__ = ["plan_accumulation"]
+
+
+def plan_accumulation(
+    accelerator: Any,
+    model: torch.nn.Module,
+    loader: Iterable[Any],
+    *,
+    target_batch: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    memory_limit: int | str | None = None,
+    headroom: float | None = None,
+    lr_rule: str = "none",
+    base_batch: int | None = None,
+    apply: bool = True,
+) -> TrainerSettings:
+    """The micro-batch and the accumulation steps for an Accelerate script, planned on its device.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` the script trains with (its device, mixed
+            precision and number of processes are read).
+        model: the model, not yet prepared, on the accelerator's device.
+        loader: a re-iterable of batches of your data (any batch size: it is looked at, not trained on).
+        target_batch: samples per optimizer step over all processes.
+        optimizer: the optimizer (default: AdamW at 1e-3); its learning rate is read, never changed.
+        loss_fn: ``loss_fn(model, batch) -> scalar`` (default: see :func:`autotune.step.default_loss`).
+        memory_limit: as for :func:`autotune.plan` (default: what the device has).
+        headroom: as for :func:`autotune.plan`.
+        lr_rule: ``"none"`` (default), or a rule whose scaled learning rate ``settings.learning_rate``
+            gives you (set it yourself: Accelerate has no learning rate of its own).
+        base_batch: the batch the learning rate was tuned at (default: the loader's).
+        apply: set ``accelerator.gradient_accumulation_steps`` to the plan's.
+
+    Returns:
+        :class:`autotune.integrations.common.TrainerSettings`.
+    """
+    try:
+        from accelerate import Accelerator
+    except ImportError:  # pragma: no cover - the extra
+        raise missing("accelerate", "accelerate") from None
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"Invalid accelerator of type {type(accelerator).__name__}: pass the accelerate.Accelerator of the script")
+    precision = {"bf16": "bf16", "fp16": "fp16"}.get(str(getattr(accelerator, "mixed_precision", "no")), "fp32")
+    plan = make_plan(model, loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn, device=accelerator.device,
+                     memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule, base_batch=base_batch, precision=precision,
+                     progress=False)
+    lr = (optimizer.param_groups[0]["lr"] if optimizer is not None else 1e-3)
+    exactness = ("accelerator.backward divides each micro-batch's loss by the accumulation steps: exact for these equal "
+                 "micro-batches of a loss that is the mean over samples, not for token losses with padding, nor for an epoch's "
+                 "shorter last step; autotune.accumulate weights each micro-batch by its items")
+    settings = equal_settings(plan, lr_rule=lr_rule, learning_rate=lr, warmup=False, exactness=exactness)
+    if apply:
+        accelerator.gradient_accumulation_steps = settings.accumulation_steps
+    return settings

@@ -1,0 +1,277 @@
+"""The real trainers, planned, on the CPU with tiny models under a memory limit the target does not fit:
+each trains the planned micro-batch and accumulation, every optimizer step sees the target's samples
+(counted from what the model saw), and where the trainer's accumulation is exact the first step's
+gradient equals one big batch's in float64 (a reference computed here, apart from autotune)."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import autotune
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+VOCAB, PAD = 500, 0
+
+
+# --- Hugging Face Trainer -----------------------------------------------------------------------
+
+
+class Texts(Dataset):
+    """Token sequences of different lengths (5 to 24), as a tokenizer leaves them."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(5, 25, (n,), generator=g)
+        self.items = [torch.randint(1, VOCAB, (int(n_),), generator=g) for n_ in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.items[i]}
+
+
+def pad_collate(samples):
+    """Pad to the longest in the batch: ids with PAD, labels with -100, an attention mask."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((len(samples), longest), PAD, dtype=torch.long)
+    mask = torch.zeros((len(samples), longest), dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[i, :n], mask[i, :n] = s["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class Seen:
+    """Per optimizer step: the samples the model saw in training forwards (unpadded), and the first step's gradients."""
+
+    def __init__(self, model):
+        self.steps, self.current, self.grads, self.micro = [], [], None, []
+        model.register_forward_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs, output):
+        if module.training and not autotune.is_planning():
+            ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+            self.current += [row[m.bool()].clone() for row, m in zip(ids, mask)]
+            self.micro.append(len(ids))
+
+    def step(self, model):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        self.steps.append(self.current)
+        self.current = []
+
+
+def lm_big_batch_grads(model, sequences):
+    """The gradient of the mean next-token loss over all the tokens of ``sequences``, each run alone."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    total = sum(F.cross_entropy(model(t.unsqueeze(0)).logits[0, :-1], t[1:], reduction="sum") for t in sequences)
+    (total / sum(len(t) - 1 for t in sequences)).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def float64_lm_loss(outputs, labels, num_items_in_batch=None):
+    """The next-token loss over the step's items, in float64 (transformers' own upcasts to float32)."""
+    logits, labels = outputs.logits[:, :-1], labels[:, 1:]
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return total / (num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum())
+
+
+@pytest.mark.parametrize("loss", ["float64", "the-models-own"])
+def test_the_hf_trainer_trains_the_planned_split_and_the_first_step_is_the_big_batch(tmp_path, loss):
+    """Token-weighted accumulation (the Trainer's num_items_in_batch) with a data collator that pads:
+    with the planned split every step is the exact token mean of its samples. The model's own loss
+    computes in float32 (transformers upcasts its logits), hence the looser bound there; and since a
+    GPT-2 built from a config has no loss_type, the Trainer counts unshifted labels, which prepare()
+    corrects (without it each step is scaled by (tokens - sequences) / tokens, about 7% here)."""
+    transformers = pytest.importorskip("transformers")
+    import hf_models
+    from autotune.integrations import hf
+
+    model = hf_models.gpt2(layers=2, dim=32, vocab=VOCAB, positions=64).double()
+    if loss == "float64":
+        model.loss_type = "ForCausalLM"  # as a config that names its loss: the Trainer then counts shifted labels itself
+    start = copy.deepcopy(model)
+    own = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=16, gradient_accumulation_steps=1, max_steps=2, learning_rate=0.1,
+        optim="sgd", lr_scheduler_type="constant", use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+        seed=0, dataloader_drop_last=True, max_grad_norm=0.0,  # no clipping: the gradient as accumulated
+    )
+    seen = Seen(model)
+
+    class Record(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            seen.step(model)
+
+    trainer = transformers.Trainer(model=model, args=own, train_dataset=Texts(64), data_collator=pad_collate, callbacks=[Record()],
+                                   compute_loss_func=float64_lm_loss if loss == "float64" else None)
+    before = dataclasses.asdict(own)
+    prepared = hf.prepare(trainer, memory_limit="2MiB", headroom=0, progress=False)
+    s = prepared.settings
+    assert s.effective_batch == 16 and s.accumulation_steps > 1 and s.micro_batch <= s.plan.micro_batch < 16
+    assert trainer.args is not own and dataclasses.asdict(own) == before  # your arguments untouched
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (s.micro_batch, s.accumulation_steps)
+    assert any("learning rate left as it is" in n for n in s.notes) and any("num_items_in_batch" in n for n in s.notes)
+    assert any("corrected for this Trainer" in n for n in s.notes) is (loss != "float64")
+    trainer.train()
+    assert [len(step) for step in seen.steps] == [16, 16]  # the target's samples, every step
+    assert set(seen.micro) == {s.micro_batch}
+    want = lm_big_batch_grads(start, seen.steps[0])
+    worst = max(((seen.grads[n] - g).abs().max() / g.abs().max()).item() for n, g in want.items())
+    assert worst <= (1e-12 if loss == "float64" else 1e-5)
+    prepared.restore()
+    assert trainer.args is own and "_inner_training_loop" not in trainer.__dict__
+
+
+def test_an_out_of_memory_retry_of_the_trainer_keeps_the_target(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import hf_models
+    from autotune.integrations import hf
+
+    model = hf_models.gpt2(layers=1, dim=32, vocab=VOCAB, positions=64).double()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=12, gradient_accumulation_steps=2, max_steps=1, learning_rate=0.1,
+        optim="sgd", use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", seed=0, auto_find_batch_size=True,
+    )
+    seen = Seen(model)
+
+    class Record(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            seen.step(model)
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Texts(48), data_collator=pad_collate, callbacks=[Record()])
+    prepared = hf.prepare(trainer, memory_limit="1GiB", progress=False)  # everything fits: 24 in one micro-batch
+    assert (prepared.settings.micro_batch, prepared.settings.accumulation_steps) == (24, 1)
+    failed = []
+
+    def first_forward_fails(module, args, kwargs):
+        if module.training and not failed and not autotune.is_planning():
+            failed.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")  # what the finder retries on
+
+    handle = model.register_forward_pre_hook(first_forward_fails, with_kwargs=True)
+    trainer.train()
+    handle.remove()
+    assert failed and prepared.retries  # the finder retried smaller, and the accumulation was raised with it
+    micro, steps = prepared.retries[-1]
+    assert micro * steps == 24 and micro < 24
+    assert [len(step) for step in seen.steps] == [24]  # the target kept
+
+
+# --- Lightning ------------------------------------------------------------------------------------
+
+
+def regression(n=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g, dtype=torch.float64)
+    return TensorDataset(x, x @ torch.randn(8, generator=g, dtype=torch.float64) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64))
+
+
+def test_lightning_trains_the_planned_split_restores_what_it_set_and_the_first_step_is_the_big_batch(tmp_path):
+    L = pytest.importorskip("lightning.pytorch")
+    from autotune.integrations.lightning import AutotuneCallback
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1)).double()
+    start = copy.deepcopy(net)
+    seen = {"x": [], "steps": [], "grads": None, "micro": []}
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.batch_size = net, 48
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if not autotune.is_planning():
+                seen["x"].append(x.clone())
+                seen["micro"].append(len(x))
+            loss = F.mse_loss(self.net(x).squeeze(-1), y)
+            self.log("loss", loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer):
+            if seen["grads"] is None:
+                seen["grads"] = [p.grad.clone() for p in self.net.parameters()]
+            seen["steps"].append(torch.cat(seen["x"]))
+            seen["x"] = []
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        def train_dataloader(self):
+            return DataLoader(regression(), batch_size=self.batch_size)
+
+    callback = AutotuneCallback(memory_limit="40KiB", headroom=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback], default_root_dir=str(tmp_path), precision="64-true")
+    module = Module()
+    trainer.fit(module)
+    s = callback.settings
+    assert s.effective_batch == 48 and s.accumulation_steps > 1 and s.micro_batch < 48
+    assert [len(step) for step in seen["steps"]] == [48, 48] and set(seen["micro"]) == {s.micro_batch}
+    assert module.batch_size == 48 and trainer.accumulate_grad_batches == 1  # put back when fitting ended
+    x, y = regression()[:48]
+    ref = copy.deepcopy(start)
+    F.mse_loss(ref(x).squeeze(-1), y).backward()
+    assert max((g - p.grad).abs().max().item() for g, p in zip(seen["grads"], ref.parameters())) <= 1e-12  # equal micro-batches: exact
+    assert any("divides each micro-batch's loss by accumulate_grad_batches" in n for n in s.notes)
+
+
+# --- Accelerate -----------------------------------------------------------------------------------
+
+
+def test_an_accelerate_script_trains_the_planned_split_and_the_first_step_is_the_big_batch():
+    accelerate = pytest.importorskip("accelerate")
+    from autotune.integrations.accelerate import plan_accumulation
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1)).double()
+    start = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    accelerator = accelerate.Accelerator(cpu=True)
+    data = regression()
+
+    def loss_fn(m, batch):
+        x, y = batch
+        return F.mse_loss(m(x).squeeze(-1), y)
+
+    settings = plan_accumulation(accelerator, model, DataLoader(data, batch_size=16), target_batch=48, optimizer=optimizer,
+                                 loss_fn=loss_fn, memory_limit="40KiB", headroom=0)
+    assert settings.effective_batch == 48 and settings.accumulation_steps > 1
+    assert accelerator.gradient_accumulation_steps == settings.accumulation_steps
+    loader = DataLoader(data, batch_size=settings.micro_batch, drop_last=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    steps, current, first = [], 0, None
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model, batch))
+            current += len(batch[0])
+            if accelerator.sync_gradients:
+                if first is None:
+                    first = [p.grad.clone() for p in model.parameters()]
+                steps.append(current)
+                current = 0
+            optimizer.step()
+            optimizer.zero_grad()
+    assert steps and set(steps) == {48}
+    x, y = data[:48]
+    ref = copy.deepcopy(start)
+    F.mse_loss(ref(x).squeeze(-1), y).backward()
+    assert max((g - p.grad).abs().max().item() for g, p in zip(first, ref.parameters())) <= 1e-12
+
+
+def test_the_integrations_are_not_imported_by_autotune():
+    import subprocess
+    import sys
+
+    code = "import sys, autotune; print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'accelerate') or m.startswith('autotune.integrations')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
