@@ -227,7 +227,7 @@ def main() -> None:
         early = [r.noise_scale for r in result.history[: len(result.history) // 4] if r.noise_scale]
         if early:
             print(f"  after the first quarter of the run: ~{early[-1]:,.0f}")
-        print(f"  advice: {result.advice() or 'the target is within 2x of the noise scale'}")
+        print(f"  advice: {result.advice() or 'none: the range is not clearly 2x away from the target'}")
         base = make()
         seconds: dict[bool, list[float]] = {True: [], False: []}
         for run in range(args.runs + 1):
