@@ -54,6 +54,7 @@ from .distributed import (
     FAILED,
     FINE,
     OUT_OF_MEMORY,
+    Agreement,
     GradientSync,
     Parallel,
     broadcast_model,
@@ -677,25 +678,76 @@ class _Run:
         return ledger
 
     def window(self, windows: Iterator[Window], *, drop_last: bool = False) -> tuple[float, Window | None, Any] | None:
-        """Run this rank's next window, then agree with the other ranks; redo it smaller after an OOM.
+        """Run the next window, in the way of this run's mode, and say what happened in it.
 
-        Nothing inside the window talks to another rank. At its end one all-reduce tells every
-        rank what happened everywhere: if a rank ran out of memory, that rank (only) undoes its
-        window and redoes it with a smaller micro-batch while the others wait with their gradients
-        kept; if a rank failed, every rank raises, with that rank's message.
+        Three modes, one method each: one process (:meth:`_single_window`: nothing to agree on), data
+        parallel ranks (:meth:`_data_parallel_window`: each rank runs its window alone, then one
+        all-reduce agrees on it and sums the gradients) and sharded ranks (FSDP2,
+        :func:`autotune.fsdp.run_window`: every micro-batch in lockstep).
 
         Returns ``(global mean loss, this rank's window, the agreement)``, or None when no rank
         has a window left (the epoch is over for all).
         """
         if self.par.fsdp:
             return fsdp_window(self, windows, drop_last=drop_last)
+        if self.sync.distributed:
+            return self._data_parallel_window(windows, drop_last=drop_last)
+        return self._single_window(windows, drop_last=drop_last)
+
+    def _attempt(self, window: Window) -> float:
+        """This rank's micro-batches of ``window`` (no collective); its mean loss over its items.
+
+        Windows of new shapes are counted under a CPU limit; after an OOM lowered the micro-batch,
+        the count replaces the plan's estimated peak.
+        """
+        self.last_ledger = None
+        with self._ledger(window):
+            loss = _run_micro_batches(self, window)
+        if self.lowered and self.last_ledger is not None:
+            self.measured = max(self.measured or 0, self.last_ledger.peak)
+            self.plan = dataclasses.replace(self.plan, peak_memory=self.measured)
+        return loss
+
+    def _single_window(self, windows: Iterator[Window], *, drop_last: bool = False) -> tuple[float, Window | None, Any] | None:
+        """One process: run the next window; after an out-of-memory error undo it and redo it with a
+        smaller micro-batch. The gradients are the window's mean as they stand."""
+        window = next(windows, None)
+        if window is None:
+            return None
+        bn_saved = self._save_bn()  # to undo a failed attempt; BN buffers are small
+        while True:
+            try:
+                loss = self._attempt(window)
+                break
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                window = self._retry_smaller(window, exc, bn_saved)
+        if drop_last and window.samples < self.plan.effective_batch:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._restore_bn(bn_saved)
+            return None
+        self.finish_bn(True, 1)
+        loss = loss if window.items else float("nan")
+        self.agreed = Agreement(FINE, window.items, window.samples, loss, 1, True, float(self.noise_every))
+        return loss, window, self.agreed
+
+    def _data_parallel_window(self, windows: Iterator[Window], *, drop_last: bool = False) -> tuple[float, Window | None, Any] | None:
+        """Data parallel ranks: run this rank's next window, then agree with the other ranks; redo it
+        smaller after an OOM.
+
+        Nothing inside the window talks to another rank. At its end one all-reduce tells every
+        rank what happened everywhere and, when all went well, makes the gradients the global
+        mean: if a rank ran out of memory, that rank (only) undoes its window and redoes it with a
+        smaller micro-batch while the others wait with their gradients kept; if a rank failed,
+        every rank raises, with that rank's message.
+        """
         failure: BaseException | None = None
         window: Window | None = None
         try:
             window = next(windows, None)
         except Exception as exc:  # the loader, the dataset or count failed on this rank
             failure = exc
-        # BN buffers, to undo a failed attempt; they are small.
         bn_saved = self._save_bn()
         done = False  # this rank's window has run (kept while another rank redoes its own)
         local_loss = 0.0
@@ -703,13 +755,8 @@ class _Run:
             status = FINE
             if failure is None and window is not None and not done:
                 try:
-                    self.last_ledger = None
-                    with self._ledger(window):
-                        local_loss = _run_micro_batches(self, window)
+                    local_loss = self._attempt(window)
                     done = True
-                    if self.lowered and self.last_ledger is not None:
-                        self.measured = max(self.measured or 0, self.last_ledger.peak)
-                        self.plan = dataclasses.replace(self.plan, peak_memory=self.measured)
                 except Exception as exc:
                     failure = exc
             if failure is not None:
@@ -732,7 +779,7 @@ class _Run:
         if not self.checked_samples:
             self.checked_samples = True
             check_distinct_samples(window[0].batch if (window is not None and len(window)) else None, self.device, self.par.group)
-        if agreed.synced and self.sync.distributed and self.synced:
+        if agreed.synced and self.synced:
             self.unit = float(agreed.items)  # the next window's weights expect this count
         if agreed.ranks_with_data == 0:
             return None
@@ -801,7 +848,7 @@ class _Run:
         warnings.warn(
             f"Out of memory at micro_batch={failed_size}; retrying the window with micro_batch={smaller}",
             AutotuneWarning,
-            stacklevel=4,
+            stacklevel=5,  # _retry_smaller, the mode's window, window, fit, the caller
         )
         if self.plan.shape_model is None:
             self._lower(smaller)

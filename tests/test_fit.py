@@ -113,11 +113,12 @@ def test_out_of_memory_while_training_redoes_the_window_with_a_smaller_micro_bat
     # One micro-batch for every shape (by_shape=False): the later, longer batches run out of memory.
     fixed = autotune.plan(model, loader, target_batch=56, optimizer=opt, loss_fn=loss_fn, memory_limit="400KiB",
                           headroom=0, lr_rule="none", by_shape=False)
-    with pytest.warns(autotune.AutotuneWarning, match=r"Out of memory at micro_batch=\d+; retrying the window"):
+    with pytest.warns(autotune.AutotuneWarning, match=r"Out of memory at micro_batch=\d+; retrying the window") as caught:
         result = autotune.fit(
             model, loader, optimizer=opt, loss_fn=loss_fn, count=count_tokens, memory_limit="400KiB",
             progress=False, plan=fixed,
         )
+    assert {w.filename for w in caught if "retrying" in str(w.message)} == {__file__}  # the warning points at the fit call
     planned = autotune.plan(start, loader, target_batch=56, optimizer=torch.optim.SGD(start.parameters(), lr=0.1), loss_fn=loss_fn, memory_limit="400KiB", headroom=0)
     assert result.plan.micro_batch < planned.micro_batch  # lowered, and the result says so
     assert any("out of memory while training" in n for n in result.plan.notes)

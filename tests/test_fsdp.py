@@ -194,6 +194,7 @@ def data():
     return [(torch.randn(4, 4), torch.randint(0, 2, (4,)))]
 
 
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # torch's own, building FSDP1 on one rank
 def test_fsdp1_points_to_fully_shard(one_rank):
     import autotune
     from torch.distributed.fsdp import FullyShardedDataParallel
