@@ -58,3 +58,14 @@ def no_torch_errors_logged():
     for logger in loggers:
         logger.removeHandler(handler)
     assert not handler.records, f"torch logged: {handler.records[0].getMessage()}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """No test that passes may leave a traceback on stderr (torch's logger, a thread, a child process
+    writing to the inherited stream): a plan or a run that succeeds prints none."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.passed and "Traceback (most recent call last)" in report.capstderr:
+        report.outcome = "failed"
+        report.longrepr = "a traceback reached stderr in a test that passed:\n" + report.capstderr[-3000:]

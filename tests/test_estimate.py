@@ -70,8 +70,8 @@ def own_loss(model, batch):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_transformers_models_with_masks_estimate_exactly(name, labels, checkpointing):
     model = getattr(hf_models, name)()
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    if checkpointing:  # transformers 5 names it activation_checkpointing_enable (the old name warns)
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = text_batch(8, 64, labels=labels)
     peak, _ = estimated(model, opt, own_loss, batch, 8)

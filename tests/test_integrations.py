@@ -174,6 +174,7 @@ def regression(n=96, seed=0):
     return TensorDataset(x, x @ torch.randn(8, generator=g, dtype=torch.float64) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64))
 
 
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")  # inside Lightning, with this torch
 def test_lightning_trains_the_planned_split_restores_what_it_set_and_the_first_step_is_the_big_batch(tmp_path):
     L = pytest.importorskip("lightning.pytorch")
     from autotune.integrations.lightning import AutotuneCallback
