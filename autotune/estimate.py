@@ -73,7 +73,7 @@ from . import batches as B
 from .memory import CUDA_BLOCK, TensorLedger, storage_bytes
 from .search import MemoryCurve, estimated_max
 from .step import forward_backward
-from .trial import Workload, min_micro_batch, planning
+from .trial import Workload, held_tensors, min_micro_batch, planning
 
 __all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "forget", "optimizer_for_device"]
 
@@ -510,9 +510,7 @@ class Estimator:
 
     def _ledger(self, batch: Any, *, trace: bool) -> TensorLedger:
         ledger = _Counter("cpu", block=self.block, trace=trace)
-        ledger.track([*self.params, *self.model.buffers()])
-        ledger.track(p.grad for p in self.params if p.grad is not None)
-        ledger.track(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        ledger.track(held_tensors(self.model, self.optimizer))
         if batch is not None:
             ledger.track(B.tensors(batch))
         return ledger

@@ -26,7 +26,7 @@ from .memory import (
     outside_allocator,
     storage_bytes,
 )
-from .plans import Plan, Trial, budget_of, window_layout
+from .plans import Plan, Trial, budget_of, largest_share, window_layout
 from .probe import Progress, probe
 from .rng import RNGState
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
@@ -314,7 +314,7 @@ def plan(
         # The largest share of a window: the remainder of target_batch / world_size takes turns among
         # the ranks (plans.rotated_share), so every rank sometimes has one more. Under FSDP2 every rank
         # searches the same sizes anyway (lockstep).
-        upper = -(-target_batch // world_size)
+        upper = largest_share(target_batch, world_size)
         capped = memory_limit is not None and verify and not par.fsdp  # FSDP2: counted, never enforced mid-step
         with cuda_memory_fraction(device, allocator_cap(limit, set_aside) if capped else None):
             with bypass_nested(par.nested):
@@ -496,7 +496,7 @@ def what_if(
     inner = parallel(model).inner
     work = Workload(model=inner, optimizer=optimizer, loss_fn=loss_fn or default_loss, batch=looked.batch,
                     device=torch.device(p.device), precision=normalize_precision(p.precision), checkpointing=p.checkpointing)
-    return estimate_rows(work, budget=p.budget, upper=-(-target_batch // p.world_size), lower=min_micro_batch(inner),
+    return estimate_rows(work, budget=p.budget, upper=largest_share(target_batch, p.world_size), lower=min_micro_batch(inner),
                          own_micro_batch=p.micro_batch, verified=p.verified, own_curve=p.memory_curve)
 
 

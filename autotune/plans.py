@@ -19,7 +19,7 @@ from .search import MemoryCurve
 from .shapes import ShapeModel
 from .units import format_bytes
 
-__all__ = ["Plan", "Trial", "budget_of", "peak_at", "rotated_share", "split_evenly", "window_layout"]
+__all__ = ["Plan", "Trial", "budget_of", "largest_share", "peak_at", "rotated_share", "split_evenly", "window_layout"]
 
 
 @dataclass(frozen=True)
@@ -338,6 +338,17 @@ def rotated_share(target_batch: int, world_size: int, rank: int, window: int) ->
     """
     base, extra = divmod(target_batch, world_size)
     return base + int((rank - window * extra) % world_size < extra)
+
+
+def largest_share(target_batch: int, world_size: int) -> int:
+    """The most samples any rank takes in a window (:func:`rotated_share`'s largest): the micro-batch
+    search's upper end.
+
+    Example:
+        >>> largest_share(10, 3), largest_share(9, 3)
+        (4, 3)
+    """
+    return -(-target_batch // world_size)
 
 
 def window_layout(

@@ -16,7 +16,7 @@ from typing import Any
 from .plans import Plan
 from .units import format_bytes
 
-__all__ = ["FORMATS", "EqualSplit", "MemoryBreakdown", "equal_split", "framework_configs", "render_json", "render_text"]
+__all__ = ["FORMATS", "EqualSplit", "MemoryBreakdown", "equal_split", "framework_configs", "largest_divisor", "render_json", "render_text"]
 
 FORMATS = ("lightning", "accelerate", "hf", "deepspeed", "keras")
 
@@ -71,6 +71,17 @@ class EqualSplit:
     note: str | None
 
 
+def largest_divisor(share: int, at_most: int) -> int:
+    """The largest divisor of ``share`` that is at most ``at_most``: the largest equal micro-batch of
+    ``share`` samples within what fits.
+
+    Example:
+        >>> largest_divisor(250, 64), largest_divisor(64, 12)
+        (50, 8)
+    """
+    return max(d for d in range(1, min(share, at_most) + 1) if share % d == 0)
+
+
 def equal_split(plan: Plan) -> EqualSplit:
     """The largest equal per-device micro-batch ``<= plan.micro_batch`` that gives exactly the target.
 
@@ -89,7 +100,7 @@ def equal_split(plan: Plan) -> EqualSplit:
             "autotune.fit, which handles uneven shares",
         )
     share = target // world
-    per_device = max(d for d in range(1, min(share, plan.micro_batch) + 1) if share % d == 0)
+    per_device = largest_divisor(share, plan.micro_batch)
     steps = share // per_device
     note = None
     if per_device < plan.micro_batch and steps > plan.accumulation_steps:

@@ -37,6 +37,7 @@ from typing import Any, cast
 import torch
 
 from ..planner import plan as make_plan
+from ..report import largest_divisor
 from .common import TrainerSettings, equal_settings, missing
 
 __all__ = ["Prepared", "prepare"]
@@ -220,7 +221,7 @@ def prepare(
             if batch_size is not None and batch_size != trainer.args.per_device_train_batch_size:
                 # An out-of-memory retry with a smaller per-device batch: the largest equal micro-batch
                 # within it that reaches the target, and the accumulation that makes up the rest.
-                micro = max(d for d in range(1, min(batch_size, share) + 1) if share % d == 0)
+                micro = largest_divisor(share, batch_size)
                 trainer.args.per_device_train_batch_size = micro
                 trainer.args.gradient_accumulation_steps = share // micro
                 retries.append((micro, share // micro))
