@@ -58,11 +58,12 @@ def resolve_device(model: nn.Module, device: torch.device | str | None) -> torch
     """The device to plan on: ``device``, or the model's; an error when the model is elsewhere."""
     check_trainable(model)
     check_device_exists(device)
-    model_device = next(model.parameters()).device
+    model_device = _without_cpu_index(next(model.parameters()).device)
     if device is None:
         resolved = model_device
     else:
-        resolved = torch.device(device)
+        # torchrun and the trainers name a rank's CPU 'cpu:0', 'cpu:1', ...: one memory, no index to match
+        resolved = _without_cpu_index(torch.device(device))
         if resolved.type == "cuda" and resolved.index is None:
             resolved = torch.device("cuda", torch.cuda.current_device())
     if resolved.type == "cuda" and model_device.type == "cuda" and model_device.index is None:
@@ -73,6 +74,11 @@ def resolve_device(model: nn.Module, device: torch.device | str | None) -> torch
             f"move the model first (model.to({str(resolved)!r})) or leave device=None"
         )
     return resolved
+
+
+def _without_cpu_index(device: torch.device) -> torch.device:
+    """'cpu:N' as 'cpu': CPU tensors carry no index, so a rank's 'cpu:1' is the model's 'cpu'."""
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def _bn_base_momentum(model: nn.Module) -> float | None:

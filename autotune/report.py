@@ -85,6 +85,9 @@ def largest_divisor(share: int, at_most: int) -> int:
 def equal_split(plan: Plan) -> EqualSplit:
     """The largest equal per-device micro-batch ``<= plan.micro_batch`` that gives exactly the target.
 
+    Under data parallelism every device needs the same micro-batch, so the smallest rank's
+    (``plan.rank_micro_batches``, the same on every rank) bounds it: each rank derives the same split.
+
     Example:
         250 samples on one device with at most 64 per micro-batch: 50 x 5 (the plan itself uses
         63, 63, 62, 62, which these frameworks cannot express).
@@ -100,17 +103,22 @@ def equal_split(plan: Plan) -> EqualSplit:
             "autotune.fit, which handles uneven shares",
         )
     share = target // world
-    per_device = largest_divisor(share, plan.micro_batch)
+    fits = min(plan.rank_micro_batches) if plan.rank_micro_batches else plan.micro_batch
+    per_device = largest_divisor(share, fits)
     steps = share // per_device
-    note = None
-    if per_device < plan.micro_batch and steps > plan.accumulation_steps:
-        note = (
-            f"exact, but {steps} accumulation steps instead of {plan.accumulation_steps}: {share} has "
-            f"no divisor between {per_device} and {plan.micro_batch}; a target of "
-            f"{plan.micro_batch * plan.accumulation_steps * world} would allow micro-batches of "
-            f"{plan.micro_batch}"
+    notes = []
+    if fits < plan.micro_batch:
+        notes.append(
+            f"every device trains {per_device} per micro-batch: the smallest rank fits {fits} "
+            f"(per rank: {', '.join(map(str, plan.rank_micro_batches))}), and these frameworks need the same batch on every device"
         )
-    return EqualSplit(per_device, steps, note)
+    if per_device < fits and steps > -(-share // fits):
+        notes.append(
+            f"exact, but {steps} accumulation steps instead of {-(-share // fits)}: {share} has "
+            f"no divisor between {per_device} and {fits}; a target of "
+            f"{fits * -(-share // fits) * world} would allow micro-batches of {fits}"
+        )
+    return EqualSplit(per_device, steps, "; ".join(notes) or None)
 
 
 _KERAS_OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "adagrad": "Adagrad", "adamax": "Adamax", "nadam": "Nadam"}

@@ -7,8 +7,9 @@ from typing import Any
 
 from ..plans import Plan
 from ..report import equal_split
+from ..scaling import cap_warmup
 
-__all__ = ["TrainerSettings", "equal_settings", "missing"]
+__all__ = ["TrainerSettings", "check_batch_arg", "equal_settings", "missing"]
 
 
 def missing(package: str, extra: str) -> ImportError:
@@ -64,11 +65,19 @@ def _base_momentum(plan: Plan) -> float:
     return 1 - (1 - plan.bn_momentum) ** plan.accumulation_steps
 
 
+def check_batch_arg(name: str, value: Any, what: str) -> None:
+    """Refuse a batch argument that is given but is not a positive int (0 must not mean "the default")."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"Invalid {name} {value!r}: give a positive int ({what}), or leave it out for the default")
+
+
 def equal_settings(plan: Plan, *, lr_rule: str, learning_rate: Any = None, warmup: bool = True, exactness: str | None = None,
-                   had_warmup: bool = False) -> TrainerSettings:
+                   had_warmup: bool = False, run_steps: int | None = None) -> TrainerSettings:
     """The trainer's settings for ``plan``: the largest equal micro-batch that reaches the target
-    exactly (:func:`autotune.report.equal_split`), the learning rate when a rule is asked, warm-up
-    when the learning rate grows and none is set, and the notes.
+    exactly on every device (:func:`autotune.report.equal_split`: under data parallelism, from the
+    smallest rank's micro-batch), the learning rate when a rule is asked, warm-up when the learning
+    rate grows and none is set (at most 10% of ``run_steps`` when the run's length is known), and
+    the notes.
 
     Raises:
         ValueError: the target does not divide evenly over the devices (these trainers need the same
@@ -86,7 +95,9 @@ def equal_settings(plan: Plan, *, lr_rule: str, learning_rate: Any = None, warmu
         notes.append(f"learning rate scaled x{plan.lr_scale:.4g} ({plan.lr_rule} rule) from batch {plan.base_batch} ({plan.base_batch_source})")
     steps = None
     if warmup and lr is not None and plan.lr_scale > 1 and plan.warmup_steps and not had_warmup:
-        steps = plan.warmup_steps
+        steps, capped = cap_warmup(plan.warmup_steps, run_steps)
+        if capped:
+            notes.append(capped)
     if exactness:
         notes.append(exactness)
     if plan.bn_momentum is not None and split.steps > 1:

@@ -1,0 +1,138 @@
+"""The Hugging Face Trainer, prepared, over the heads people fine-tune: at 3 accumulation steps of dynamic
+padding, the first optimizer step's gradient is one big batch's (the model's own loss over all the
+step's samples, in float64, computed here without the Trainer or autotune), and the logged loss is the
+big batch's mean. The Trainer alone gets most of these wrong (k times the gradient: transformers
+#47688); the first test shows the reference catches that."""
+
+import copy
+
+import pytest
+import torch
+
+import autotune
+
+pytestmark = pytest.mark.usefixtures("float64")
+transformers = pytest.importorskip("transformers")
+
+from hf_heads import HEADS, Samples, big_batch_gradients, collate, worst_relative  # noqa: E402
+
+TARGET, MICRO = 24, 8
+
+
+def trainer_for(tmp_path, model, data, *, per_device=TARGET, accumulation=1, **extra):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, max_steps=1,
+        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", use_cpu=True, report_to=[], save_strategy="no",
+        logging_strategy="steps", logging_steps=1, seed=0, dataloader_drop_last=True, max_grad_norm=0.0, disable_tqdm=True, **extra,
+    )
+    first = {}
+
+    class Record(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if not first:
+                first.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Record()])
+    return trainer, first
+
+
+def limit_for(trainer, micro):
+    """A memory limit between the planned peaks at ``micro`` and ``micro + 1`` samples (the plan's own
+    curve, from a first prepare that is then restored)."""
+    from autotune.integrations import hf
+
+    prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit="1GiB", headroom=0, progress=False)
+    curve = prepared.settings.plan.memory_curve
+    prepared.restore()
+    assert curve is not None
+    return (curve(micro) + curve(micro + 1)) // 2
+
+
+def micro_batches(model):
+    sizes = []
+
+    def hook(module, args, kwargs, output):
+        if module.training and not autotune.is_planning():
+            sizes.append(len(next(v for v in kwargs.values() if torch.is_tensor(v))))
+
+    model.register_forward_hook(hook, with_kwargs=True)
+    return sizes
+
+
+def test_the_trainer_alone_steps_k_times_the_big_batch_for_a_head_that_ignores_the_count(tmp_path):
+    """What prepare corrects, and proof that the reference below can fail: BERT sequence classification
+    at 8 x 3 under the Trainer's own rule."""
+    head = HEADS["bert-sequence-classification-padded"]
+    model, data = head.make(), Samples(head, 48)
+    start = copy.deepcopy(model)
+    trainer, first = trainer_for(tmp_path, model, data, per_device=MICRO, accumulation=3)
+    trainer.train()
+    loss, want = big_batch_gradients(start, [data.items[i] for i in data.accessed[:TARGET]])
+    ratio = first["classifier.weight"].norm() / want["classifier.weight"].norm()
+    assert 2.5 < ratio < 3.5
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(3 * loss, rel=0.2)
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_every_head_prepared_steps_the_big_batch_and_logs_its_mean(tmp_path, name):
+    from autotune.integrations import hf
+
+    head = HEADS[name]
+    model, data = head.make(), Samples(head, 48)
+    start = copy.deepcopy(model)
+    trainer, first = trainer_for(tmp_path, model, data)
+    own = trainer.compute_loss, trainer.model_accepts_loss_kwargs, trainer._loss_shifts_labels
+    limit = limit_for(trainer, MICRO)
+    prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit=limit, headroom=0, progress=False)
+    s = prepared.settings
+    assert (s.micro_batch, s.accumulation_steps) == (MICRO, 3), str(prepared)
+    exactness = [n for n in s.notes if "exact" in n]
+    assert exactness and exactness[0].startswith("exact"), exactness  # never "not exact" or "not checked"
+    sizes = micro_batches(model)
+    data.accessed.clear()
+    trainer.train()
+    assert sizes == [MICRO] * 3
+    loss, want = big_batch_gradients(start, [data.items[i] for i in data.accessed[:TARGET]])
+    bound = 1e-6 if head.float32_loss else 1e-12
+    assert worst_relative(first, want) <= bound
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(loss, rel=bound)
+    prepared.restore()
+    assert (trainer.compute_loss, trainer.model_accepts_loss_kwargs, trainer._loss_shifts_labels) == own
+    assert trainer.args.per_device_train_batch_size == TARGET and "loss_is_scaled_for_ga" not in trainer.__dict__
+
+
+def test_the_loss_check_tells_the_rules_apart():
+    """What prepare measures, head by head: the count used or ignored, and what the mean is over."""
+    from autotune.integrations.hf import check_loss
+
+    def check(name):
+        head = HEADS[name]
+        args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+        trainer = transformers.Trainer(model=head.make(), args=args, data_collator=collate)
+        return check_loss(trainer, collate(Samples(head, 4).items))
+
+    bert = check("bert-sequence-classification-padded")
+    assert bert.uses_count is False and bert.mean_over_samples and bert.counted == 4
+    tokens = check("bert-token-classification")
+    assert tokens.uses_count is False and tokens.mean_over_items and not tokens.mean_over_samples
+    gpt2 = check("gpt2-causal-lm")  # no loss_type: the Trainer counts unshifted labels, the loss shifts them
+    assert gpt2.uses_count and gpt2.own_items == pytest.approx(gpt2.shifted) and gpt2.shifted == gpt2.counted - 4
+    vit = check("vit-image-classification")
+    assert vit.uses_count and vit.own_items == pytest.approx(vit.counted)
+
+
+def test_a_head_that_ignores_the_count_is_exact_for_uneven_micro_batches_too():
+    """The correction weights by items, not by micro-batch: two micro-batches of 1 and 5 token
+    classification samples give the big batch's loss (the Trainer's division by k would not)."""
+    from autotune.integrations.hf import _weighted_loss
+
+    head = HEADS["bert-token-classification"]
+    model = head.make().train()
+    samples = Samples(head, 6).items
+    args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=model, args=args, data_collator=collate)
+    weighted = _weighted_loss(trainer, trainer.compute_loss, per_items=True)
+    parts = [collate(samples[:1]), collate(samples[1:])]
+    total = sum(int(p["labels"].ne(-100).sum()) for p in parts)
+    got = sum(weighted(model, dict(p), num_items_in_batch=torch.tensor(total)) for p in parts)
+    assert float(got.detach()) == pytest.approx(float(model(**collate(samples)).loss.detach()), rel=1e-12)
