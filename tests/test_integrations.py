@@ -165,6 +165,89 @@ def test_an_out_of_memory_retry_of_the_trainer_keeps_the_target(tmp_path):
     assert [len(step) for step in seen.steps] == [24]  # the target kept
 
 
+def bert_trainer(tmp_path, per_device=24, accumulation=1, **extra):
+    transformers = pytest.importorskip("transformers")
+    from hf_heads import HEADS, Samples, collate
+
+    head = HEADS["bert-sequence-classification-padded"]
+    model = head.make()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, max_steps=1,
+        learning_rate=0.1, use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", seed=0, disable_tqdm=True, **extra,
+    )
+    return transformers.Trainer(model=model, args=args, train_dataset=Samples(head, 48), data_collator=collate)
+
+
+def test_an_out_of_memory_retry_tries_each_failing_size_once(tmp_path):
+    """The finder shrinks by 0.9 (24 -> 21 -> 18 -> 16): each retry trains the largest divisor of the
+    per-device share strictly below the size that failed, so 24, 12 and 8 fail once each and 6 trains."""
+    from autotune.integrations import hf
+
+    trainer = bert_trainer(tmp_path, optim="sgd", auto_find_batch_size=True)
+    prepared = hf.prepare(trainer, memory_limit="1GiB", progress=False)
+    assert (prepared.settings.micro_batch, prepared.settings.accumulation_steps) == (24, 1)
+    attempts = []
+
+    def too_big(module, args, kwargs):
+        if module.training and not autotune.is_planning():
+            size = len(kwargs["input_ids"])
+            attempts.append(size)
+            if size > 6:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    handle = trainer.model.register_forward_pre_hook(too_big, with_kwargs=True)
+    trainer.train()
+    handle.remove()
+    assert attempts == [24, 12, 8, 6, 6, 6, 6]  # each failing size once, then one step of 4 x 6
+    assert prepared.retries == [(12, 2), (8, 3), (6, 4)]
+    assert (prepared.micro_batch, prepared.accumulation_steps) == (6, 4)
+    assert "after out-of-memory errors at 24, 12, 8 per device: trains 6 per device x 4 accumulation steps" in str(prepared)
+
+
+def test_a_prepared_trainer_is_refused_a_second_prepare_and_restore_puts_it_back_once(tmp_path):
+    from autotune.integrations import hf
+
+    trainer = bert_trainer(tmp_path)
+    own_args, own_loss = trainer.args, trainer.compute_loss
+    first = hf.prepare(trainer, memory_limit="1GiB", progress=False)
+    prepared_args = trainer.args
+    with pytest.raises(ValueError, match="prepared already .* call restore"):
+        hf.prepare(trainer, memory_limit="1GiB", progress=False)
+    assert trainer.args is prepared_args  # the refused call changed nothing
+    first.restore()
+    first.restore()
+    assert trainer.args is own_args and trainer.compute_loss == own_loss and "_autotune_prepared" not in trainer.__dict__
+    second = hf.prepare(trainer, target_batch=12, memory_limit="1GiB", progress=False)
+    assert second.settings.effective_batch == 12
+    first.restore()  # an old preparation does not undo the one in force
+    assert trainer.args.per_device_train_batch_size == 12
+    second.restore()
+    assert trainer.args is own_args
+
+
+@pytest.mark.parametrize("name, value", [("target_batch", 0), ("base_batch", 0), ("target_batch", True), ("target_batch", 2.5)],
+                         ids=["target-0", "base-0", "target-bool", "target-float"])
+def test_a_batch_that_is_not_a_positive_int_is_refused_before_anything_changes(tmp_path, name, value):
+    from autotune.integrations import hf
+
+    trainer = bert_trainer(tmp_path)
+    own = trainer.args
+    with pytest.raises(ValueError, match=f"Invalid {name} {value!r}: give a positive int"):
+        hf.prepare(trainer, progress=False, **{name: value})
+    assert trainer.args is own and "compute_loss" not in trainer.__dict__
+
+
+def test_the_warm_up_is_capped_when_the_run_is_short(tmp_path):
+    """A learning rate scaled up under AdamW asks for 2,000 warm-up steps; a run of 20 steps gets 2."""
+    from autotune.integrations import hf
+
+    trainer = bert_trainer(tmp_path, per_device=8, accumulation=1)
+    trainer.args.max_steps = 20
+    prepared = hf.prepare(trainer, target_batch=24, memory_limit="1GiB", lr_rule="sqrt", progress=False)
+    assert trainer.args.warmup_steps == 2 == prepared.settings.warmup_steps
+    assert any("warm-up capped at 2 steps, 10% of a run of 20 steps (the rule gives 2000)" in n for n in prepared.settings.notes)
+
+
 # --- Lightning ------------------------------------------------------------------------------------
 
 
@@ -224,6 +307,105 @@ def test_lightning_trains_the_planned_split_restores_what_it_set_and_the_first_s
     F.mse_loss(ref(x).squeeze(-1), y).backward()
     assert max((g - p.grad).abs().max().item() for g, p in zip(seen["grads"], ref.parameters())) <= 1e-12  # equal micro-batches: exact
     assert any("divides each micro-batch's loss by accumulate_grad_batches" in n for n in s.notes)
+
+
+def lightning_parts(tmp_path, *, fail_at=None, samples=96, batch_size=48, datamodule_batch=None, ignore_batch_size=False,
+                    manual=False, reads_trainer=False, callbacks=None, lr_rule="none"):
+    """A regression module (SGD with a StepLR), optionally a datamodule, and a trainer with the callback."""
+    L = pytest.importorskip("lightning.pytorch")
+    from autotune.integrations.lightning import AutotuneCallback
+
+    torch.manual_seed(0)
+    data = regression(samples)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1)).double()
+            self.batch_size, self.automatic_optimization = batch_size, not manual
+
+        def training_step(self, batch, batch_idx):
+            if reads_trainer:
+                assert self.trainer.accumulate_grad_batches >= 1 and self.optimizers() is not None
+            if fail_at is not None and not autotune.is_planning() and batch_idx == fail_at[0]:
+                raise fail_at[1]
+            x, y = batch
+            return F.mse_loss(self.net(x).squeeze(-1), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.05)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=100)]
+
+        def train_dataloader(self):
+            return DataLoader(data, batch_size=64 if ignore_batch_size else self.batch_size)
+
+    class Data(L.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = datamodule_batch
+
+        def train_dataloader(self):
+            return DataLoader(data, batch_size=self.batch_size)
+
+    callback = AutotuneCallback(memory_limit="40KiB", headroom=0, lr_rule=lr_rule, base_batch=16 if lr_rule != "none" else None)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback, *(callbacks or [])], default_root_dir=str(tmp_path),
+                        precision="64-true")
+    return Module(), (Data() if datamodule_batch else None), trainer, callback
+
+
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
+def test_lightning_puts_everything_back_when_fitting_stops(tmp_path, error):
+    """Batch sizes on both the module and the datamodule (each back to its own), the accumulation, the
+    learning rates and the scheduler's base rates, after an error in training_step or Ctrl-C."""
+    import signal
+
+    module, dm, trainer, callback = lightning_parts(tmp_path, fail_at=(1, error), batch_size=32, datamodule_batch=48, lr_rule="linear")
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit if isinstance(error, KeyboardInterrupt) else RuntimeError):
+            trainer.fit(module, datamodule=dm)
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-C after the first
+    s = callback.settings
+    assert s.accumulation_steps > 1 and s.learning_rate is not None  # it had set them
+    assert (module.batch_size, dm.batch_size, trainer.accumulate_grad_batches) == (32, 48, 1)
+    optimizer = trainer.optimizers[0]
+    assert optimizer.param_groups[0]["lr"] == 0.05 and optimizer.param_groups[0]["initial_lr"] == 0.05
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [0.05]
+
+
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+@pytest.mark.parametrize("case, match", [
+    ("two-callbacks", "2 AutotuneCallbacks on one Trainer"),
+    ("manual", "automatic_optimization is False"),
+    ("given-loader", "Invalid train_dataloaders=DataLoader: a loader passed to trainer.fit"),
+    ("loader-ignores-batch-size", "its first batch has 64 samples, but AutotuneCallback set batch_size=16"),
+])
+def test_lightning_refuses_what_would_train_other_batches_and_changes_nothing(tmp_path, case, match):
+    from autotune.integrations.lightning import AutotuneCallback
+
+    extra = [AutotuneCallback(memory_limit="40KiB")] if case == "two-callbacks" else None
+    module, _, trainer, callback = lightning_parts(tmp_path, manual=case == "manual", callbacks=extra,
+                                                   ignore_batch_size=case == "loader-ignores-batch-size")
+    start = [p.detach().clone() for p in module.parameters()]
+    loader = DataLoader(regression(), batch_size=48) if case == "given-loader" else None
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module, train_dataloaders=loader)
+    assert (module.batch_size, trainer.accumulate_grad_batches) == (48, 1)
+    assert all(torch.equal(a, b) for a, b in zip(start, module.parameters()))  # no step trained
+
+
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+def test_lightning_plans_a_training_step_that_reads_its_trainer_and_quantifies_the_epoch_tail(tmp_path):
+    """100 samples at 16 x 3: the epoch ends with one micro-batch of 4 samples, which Lightning divides by 3."""
+    module, _, trainer, callback = lightning_parts(tmp_path, reads_trainer=True, samples=100)
+    trainer.fit(module)
+    s = callback.settings
+    assert (s.micro_batch, s.accumulation_steps) == (16, 3), str(s)
+    assert any("ends with a step of 4 samples (1 of 3 micro-batches per device) that Lightning still divides by 3: "
+               "its gradient is 1/3 = 0.333 of their mean" in n for n in s.notes), s.notes
 
 
 # --- Accelerate -----------------------------------------------------------------------------------

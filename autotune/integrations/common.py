@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,17 @@ class TrainerSettings:
     def effective_batch(self) -> int:
         """Samples per optimizer step over all devices: the target, exactly."""
         return self.micro_batch * self.accumulation_steps * self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON-ready): what :meth:`from_dict` reads back."""
+        data = dataclasses.asdict(self)
+        data["plan"], data["notes"] = self.plan.to_dict(), list(self.notes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerSettings:
+        """The settings :meth:`to_dict` wrote."""
+        return cls(**{**data, "plan": Plan.from_dict(data["plan"]), "notes": tuple(data["notes"])})
 
     def __str__(self) -> str:
         lines = [
