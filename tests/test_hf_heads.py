@@ -41,10 +41,15 @@ def limit_for(trainer, micro):
     curve, from a first prepare that is then restored)."""
     from autotune.integrations import hf
 
+    from autotune.search import MemoryCurve
+
     prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit="1GiB", headroom=0, progress=False)
-    curve = prepared.settings.plan.memory_curve
+    plan = prepared.settings.plan
     prepared.restore()
-    assert curve is not None
+    curve = plan.memory_curve
+    if curve is None:  # no estimate (a loss with host ops, such as TRL's metrics): the line through two real trials
+        (b1, p1), (b2, p2) = sorted({(t.batch_size, t.peak_memory) for t in plan.trials if not t.estimate})[:2]
+        curve = MemoryCurve.through(b1, p1, b2, p2)
     return (curve(micro) + curve(micro + 1)) // 2
 
 
@@ -136,3 +141,74 @@ def test_a_head_that_ignores_the_count_is_exact_for_uneven_micro_batches_too():
     total = sum(int(p["labels"].ne(-100).sum()) for p in parts)
     got = sum(weighted(model, dict(p), num_items_in_batch=torch.tensor(total)) for p in parts)
     assert float(got.detach()) == pytest.approx(float(model(**collate(samples)).loss.detach()), rel=1e-12)
+
+
+def word_tokenizer(words):
+    """A word-level tokenizer from a word list (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = ["<pad>", "<unk>", "<eos>", *words]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # inside TRL's SFTConfig
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+def test_trl_sft_trainer_trains_the_target_per_step(tmp_path, packing):
+    """SFTTrainer (a Trainer subclass with its own compute_loss, a token loss) trains 8 x 3 sequences a
+    step; packed, its padding-free collator flattens each micro-batch into one row, and planning sees
+    the packed sequences padded instead."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from autotune.integrations import hf
+
+    words = [f"w{i}" for i in range(60)]
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, 60, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g))
+             for _ in range(160)]
+    tokenizer = word_tokenizer(words)
+    model = HEADS["gpt2-causal-lm"].make()
+    model.resize_token_embeddings(len(tokenizer))
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=TARGET, max_steps=1, use_cpu=True, report_to=[],
+                         save_strategy="no", packing=packing, max_length=32, learning_rate=0.1, optim="sgd", disable_tqdm=True,
+                         logging_strategy="no", dataset_num_proc=None)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": texts}), processing_class=tokenizer)
+    limit = limit_for(trainer, MICRO)
+    prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit=limit, headroom=0, progress=False)
+    s = prepared.settings
+    assert s.accumulation_steps >= 2 and s.micro_batch * s.accumulation_steps == TARGET, str(prepared)
+    assert any(n.startswith("exact") for n in s.notes) and any("padding-free" in n for n in s.notes) is packing
+    shapes = []
+    model.register_forward_hook(lambda m, a, kw, o: shapes.append(tuple(kw["input_ids"].shape))
+                                if m.training and not autotune.is_planning() else None, with_kwargs=True)
+    trainer.train()
+    assert len(shapes) == s.accumulation_steps and trainer.args.per_device_train_batch_size * len(shapes) == TARGET
+    if not packing:
+        assert [rows for rows, _ in shapes] == [s.micro_batch] * s.accumulation_steps  # 24 sequences in the step
+    else:
+        assert all(rows == 1 for rows, _ in shapes)  # each micro-batch: its packed sequences in one flattened row
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # inside PEFT
+def test_a_peft_lora_model_steps_the_big_batch(tmp_path):
+    """A LoRA adapter on BERT sequence classification (frozen base): the Trainer sees a PeftModel; the
+    head ignores the count, and the adapters' first-step gradient is one big batch's."""
+    peft = pytest.importorskip("peft")
+    from autotune.integrations import hf
+
+    head = HEADS["bert-sequence-classification-padded"]
+    config = peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)
+    model = peft.get_peft_model(head.make(), config)
+    start, data = copy.deepcopy(model), Samples(head, 48)
+    trainer, first = trainer_for(tmp_path, model, data)
+    limit = limit_for(trainer, MICRO)
+    prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit=limit, headroom=0, progress=False)
+    assert (prepared.settings.micro_batch, prepared.settings.accumulation_steps) == (MICRO, 3), str(prepared)
+    data.accessed.clear()
+    trainer.train()
+    loss, want = big_batch_gradients(start, [data.items[i] for i in data.accessed[:TARGET]])
+    assert set(first) == set(want) and all("lora" in n or "classifier" in n for n in want)  # the base is frozen
+    assert worst_relative(first, want) <= 1e-12
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(loss, rel=1e-12)

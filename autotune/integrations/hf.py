@@ -142,7 +142,17 @@ def _loader(trainer: Any, batch_size: int) -> torch.utils.data.DataLoader:
             dataset = remove(dataset, description="training")
     except ImportError:
         pass
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=trainer.data_collator, shuffle=False)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=_per_sample(trainer.data_collator), shuffle=False)
+
+
+def _per_sample(collator: Any) -> Any:
+    """The collator, giving one row per sample: a padding-free collator (TRL's, with packing) flattens a
+    batch into one row, which has no samples to split into micro-batches, so planning sees the same
+    sequences padded instead (the same tokens plus padding: memory counted from above)."""
+    if getattr(collator, "padding_free", False) is True:
+        collator = copy.copy(collator)
+        collator.padding_free = False
+    return collator
 
 
 def _precision(args: Any) -> str:
@@ -413,6 +423,11 @@ def prepare(
     had_warmup = bool(getattr(args, "warmup_steps", 0)) or bool(getattr(args, "warmup_ratio", 0))
     settings = equal_settings(plan, lr_rule=lr_rule, learning_rate=args.learning_rate, warmup=warmup, exactness=fix.exactness,
                               had_warmup=had_warmup, run_steps=_run_steps(trainer, target))
+    if _per_sample(trainer.data_collator) is not trainer.data_collator:
+        settings = dataclasses.replace(settings, notes=(*settings.notes, (
+            "planned on the packed sequences padded to the longest in each micro-batch; the Trainer trains them padding-free "
+            "(one flattened row per micro-batch), which holds no more than that; the loss rule was checked on those padded "
+            "batches")))
     return _apply(trainer, settings, fix, check, target // world if keep_target else None)
 
 
