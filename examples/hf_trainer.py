@@ -46,7 +46,9 @@ def pad(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64))
+    # bos/eos inside the small vocabulary (GPT-2's defaults, 50256, are not): no config warnings
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=VOCAB - 1,
+                                       eos_token_id=VOCAB - 1, pad_token_id=PAD))
     model.loss_type = "ForCausalLM"  # a config that names its loss: the Trainer counts the shifted tokens itself
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=64, gradient_accumulation_steps=1, max_steps=30,

@@ -141,8 +141,12 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
         for holder, _ in own:
             _set(holder, self.batch_arg_name, settings.micro_batch)
         trainer.accumulate_grad_batches = settings.accumulation_steps
-        self._undo = [lambda: [_set(h, self.batch_arg_name, v) for h, v in own],
-                      lambda: setattr(trainer, "accumulate_grad_batches", accumulate)]
+        def undo() -> None:
+            for holder, value in own:
+                _set(holder, self.batch_arg_name, value)
+            trainer.accumulate_grad_batches = accumulate
+
+        self._undo = [undo]
         if settings.learning_rate is not None:
             self._scale_learning_rates(trainer, optimizer, plan.lr_scale)
         self._expect = settings.micro_batch
