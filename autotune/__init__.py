@@ -12,7 +12,8 @@ from .bn import AdjustBN, PooledBN, PreciseBN
 from .errors import AutotuneError, NothingFits
 from .noise import NoiseScale, noise_scale
 from .planner import plan, what_if
-from .plans import Plan, Trial
+from .plans import Plan
+from .search import Trial
 from .sharding import ShardEstimate, shard_plan
 from .training import AutotuneWarning, FitResult, StepRecord, fit
 from .trial import is_planning

@@ -31,6 +31,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from .step import batchnorms
+
 __all__ = [
     "BN_MODES",
     "AdjustBN",
@@ -39,7 +41,6 @@ __all__ = [
     "PooledBN",
     "PreciseBN",
     "Recording",
-    "batchnorms",
     "precise_bn",
     "replay",
     "resolve_bn",
@@ -162,11 +163,6 @@ def resolve_bn(bn: Any) -> Any:
         f"Invalid bn of type {type(bn).__name__}: pass 'adjust', 'pooled', 'precise', None, "
         "autotune.PreciseBN(...) or autotune.OptunaBN(val_loader, ...)"
     )
-
-
-def batchnorms(model: nn.Module) -> list[BatchNorm]:
-    """The model's BatchNorm modules that keep running statistics."""
-    return [m for m in model.modules() if isinstance(m, BatchNorm) and m.track_running_stats]
 
 
 def _input_stats(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "BUCKET_BYTES",
     "Agreement",
+    "BUCKET_BYTES",
     "GradientSync",
     "announce",
     "broadcast_model",
@@ -42,6 +42,7 @@ __all__ = [
     "is_distributed",
     "on_every_rank",
     "set_epoch",
+    "set_gradient_sync",
     "stop_every_rank",
     "sum_over_ranks",
     "unwrap",
@@ -260,6 +261,11 @@ class bypass_nested:
     def __exit__(self, *exc: Any) -> None:
         for m in self.nested:
             del m.forward
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """FSDP2: whether the next backward reduce-scatters the gradients (False: they stay unsharded)."""
+    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
 
 
 def broadcast_model(model: nn.Module, group: Any = None, device: torch.device | None = None) -> None:

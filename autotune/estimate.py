@@ -71,7 +71,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import batches as B
 from .memory import CUDA_BLOCK, TensorLedger, storage_bytes
-from .search import MemoryCurve, estimated_max
+from .curve import MemoryCurve
+from .search import estimated_max
 from .step import forward_backward
 from .trial import Workload, held_tensors, min_micro_batch, planning
 

@@ -37,11 +37,10 @@ from typing import Any
 
 
 from . import batches as B
-from .distributed import FINE, Agreement, announce, check_distinct_samples, failure_watch, gather_numbers, stop_every_rank
+from .distributed import FINE, Agreement, announce, check_distinct_samples, failure_watch, gather_numbers, set_gradient_sync, stop_every_rank
 from .errors import AutotuneError, AutotuneWarning, NothingFits
 from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
 from .step import forward_backward
-from .trial import set_gradient_sync
 
 __all__ = ["run_window"]
 

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from . import batches as B
-from .bn import batchnorms
 from .checks import check_device_exists, check_grad_mode, check_optimizer, check_trainable
 from .distributed import BUCKET_BYTES, bucket_bytes_needed, bypass_nested, gather, on_every_rank, parallel, world
 from .errors import AutotuneError, NothingFits
@@ -26,14 +25,15 @@ from .memory import (
     outside_allocator,
     storage_bytes,
 )
-from .plans import Plan, Trial, budget_of, largest_share, window_layout
+from .search import Trial
+from .plans import Plan, budget_of, largest_share, window_layout
 from .probe import Progress, probe
 from .rng import RNGState
 from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
 from .scaling import follow_batch as follow_batch_settings
 from .shapes import fit_shape_model
 from .sharding import estimated, shard_estimates
-from .step import LossFn, default_loss, normalize_precision
+from .step import LossFn, batchnorms, default_loss, normalize_precision
 from .trial import Looked, Snapshot, Workload, min_micro_batch, sample_batch
 from .units import format_bytes, parse_bytes
 from .whatif import WhatIf, estimate_rows

@@ -15,35 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from .scaling import OptimizerSettings
-from .search import MemoryCurve
+from .curve import MemoryCurve
 from .shapes import ShapeModel
 from .units import format_bytes
 
-__all__ = ["Plan", "Trial", "budget_of", "largest_share", "peak_at", "rotated_share", "split_evenly", "window_layout"]
+from .search import Trial
 
-
-@dataclass(frozen=True)
-class Trial:
-    """One measurement of a training step at one micro-batch size.
-
-    Attributes:
-        batch_size: samples in the micro-batch.
-        peak_memory: peak bytes of the step (for a step that ran out of memory: the bytes in use when
-            it stopped, a lower bound).
-        fits: whether the step stayed within the budget.
-        seconds: wall time of the measurement.
-        estimate: True for an estimate (fake tensors, no data), False for a real step on the device.
-    """
-
-    batch_size: int
-    peak_memory: int
-    fits: bool
-    seconds: float
-    estimate: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        """The trial as a JSON-ready dict."""
-        return dataclasses.asdict(self)
+__all__ = ["Plan", "budget_of", "largest_share", "peak_at", "rotated_share", "split_evenly", "window_layout"]
 
 
 @dataclass(frozen=True)
@@ -294,7 +272,7 @@ def peak_at(plan: Plan, size: int) -> int:
     if plan.memory_curve is not None:
         ratio = plan.peak_memory / max(plan.memory_curve(plan.micro_batch), 1)
         return max(0, int(ratio * plan.memory_curve(size)))
-    from .search import Curve
+    from .curve import Curve
 
     for estimate in (True, False):
         points = {t.batch_size: t.peak_memory for t in plan.trials if t.estimate is estimate and (estimate or t.fits)}

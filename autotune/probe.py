@@ -33,8 +33,8 @@ from .memory import (
     reset_peak,
     synchronize,
 )
-from .plans import Trial
-from .search import Measurement, MemoryCurve, SearchResult, largest_fitting
+from .curve import MemoryCurve
+from .search import Measurement, SearchResult, Trial, largest_fitting
 from .trial import Snapshot, Workload, min_micro_batch, planning, sharded_trial_step, trial_step, without_step_hooks
 from .units import format_bytes
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .search import MemoryCurve
+from .curve import MemoryCurve
 
 __all__ = ["ShapeModel", "fit_quadratic", "fit_shape_model"]
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LossFn", "Precision", "autocast", "default_loss", "forward_backward", "normalize_precision"]
+__all__ = ["LossFn", "Precision", "autocast", "batchnorms", "default_loss", "forward_backward", "normalize_precision"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -144,3 +144,8 @@ def forward_backward(
         weighted = scaler.scale(weighted)
     weighted.backward()
     return loss.detach()
+
+
+def batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The model's BatchNorm modules that keep running statistics (updated by every training forward)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]

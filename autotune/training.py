@@ -34,7 +34,7 @@ from torch import nn
 
 from . import batches as B
 from .accumulate import Count, Pad, Window, accumulate
-from .bn import BNController, FinishedRun, batchnorms, resolve_bn
+from .bn import BNController, FinishedRun, resolve_bn
 from .checks import (
     check_callable,
     check_count_value,
@@ -79,7 +79,7 @@ from .plans import Plan, peak_at, rotated_share, split_evenly
 from .trial import Workload, check_step, held_tensors, min_micro_batch
 from .rng import RNGState
 from .scaling import adjusted_bn_momentum
-from .step import LossFn, Precision, autocast, default_loss, forward_backward, normalize_precision
+from .step import LossFn, Precision, autocast, batchnorms, default_loss, forward_backward, normalize_precision
 from .units import parse_bytes
 
 __all__ = ["AutotuneWarning", "FitResult", "StepRecord", "fit"]

@@ -21,7 +21,8 @@ from torch import nn
 
 from . import batches as B
 from .checks import is_one_shot
-from .plans import Trial
+from .distributed import set_gradient_sync
+from .search import Trial
 from .rng import RNGState
 from .step import LossFn, Precision, forward_backward
 
@@ -37,7 +38,6 @@ __all__ = [
     "held_tensors",
     "min_micro_batch",
     "sample_batch",
-    "set_gradient_sync",
     "sharded_trial_step",
     "trial_step",
     "without_step_hooks",
@@ -426,11 +426,6 @@ def zero_non_finite(optimizer: torch.optim.Optimizer) -> None:
         for p in g["params"]:
             if p.grad is not None:
                 torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """FSDP2: whether the next backward reduce-scatters the gradients (False: they stay unsharded)."""
-    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
 
 
 def sharded_trial_step(

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from . import batches as B
-from .bn import FinishedRun, Recording, batchnorms, replay, set_running_stats
+from .bn import FinishedRun, Recording, replay, set_running_stats
+from .step import batchnorms
 from .training import fit
 
 __all__ = ["BNTuning", "OptunaBN", "tune_bn_momentum"]

@@ -41,7 +41,7 @@ def limit_for(trainer, micro):
     curve, from a first prepare that is then restored)."""
     from autotune.integrations import hf
 
-    from autotune.search import MemoryCurve
+    from autotune.curve import MemoryCurve
 
     prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit="1GiB", headroom=0, progress=False)
     plan = prepared.settings.plan

@@ -9,13 +9,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 # Bottom to top. A module may import only modules listed before it.
 LAYERS = [
     # pure: numbers, words and plans, no torch (a plan reads a batch's shape through batches, lazily)
-    "units", "errors", "scaling", "search", "shapes", "batches", "plans", "report", "cache",
+    "units", "errors", "scaling", "curve", "search", "shapes", "batches", "plans", "report", "cache",
     # torch, one concept each
     "memory", "step", "rng", "checks", "checkpointing", "bn", "demo",
-    # a trial and its estimate
-    "trial", "estimate",
     # ranks
     "distributed",
+    # a trial and its estimate
+    "trial", "estimate",
     # searching, and what the estimates tell
     "probe", "whatif", "sharding",
     # windows of micro-batches, and the noise scale measured in them
@@ -25,7 +25,7 @@ LAYERS = [
     # the surfaces
     "cli", "__init__",
 ]
-PURE = {"units", "errors", "scaling", "search", "shapes", "plans", "report", "cache"}
+PURE = {"units", "errors", "scaling", "curve", "search", "shapes", "plans", "report", "cache"}
 
 
 def imports(path: Path) -> tuple[set[str], bool]:

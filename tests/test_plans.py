@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from autotune.plans import Plan, Trial, split_evenly, window_layout
+from autotune.plans import Plan, split_evenly, window_layout
+from autotune.search import Trial
 
 
 def test_split_evenly_example():
