@@ -6,20 +6,20 @@
 
 from __future__ import annotations
 
-from .accumulate import Micro, Window, accumulate
-from .batches import pad_to_longest
-from .bn import AdjustBN, PooledBN, PreciseBN
-from .errors import AutotuneError, NothingFits
-from .noise import NoiseScale, noise_scale
-from .planner import plan, what_if
-from .plans import Plan
-from .search import Trial
-from .sharding import ShardEstimate, shard_plan
-from .training import AutotuneWarning, FitResult, StepRecord, fit
-from .trial import is_planning
-from .tune import BNTuning, OptunaBN, tune_bn_momentum
-from .whatif import WhatIf, WhatIfRow
-from .units import format_bytes, parse_bytes
+from autotune.batches import pad_to_longest
+from autotune.errors import AutotuneError, NothingFits
+from autotune.planning.planner import plan, what_if
+from autotune.planning.plans import Plan
+from autotune.planning.sharding import ShardEstimate, shard_plan
+from autotune.planning.whatif import WhatIf, WhatIfRow
+from autotune.probe.search import Trial
+from autotune.probe.trial import is_planning
+from autotune.train.accumulate import Micro, Window, accumulate
+from autotune.train.bn import AdjustBN, PooledBN, PreciseBN
+from autotune.train.fit import AutotuneWarning, FitResult, StepRecord, fit
+from autotune.train.noise import NoiseScale, noise_scale
+from autotune.train.tune import BNTuning, OptunaBN, tune_bn_momentum
+from autotune.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 

@@ -30,7 +30,7 @@ class NothingFits(AutotuneError, RuntimeError):
             checkpointing, an optimizer with less state), when the step could be estimated.
         shards: when parameters, gradients and optimizer state alone exceed the budget on one
             device, FSDP2 over 2, 4 and 8 devices estimated per rank (a list of
-            :class:`autotune.sharding.ShardEstimate`); else empty.
+            :class:`autotune.planning.sharding.ShardEstimate`); else empty.
     """
 
     def __init__(

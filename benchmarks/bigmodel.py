@@ -46,7 +46,7 @@ def one(args: tuple[str, str, int, int, int], out) -> None:
     import hf_models
 
     import autotune
-    from autotune.memory import ResidentPeak
+    from autotune.memory.ledger import ResidentPeak
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def one(args: tuple[str, str, int, int, int], out) -> None:
     gc.collect()
     import psutil
 
-    import autotune.probe as probe
+    import autotune.probe.largest as probe
 
     before = psutil.Process().memory_info().rss
     at_trial: list[int] = []

@@ -136,7 +136,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
-    from autotune.plans import Plan
+    from autotune.planning.plans import Plan
 
     lines = []
     for width in args.widths:

@@ -44,9 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotune
-from autotune.memory import TensorLedger, cuda_memory_fraction, outside_allocator
-from autotune.memory import CUDA_CONTEXT_ALLOWANCE
-from autotune.trial import trial_step as _trial_step
+from autotune.memory.device import (
+    CUDA_CONTEXT_ALLOWANCE,
+    cuda_memory_fraction,
+    outside_allocator,
+)
+from autotune.memory.ledger import TensorLedger
+from autotune.probe.trial import trial_step as _trial_step
 
 GiB = 2**30
 MiB = 2**20

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from quickstart import cnn, digits  # noqa: E402
 
 import autotune  # noqa: E402
-from autotune.noise import NoiseMeter, advice  # noqa: E402
+from autotune.train.noise import NoiseMeter, advice  # noqa: E402
 
 
 class TinyLM(nn.Module):
@@ -78,7 +78,7 @@ def tokens(batch) -> int:
 
 
 def plan_for(target: int, micro: int) -> autotune.Plan:
-    sizes = autotune.plans.split_evenly(target, -(-target // micro))
+    sizes = autotune.planning.plans.split_evenly(target, -(-target // micro))
     return autotune.Plan(
         micro_batch=micro, accumulation_steps=len(sizes), effective_batch=target, world_size=1, micro_batches=sizes,
         lr=1e-3, base_lr=1e-3, lr_scale=1.0, lr_rule="none", base_batch=target, warmup_steps=None, bn_momentum=None,

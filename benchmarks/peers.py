@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import MODELS, OPTIMIZERS, data_for, estimating as _estimating, reference_fits, true_max  # noqa: E402
+from helpers import MODELS, OPTIMIZERS, data_for, reference_fits, true_max  # noqa: E402
+from helpers import estimating as _estimating
 
 import autotune  # noqa: E402
-from autotune.memory import TensorLedger  # noqa: E402
+from autotune.memory.ledger import TensorLedger  # noqa: E402
 
 CASES = [("mlp", "sgd", 1_666_727), ("cnn", "sgd", 10_370_996), ("transformer", "adamw", 15_000_000)]
 TARGET = 256

@@ -52,7 +52,7 @@ from helpers import MODELS, OPTIMIZERS, true_max  # noqa: E402
 from peers import budget, dataset  # noqa: E402
 
 import autotune  # noqa: E402
-from autotune import estimate  # noqa: E402
+from autotune.probe.largest import estimate as estimate
 
 TARGET = 256
 HARNESS = [

@@ -49,7 +49,7 @@ def run_case(model_name: str, opt_name: str, limit: int) -> list[dict]:
     exhaustive = time.perf_counter() - start
     rows = []
     for mode, estimate in (("estimate+real", True), ("real only", False)):
-        autotune.estimate.forget()  # each case pays for its own estimates
+        autotune.probe.estimate.forget()  # each case pays for its own estimates
         start = time.perf_counter()
         plan = autotune.plan(
             model, data, target_batch=TARGET, optimizer=make_opt(model.parameters()),

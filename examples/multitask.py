@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from quickstart import digits
 from torch import nn
 from torch.utils.data import DataLoader
 
 import autotune
-from quickstart import digits
 
 
 class TwoHeads(nn.Module):

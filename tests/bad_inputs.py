@@ -399,7 +399,7 @@ def cli_markdown() -> str:
     import tempfile
     import warnings
 
-    from autotune.cli import main
+    from autotune.cli.main import main
 
     rows = ["| # | bad input (command line) | exit | message |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:

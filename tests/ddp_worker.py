@@ -20,7 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    Subset,
+    TensorDataset,
+)
 
 import autotune
 
@@ -274,7 +280,7 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     measured: list[int] = []  # the windows (1-based) the noise meter measured
     steps: list[int] = []
     if "noise_every" in c:
-        from autotune.noise import NoiseMeter
+        from autotune.train.noise import NoiseMeter
 
         add = NoiseMeter.add
         NoiseMeter.add = lambda self, *a: (measured.append(len(steps) + 1), add(self, *a))[1]  # type: ignore[method-assign]
@@ -370,7 +376,7 @@ def comm_hook(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
 def exchange(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     """GradientSync on its own: random gradients per rank, held in each of the three ways the
     exchange takes them; what it writes back, whether as views of its buffer, and its mul_ calls."""
-    from autotune.distributed import GradientSync
+    from autotune.parallel.exchange import GradientSync
 
     params = list(TokenModel().parameters())
     sync = GradientSync(params, bucket_bytes=c["bucket_bytes"])
@@ -419,7 +425,7 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     """Token data on a model sharded with fully_shard: per-rank limits, a limit lowered on one rank
     while training (its window goes over: every rank redoes it), the plan's peak against a ledger."""
-    from autotune.memory import TensorLedger
+    from autotune.memory.ledger import TensorLedger
 
     samples = token_samples(c["n"], lengths=tuple(c.get("lengths", (10, 10))), by_parity=c.get("by_parity"))
     indices = rank_indices(len(samples), rank, world, c.get("shards", "sampler"))
@@ -430,9 +436,9 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         loader = list(loader)
     estimate = None
     if c.get("estimate"):
-        # What autotune.sharding estimates from the unsharded model, per rank at micro-batch `estimate`.
-        from autotune.trial import Workload
-        from autotune.sharding import estimated
+        # What autotune.planning.sharding estimates from the unsharded model, per rank at micro-batch `estimate`.
+        from autotune.planning.sharding import estimated
+        from autotune.probe.trial import Workload
 
         whole = TokenModel()
         whole_opt = torch.optim.AdamW(whole.parameters(), lr=0.05, weight_decay=0.1)
@@ -457,7 +463,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                          memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False)
     limit = c.get("train_limits", c["limits"])[rank]
     ledger = TensorLedger("cpu")
-    ledger.track(autotune.trial.held_tensors(model, opt))
+    ledger.track(autotune.probe.trial.held_tensors(model, opt))
     if c.get("preloaded"):
         ledger.ignore(t for batch in loader for t in batch)
     with ledger:

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from autotune.memory import TensorLedger
+from autotune.memory.ledger import TensorLedger
 
 
 def estimating(t: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
-from autotune.bn import BNController, replay
+from autotune.train.bn import BNController, replay
 
 pytestmark = [
     pytest.mark.usefixtures("float64"),

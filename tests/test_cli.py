@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from autotune import Plan
-from autotune.cli import main
-from autotune.report import equal_split
+from autotune.cli.main import main
+from autotune.planning.report import equal_split
 
 
 @pytest.fixture(autouse=True)
@@ -184,7 +184,7 @@ def test_loader_spec(capsys, tmp_path, monkeypatch):
         "    return [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(2)]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    code, out, _ = run(capsys, "report", "autotune.demo:demo_model", "--loader", "my_data:batches", "--target-batch", "256", "--memory-limit", "64MiB", "--device", "cpu", "--json")
+    code, out, _ = run(capsys, "report", "autotune.cli.demo:demo_model", "--loader", "my_data:batches", "--target-batch", "256", "--memory-limit", "64MiB", "--device", "cpu", "--json")
     assert code == 0
     assert json.loads(out)["plan"]["accumulation_steps"] > 1
 
@@ -317,17 +317,17 @@ def test_the_cache_key_covers_the_models_code(capsys, tmp_path):
 
 def test_the_cache_key_covers_the_free_memory_when_no_limit_is_given(capsys, monkeypatch):
     import autotune.memory
-    import autotune.planner
+    import autotune.planning.planner
 
     free = {"bytes": 8 * 2**30}
-    monkeypatch.setattr(autotune.memory, "default_limit", lambda device, held: free["bytes"])
-    monkeypatch.setattr(autotune.planner, "default_limit", lambda device, held: free["bytes"])
-    _, first, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
+    monkeypatch.setattr(autotune.memory.device, "default_limit", lambda device, held: free["bytes"])
+    monkeypatch.setattr(autotune.planning.planner, "default_limit", lambda device, held: free["bytes"])
+    _, first, _ = run(capsys, "report", "autotune.cli.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
     free["bytes"] = 8 * 2**30 + 5 * 2**20  # a small fluctuation: the same entry
-    _, again, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
+    _, again, _ = run(capsys, "report", "autotune.cli.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
     assert json.loads(again)["cached"] is True
     free["bytes"] = 40 * 2**20  # far less free memory: a fresh probe with a smaller answer
-    _, small, _ = run(capsys, "report", "autotune.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
+    _, small, _ = run(capsys, "report", "autotune.cli.demo:demo_model", "--input-shape", "3,32,32", "--target-batch", "1024", "--device", "cpu", "--json")
     assert json.loads(small)["cached"] is False
     assert json.loads(small)["plan"]["micro_batch"] < json.loads(first)["plan"]["micro_batch"]
     assert json.loads(small)["plan"]["memory_limit"] <= 40 * 2**20
@@ -378,7 +378,7 @@ def test_noise_scale_line_needs_a_loader_and_gives_advice(capsys, tmp_path, monk
         "    return [(torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(8)]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    code, out, err = run(capsys, "report", "autotune.demo:demo_model", "--loader", "noisy_data:batches", "--target-batch", "4096",
+    code, out, err = run(capsys, "report", "autotune.cli.demo:demo_model", "--loader", "noisy_data:batches", "--target-batch", "4096",
                          "--memory-limit", "128MiB", "--device", "cpu", "--noise-scale", "--json", "--no-cache")
     assert code == 0, err
     noise = json.loads(out)["noise_scale"]

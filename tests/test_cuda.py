@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.memory import device_memory
+from autotune.memory.device import device_memory
 
 pytestmark = pytest.mark.cuda
 

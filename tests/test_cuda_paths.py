@@ -9,8 +9,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
-from autotune import memory
-from autotune.memory import is_out_of_memory, other_processes_bytes
+from autotune.memory import device as memory
+from autotune.memory import ledger
+from autotune.memory.device import other_processes_bytes
+from autotune.memory.ledger import is_out_of_memory
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -100,8 +102,8 @@ def test_out_of_memory_messages_of_every_backend_are_recognised(message):
 
 
 def test_allocator_retries_alone_do_not_reject_a_trial(monkeypatch):
-    import autotune.probe as probe
-    from autotune.trial import Snapshot, Workload
+    import autotune.probe.largest as probe
+    from autotune.probe.trial import Snapshot, Workload
 
     retries = iter([3, 5])  # the allocator retried twice during the step (cuDNN workspace sizing)
     monkeypatch.setattr(probe, "reset_peak", lambda device: next(retries))
@@ -111,7 +113,7 @@ def test_allocator_retries_alone_do_not_reject_a_trial(monkeypatch):
     work = Workload(model=model, optimizer=opt, loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
                           batch=(torch.randn(4, 4), torch.randn(4, 2)), device=torch.device("cpu"))
     work.device = types.SimpleNamespace(type="cuda")  # what the trial reads for its verdict
-    monkeypatch.setattr(probe, "TensorLedger", lambda *a, **k: memory.TensorLedger("cpu", **k))
+    monkeypatch.setattr(probe, "TensorLedger", lambda *a, **k: ledger.TensorLedger("cpu", **k))
     monkeypatch.setattr(probe, "release_cached", lambda device, **kwargs: None)
     monkeypatch.setattr(probe, "synchronize", lambda device: None)
     monkeypatch.setattr(probe.B, "to_device", lambda batch, device: batch)
@@ -167,7 +169,7 @@ def test_out_of_memory_while_clipping_takes_no_step(monkeypatch):
 
 
 def test_gather_uses_the_ranks_device_with_nccl(monkeypatch):
-    from autotune import distributed
+    from autotune.parallel import ranks as distributed
 
     entered = []
 

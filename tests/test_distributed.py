@@ -5,12 +5,11 @@ Every multi-process test runs under a hard timeout (``ddp_worker.launch``): a ha
 mismatch fails the test in seconds instead of blocking.
 """
 
+import ddp_worker as W
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import ddp_worker as W
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),

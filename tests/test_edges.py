@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import autotune
-from autotune.accumulate import cut_sizes
-from autotune.report import framework_configs, render_text
+from autotune.planning.report import framework_configs, render_text
+from autotune.train.accumulate import cut_sizes
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -85,7 +85,7 @@ class BNNet(nn.Module):
 
 
 def bn_plan(target, micro):
-    sizes = autotune.plans.split_evenly(target, -(-target // micro))
+    sizes = autotune.planning.plans.split_evenly(target, -(-target // micro))
     return autotune.Plan(
         micro_batch=micro, accumulation_steps=len(sizes), effective_batch=target, world_size=1, micro_batches=sizes,
         lr=0.1, base_lr=0.1, lr_scale=1.0, lr_rule="none", base_batch=target, warmup_steps=None, bn_momentum=None,

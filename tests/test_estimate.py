@@ -14,9 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotune
-from autotune.estimate import Estimator, cuda_attention_backend, optimizer_for_device
-from autotune.memory import TensorLedger
-from autotune.trial import Workload
+from autotune.memory.ledger import TensorLedger
+from autotune.probe.estimate import (
+    Estimator,
+    cuda_attention_backend,
+    optimizer_for_device,
+)
+from autotune.probe.trial import Workload
 
 transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402
@@ -320,9 +324,9 @@ class Untracked(nn.Module):
 
 
 def test_a_default_cpu_plan_budgets_the_resident_growth(monkeypatch):
-    import autotune.planner
+    import autotune.planning.planner
 
-    monkeypatch.setattr(autotune.planner, "default_limit", lambda device, held: 256 * 2**20)  # "the machine's RAM"
+    monkeypatch.setattr(autotune.planning.planner, "default_limit", lambda device, held: 256 * 2**20)  # "the machine's RAM"
     data = [(torch.randn(8, 16), torch.randint(0, 4, (8,)))]
     model = Untracked(2 * 2**20)  # 2 MiB per sample the tensor count cannot see
     plan = autotune.plan(model, data, target_batch=256, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
 
-
 pytestmark = pytest.mark.usefixtures("float64")
 
 
@@ -257,7 +256,7 @@ class TokenBN(nn.Module):
 
 
 def test_out_of_memory_retry_leaves_batchnorm_as_if_the_attempt_never_happened():
-    from autotune.bn import BNController
+    from autotune.train.bn import BNController
 
     model = TokenBN()
     start = copy.deepcopy(model)

@@ -7,12 +7,16 @@ mismatch fails the test in seconds instead of blocking.
 
 import os
 
+import ddp_worker as W
 import pytest
 import torch
+from test_distributed import (
+    assert_exact,
+    assert_pooled_is_one_global_forward,
+    assert_stopped_together,
+    results,
+)
 from torch import nn
-
-import ddp_worker as W
-from test_distributed import assert_exact, assert_pooled_is_one_global_forward, assert_stopped_together, results
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 pytestmark = [
@@ -92,7 +96,7 @@ def test_the_plans_peak_is_the_ledgers_peak_per_rank(tmp_path, lengths, limits):
 
 
 def test_the_estimate_from_the_unsharded_model_bounds_the_real_peak(tmp_path):
-    """autotune.sharding's per-rank figure (what NothingFits and `report --shard` give) against
+    """autotune.planning.sharding's per-rank figure (what NothingFits and `report --shard` give) against
     the real per-rank peak of a sharded run at the same micro-batch: within 10%."""
     config = {"n": 32, "target": 16, "lengths": (48, 48), "limits": ["150KiB", "100KiB"], "optimizer": "adamw",
               "preloaded": True, "estimate": 3}
@@ -196,8 +200,9 @@ def data():
 
 @pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # torch's own, building FSDP1 on one rank
 def test_fsdp1_points_to_fully_shard(one_rank):
-    import autotune
     from torch.distributed.fsdp import FullyShardedDataParallel
+
+    import autotune
 
     model = FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=torch.device("cpu"))
     with pytest.raises(TypeError, match="fully_shard"):
@@ -207,8 +212,9 @@ def test_fsdp1_points_to_fully_shard(one_rank):
 
 
 def test_a_model_sharded_only_inside_is_refused(one_rank):
-    import autotune
     from torch.distributed.fsdp import fully_shard
+
+    import autotune
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(model[0])
@@ -217,8 +223,9 @@ def test_a_model_sharded_only_inside_is_refused(one_rank):
 
 
 def test_what_if_and_noise_scale_say_what_to_use_instead(one_rank):
-    import autotune
     from torch.distributed.fsdp import fully_shard
+
+    import autotune
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(model)
@@ -229,8 +236,9 @@ def test_what_if_and_noise_scale_say_what_to_use_instead(one_rank):
 
 
 def test_planning_without_real_trials_is_refused(one_rank):
-    import autotune
     from torch.distributed.fsdp import fully_shard
+
+    import autotune
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(model)

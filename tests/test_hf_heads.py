@@ -40,8 +40,7 @@ def limit_for(trainer, micro):
     """A memory limit between the planned peaks at ``micro`` and ``micro + 1`` samples (the plan's own
     curve, from a first prepare that is then restored)."""
     from autotune.integrations import hf
-
-    from autotune.curve import MemoryCurve
+    from autotune.memory.curve import MemoryCurve
 
     prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit="1GiB", headroom=0, progress=False)
     plan = prepared.settings.plan

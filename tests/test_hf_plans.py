@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autotune
-from autotune.memory import TensorLedger
+from autotune.memory.ledger import TensorLedger
 
 transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402,F401  (sets HF_HUB_OFFLINE before transformers builds anything)

@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 import torch
-
-from autotune.cli import main
 from bad_inputs import API, CLI, MODELS_FILE, Setup
+
+from autotune.cli.main import main
 
 
 @pytest.mark.parametrize("case", API, ids=[c.what for c in API])

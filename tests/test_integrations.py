@@ -93,6 +93,7 @@ def test_the_hf_trainer_trains_the_planned_split_and_the_first_step_is_the_big_b
     corrects (without it each step is scaled by (tokens - sequences) / tokens, about 7% here)."""
     transformers = pytest.importorskip("transformers")
     import hf_models
+
     from autotune.integrations import hf
 
     model = hf_models.gpt2(layers=2, dim=32, vocab=VOCAB, positions=64).double()
@@ -133,6 +134,7 @@ def test_the_hf_trainer_trains_the_planned_split_and_the_first_step_is_the_big_b
 def test_an_out_of_memory_retry_of_the_trainer_keeps_the_target(tmp_path):
     transformers = pytest.importorskip("transformers")
     import hf_models
+
     from autotune.integrations import hf
 
     model = hf_models.gpt2(layers=1, dim=32, vocab=VOCAB, positions=64).double()

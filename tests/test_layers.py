@@ -1,80 +1,131 @@
-"""The package is a house in layers: each module imports only from modules below it (lazy imports
-inside functions included), and the pure modules import no torch."""
+"""The package is a house in layers: wings (subpackages) one above the other, and inside each wing its
+modules in order. Each module imports only from modules below it (lazy imports inside functions
+included), so there are no circles and nothing imports upward; the pure modules import no torch; and
+no module or class grows past what a reader takes in, unless its docstring says why."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 
-# Bottom to top. A module may import only modules listed before it.
-LAYERS = [
-    # pure: numbers, words and plans, no torch (a plan reads a batch's shape through batches, lazily)
-    "units", "errors", "scaling", "curve", "search", "shapes", "batches", "plans", "report", "cache",
-    # torch, one concept each
-    "memory", "step", "rng", "checks", "checkpointing", "bn", "demo",
-    # ranks
-    "distributed",
-    # a trial and its estimate
-    "trial", "estimate",
-    # searching, and what the estimates tell
-    "probe", "whatif", "sharding",
-    # windows of micro-batches, and the noise scale measured in them
-    "accumulate", "noise", "fsdp",
-    # the verbs
-    "planner", "training", "tune",
+# The wings, bottom to top, and their modules in order: a module may import only modules listed
+# before it. This is the one place the order is written.
+WINGS = {
+    # base: what everything may use
+    "base": ["units", "errors", "batches", "checks", "rng", "step"],
+    # what a step holds and would hold
+    "memory": ["memory", "memory.curve", "memory.shapes", "memory.ledger", "memory.device", "memory.checkpointing"],
+    # ranks: agreements for planning, the exchange of training
+    "parallel": ["parallel", "parallel.ranks", "parallel.exchange"],
+    # trials that change nothing, real and on fake tensors, and the search
+    "probe": ["probe", "probe.search", "probe.trial", "probe.estimate", "probe.largest"],
+    # the plan (pure) and the verbs that make plans
+    "planning": ["planning", "planning.scaling", "planning.plans", "planning.report", "planning.cache", "planning.whatif",
+                 "planning.sharding", "planning.planner"],
+    # training at the planned batch: the loop, its windows, BatchNorm, the noise scale, BN tuning
+    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.run", "train.retry", "train.single", "train.data_parallel",
+              "train.sharded", "train.records", "train.fit", "train.tune"],
     # the surfaces
-    "cli", "__init__",
-]
-PURE = {"units", "errors", "scaling", "curve", "search", "shapes", "plans", "report", "cache"}
+    "surfaces": ["cli.demo", "cli.render", "cli.commands", "cli.main", "cli", "integrations", "integrations.common",
+                 "integrations.hf", "integrations.lightning", "integrations.accelerate", "__init__"],
+}
+LAYERS = [module for modules in WINGS.values() for module in modules]
+PURE = {"units", "errors", "memory.curve", "memory.shapes", "probe.search", "planning.scaling", "planning.plans", "planning.report",
+        "planning.cache"}
+LONG_MODULE, LONG_CLASS = 600, 250
+WHY_LONG = "Why this is long:"
 
 
-def imports(path: Path) -> tuple[set[str], bool]:
-    """The package modules ``path`` imports (anywhere in it), and whether it imports torch at its top level."""
-    tree = ast.parse(path.read_text())
+def path_of(module: str) -> Path:
+    parts = [] if module == "__init__" else module.split(".")
+    folder = PACKAGE.joinpath(*parts)
+    return folder / "__init__.py" if folder.is_dir() or module == "__init__" else folder.with_suffix(".py")
+
+
+def all_modules() -> set[str]:
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found.add(".".join(parts) or "__init__")
+    return found
+
+
+def imports(module: str) -> tuple[set[str], bool]:
+    """The package modules ``module`` imports (anywhere in it), and whether it imports torch at its top level."""
+    known = all_modules()
+    tree = ast.parse(path_of(module).read_text())
     found: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "autotune":
-            parts = node.module.split(".")
-            found.update([parts[1]] if len(parts) > 1 else [a.name for a in node.names])
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{module}: a relative import (from {'.' * node.level}{node.module or ''}); write autotune.<wing>.<module>"
+            if (node.module or "").split(".")[0] != "autotune":
+                continue
+            rest = node.module[len("autotune."):] if node.module != "autotune" else ""
+            for alias in node.names:
+                sub = f"{rest}.{alias.name}" if rest else alias.name
+                found.add(sub if sub in known else (rest or "__init__"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "autotune":
+                    found.add(alias.name[len("autotune."):] or "__init__")
     top_torch = any(
         (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "torch" for a in n.names))
         or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "torch")
         for n in tree.body
     )
-    return found - {path.stem}, top_torch
+    return found - {module}, top_torch
 
 
-INTEGRATIONS = PACKAGE / "integrations"  # above everything: each may import any module of the package
+def test_every_module_has_its_place_in_the_layers():
+    modules = all_modules()
+    assert modules == set(LAYERS), f"place these in WINGS: {sorted(modules - set(LAYERS))}; gone: {sorted(set(LAYERS) - modules)}"
 
 
-def test_the_integrations_import_nothing_above_them_and_no_trainer_at_the_top():
-    for path in INTEGRATIONS.glob("*.py"):
+def test_each_module_imports_only_from_below():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    wing = {name: w for w, modules in WINGS.items() for name in modules}
+    upward = []
+    for name in LAYERS:
+        found, _ = imports(name)
+        upward += [f"{name} ({wing[name]}) imports {dep} ({wing[dep]})" for dep in sorted(found) if rank[dep] >= rank[name]]
+    assert not upward, "imports that go up (or around) the layers: " + "; ".join(upward)
+
+
+def test_the_integrations_import_no_trainer_at_the_top_and_nothing_of_the_surfaces():
+    for path in (PACKAGE / "integrations").glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in tree.body:  # module level: the trainers are imported where they are used
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 assert not any(n.split(".")[0] in ("transformers", "accelerate") for n in names), path.name
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 2:
-                assert (node.module or "").split(".")[0] not in ("cli", "__init__"), path.name
-
-
-def test_every_module_has_its_place_in_the_layers():
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    assert modules == set(LAYERS), f"place these in LAYERS: {sorted(modules - set(LAYERS))}; gone: {sorted(set(LAYERS) - modules)}"
-
-
-def test_each_module_imports_only_from_below():
-    rank = {name: i for i, name in enumerate(LAYERS)}
-    upward = []
-    for name in LAYERS:
-        found, _ = imports(PACKAGE / f"{name}.py")
-        upward += [f"{name} imports {dep}" for dep in sorted(found) if dep in rank and rank[dep] >= rank[name]]
-    assert not upward, "imports that go up (or around) the layers: " + "; ".join(upward)
+        module = "integrations" if path.stem == "__init__" else f"integrations.{path.stem}"
+        assert not {d for d in imports(module)[0] if d.split(".")[0] == "cli" or d == "__init__"}, path.name
 
 
 def test_the_pure_modules_import_no_torch_at_the_top():
-    heavy = [name for name in sorted(PURE) if imports(PACKAGE / f"{name}.py")[1]]
+    heavy = [name for name in sorted(PURE) if imports(name)[1]]
     assert not heavy
+
+
+def test_each_wing_says_what_it_holds_and_what_it_may_use():
+    for wing in ("memory", "parallel", "probe", "planning", "train", "cli", "integrations"):
+        doc = ast.get_docstring(ast.parse(path_of(wing).read_text())) or ""
+        assert len(doc) > 80, wing
+        if wing not in ("cli", "integrations"):
+            assert "May use:" in doc, wing
+
+
+def test_no_module_or_class_is_too_long_to_read_without_a_reason():
+    long = []
+    for module in sorted(all_modules()):
+        text = path_of(module).read_text()
+        tree = ast.parse(text)
+        reason = WHY_LONG in (ast.get_docstring(tree) or "")
+        if len(text.splitlines()) > LONG_MODULE and not reason:
+            long.append(f"{module}: {len(text.splitlines())} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > LONG_CLASS and not reason:
+                long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, f"over {LONG_MODULE} lines a module or {LONG_CLASS} a class, with no '{WHY_LONG}' line in its docstring: {long}"

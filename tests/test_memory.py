@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from autotune.memory import TensorLedger, default_headroom, device_memory, is_out_of_memory
+from autotune.memory.device import default_headroom, device_memory
+from autotune.memory.ledger import TensorLedger, is_out_of_memory
 
 
 def test_ledger_counts_new_storages_once_and_frees_them():

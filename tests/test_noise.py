@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.noise import NoiseMeter, NoiseScale, advice
+from autotune.train.noise import NoiseMeter, NoiseScale, advice
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -161,7 +161,7 @@ def test_noise_scale_before_training_measures_and_leaves_no_trace():
 
 
 def test_follow_batch_arithmetic():
-    from autotune.scaling import follow_batch
+    from autotune.planning.scaling import follow_batch
 
     s = follow_batch(4.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True, effective_batch=256)
     assert s.betas == pytest.approx((0.6, 0.996)) and s.eps == pytest.approx(5e-9) and s.weight_decay == pytest.approx(0.02)
@@ -177,7 +177,7 @@ def test_follow_batch_arithmetic():
 def test_follow_batch_shows_in_the_plan_and_every_config():
     import json
 
-    from autotune.report import framework_configs
+    from autotune.planning.report import framework_configs
 
     torch.set_default_dtype(torch.float32)
     model = nn.Linear(8, 2)

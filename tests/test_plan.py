@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import MODELS, OPTIMIZERS, data_for, estimating, true_max
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
-from helpers import MODELS, OPTIMIZERS, data_for, estimating, true_max
 
 # Limits at which the true maximum is well inside (1, 256) and not a power of two.
 LIMITS = {

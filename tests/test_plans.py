@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from autotune.plans import Plan, split_evenly, window_layout
-from autotune.search import Trial
+from autotune.planning.plans import Plan, split_evenly, window_layout
+from autotune.probe.search import Trial
 
 
 def test_split_evenly_example():

@@ -3,7 +3,12 @@ import math
 import pytest
 import torch
 
-from autotune.scaling import adjusted_bn_momentum, auto_lr_rule, lr_scale, warmup_steps
+from autotune.planning.scaling import (
+    adjusted_bn_momentum,
+    auto_lr_rule,
+    lr_scale,
+    warmup_steps,
+)
 
 
 def names(cls):

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from autotune.search import Measurement, estimated_max, largest_fitting
+from autotune.probe.search import Measurement, estimated_max, largest_fitting
 
 
 class Device:

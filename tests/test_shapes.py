@@ -7,12 +7,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import AttentionLM
 from torch import nn
 
 import autotune
-from autotune.memory import TensorLedger
-from autotune.shapes import ShapeModel, fit_quadratic
-from helpers import AttentionLM
+from autotune.memory.ledger import TensorLedger
+from autotune.memory.shapes import ShapeModel, fit_quadratic
 
 PAD = -100
 

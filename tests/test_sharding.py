@@ -10,8 +10,13 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.cli import main
-from autotune.sharding import ShardParts, shard_estimates, shard_parts, shard_plan
+from autotune.cli.main import main
+from autotune.planning.sharding import (
+    ShardParts,
+    shard_estimates,
+    shard_parts,
+    shard_plan,
+)
 
 
 def wide(n=4, width=256):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.probe import Progress
+from autotune.probe.largest import Progress
 
 transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402
@@ -143,9 +143,9 @@ def test_every_row_is_the_largest_size_that_fits_for_real_on_the_cpu():
 
     import torch.nn.functional as F
 
-    from autotune.checkpointing import activation_checkpointing
-    from autotune.demo import demo_model
-    from autotune.memory import TensorLedger
+    from autotune.cli.demo import demo_model
+    from autotune.memory.checkpointing import activation_checkpointing
+    from autotune.memory.ledger import TensorLedger
 
     def loss(m, b):
         return F.cross_entropy(m(b[0]), b[1])
@@ -186,7 +186,7 @@ def test_every_row_is_the_largest_size_that_fits_for_real_on_the_cpu():
 def test_checkpointing_that_lowers_the_micro_batch_is_said_and_never_advised():
     import torch.nn.functional as F
 
-    from autotune.demo import demo_model
+    from autotune.cli.demo import demo_model
 
     torch.manual_seed(0)
     model = demo_model()  # a Sequential of single layers: checkpointing keeps every input anyway

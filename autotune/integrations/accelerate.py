@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ..planner import plan as make_plan
-from ..step import LossFn
-from .common import TrainerSettings, equal_settings, missing
+from autotune.integrations.common import TrainerSettings, equal_settings, missing
+from autotune.planning.planner import plan as make_plan
+from autotune.step import LossFn
 
 __all__ = ["plan_accumulation"]
 

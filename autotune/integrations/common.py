@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..plans import Plan
-from ..report import equal_split
-from ..scaling import cap_warmup
+from autotune.planning.plans import Plan
+from autotune.planning.report import equal_split
+from autotune.planning.scaling import cap_warmup
 
 __all__ = ["TrainerSettings", "check_batch_arg", "equal_settings", "missing"]
 
@@ -86,7 +86,7 @@ def check_batch_arg(name: str, value: Any, what: str) -> None:
 def equal_settings(plan: Plan, *, lr_rule: str, learning_rate: Any = None, warmup: bool = True, exactness: str | None = None,
                    had_warmup: bool = False, run_steps: int | None = None) -> TrainerSettings:
     """The trainer's settings for ``plan``: the largest equal micro-batch that reaches the target
-    exactly on every device (:func:`autotune.report.equal_split`: under data parallelism, from the
+    exactly on every device (:func:`autotune.planning.report.equal_split`: under data parallelism, from the
     smallest rank's micro-batch), the learning rate when a rule is asked, warm-up when the learning
     rate grows and none is set (at most 10% of ``run_steps`` when the run's length is known), and
     the notes.

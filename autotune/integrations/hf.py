@@ -45,14 +45,19 @@ from typing import Any, cast
 
 import torch
 
-from ..batches import batch_size as size_of
-from ..batches import slice_batch
-from ..errors import AutotuneError
-from ..planner import plan as make_plan
-from ..report import largest_divisor
-from ..rng import RNGState
-from ..trial import planning
-from .common import TrainerSettings, check_batch_arg, equal_settings, missing
+from autotune.batches import batch_size as size_of
+from autotune.batches import slice_batch
+from autotune.errors import AutotuneError
+from autotune.integrations.common import (
+    TrainerSettings,
+    check_batch_arg,
+    equal_settings,
+    missing,
+)
+from autotune.planning.planner import plan as make_plan
+from autotune.planning.report import largest_divisor
+from autotune.probe.trial import planning
+from autotune.rng import RNGState
 
 __all__ = ["LossCheck", "Prepared", "prepare"]
 

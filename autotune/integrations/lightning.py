@@ -48,9 +48,14 @@ from typing import Any, cast
 
 import torch
 
-from ..batches import batch_size as size_of
-from ..planner import plan as make_plan
-from .common import TrainerSettings, check_batch_arg, equal_settings, missing
+from autotune.batches import batch_size as size_of
+from autotune.integrations.common import (
+    TrainerSettings,
+    check_batch_arg,
+    equal_settings,
+    missing,
+)
+from autotune.planning.planner import plan as make_plan
 
 try:
     from lightning.pytorch import Callback

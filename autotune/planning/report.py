@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .plans import Plan
-from .units import format_bytes
+from autotune.planning.plans import Plan
+from autotune.units import format_bytes
 
 __all__ = ["FORMATS", "EqualSplit", "MemoryBreakdown", "equal_split", "framework_configs", "largest_divisor", "render_json", "render_text"]
 

@@ -67,7 +67,7 @@ def activation_checkpointing(model: nn.Module) -> Iterator[None]:
     from torch.utils.checkpoint import checkpoint
 
     def checkpointed(forward: Any) -> Any:
-        # Marked, so that a copy of the model (autotune.estimate's) knows to drop it: it runs ``forward``.
+        # Marked, so that a copy of the model (autotune.probe.estimate's) knows to drop it: it runs ``forward``.
         def run(*args: Any, **kwargs: Any) -> Any:
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 

@@ -1,63 +1,32 @@
-"""Everything that reads device memory: limits, device facts, peaks, OOM detection, tensor accounting.
+"""Tensor accounting: the bytes of live tensor storages, counted as operations create them.
 
-Two sources of truth:
-
-- :class:`TensorLedger` counts the bytes of live tensor storages as operations create them (a
-  ``TorchDispatchMode``) and raises ``torch.OutOfMemoryError`` as soon as an operation takes the
-  count past its limit; the outputs of that operation are freed as the error unwinds. It works on
-  every device, including fake and ``meta`` tensors (where it gives exact estimates at no cost), and is how a memory
-  limit is enforced on CPU, where no graceful out-of-memory error exists, and how tests mock a limit.
-- On CUDA, the caching allocator's own statistics (``max_memory_reserved``) add what the tensor count
-  cannot see: block rounding, cached segments and fragmentation.
+:class:`TensorLedger` (a ``TorchDispatchMode``) counts the bytes of live tensor storages and raises
+``torch.OutOfMemoryError`` as soon as an operation takes the count past its limit; the outputs of that
+operation are freed as the error unwinds. It works on every device, including fake and ``meta``
+tensors (where it gives exact estimates at no cost), and is how a memory limit is enforced on CPU,
+where no graceful out-of-memory error exists, and how tests mock a limit. :class:`ResidentPeak`
+samples the process's resident memory beside it. Out-of-memory errors are told apart here too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import os
-import platform
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .units import format_bytes
+from autotune.units import format_bytes
 
 __all__ = [
-    "CUDA_BLOCK",
-    "CUDA_CONTEXT_ALLOWANCE",
-    "CUDA_OUTSIDE",
-    "DeviceMemory",
     "ResidentPeak",
     "TensorLedger",
-    "allocator_cap",
-    "cuda_memory_fraction",
-    "default_headroom",
-    "outside_allocator",
-    "device_memory",
     "is_out_of_memory",
     "storage_bytes",
 ]
 
-# The CUDA caching allocator hands out blocks in multiples of 512 bytes.
-CUDA_BLOCK = 512
-
-# What an estimate-only plan for CUDA sets aside for the CUDA context (outside torch's tensors):
-# a few hundred MiB on current GPUs with lazy module loading.
-CUDA_CONTEXT_ALLOWANCE = 512 * 2**20
-
-# The set-aside entry for memory measured outside the CUDA allocator (context, library handles).
-CUDA_OUTSIDE = "the CUDA context and libraries outside torch's allocator (measured)"
-
-# Default headroom per device kind. CUDA: the allocator's caching and fragmentation and the
-# cuDNN/cuBLAS workspaces vary by a few to ~15 % between runs; 10 % keeps clear of them. CPU: the
-# count is exact, the headroom only absorbs inputs larger than those probed.
-_HEADROOM = {"cuda": 0.10, "cpu": 0.05}
 
 # Messages of out-of-memory errors raised as a plain RuntimeError (matched only when the type is not
 # torch.OutOfMemoryError):
@@ -91,11 +60,6 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(s.nbytes() for s in storages.values())
 
 
-def default_headroom(device: torch.device) -> float:
-    """The default fraction of the limit kept free: 0.10 on CUDA, 0.05 on CPU, else 0.10."""
-    return _HEADROOM.get(device.type, 0.10)
-
-
 class _Entry:
     __slots__ = ("ignored", "nbytes", "ref")
 
@@ -123,6 +87,8 @@ def _released(key: int, ledger: Any) -> Any:
 # frees its unsharded parameters that way. While a ledger is active, ``UntypedStorage.resize_``
 # tells the active ledgers.
 _RESIZE_WATCHERS: list[Any] = []
+
+
 _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 
 
@@ -146,7 +112,7 @@ class TensorLedger(TorchDispatchMode):
         block: round every storage up to a multiple of this (512 to mimic the CUDA allocator).
         trace: also record the live bytes after every operation (``trace``) and the operations
             (``ops``): two traces of the same step at two micro-batch sizes give memory as a
-            function of the size (see :class:`autotune.search.MemoryCurve`).
+            function of the size (see :class:`autotune.probe.search.MemoryCurve`).
 
     Attributes:
         live: bytes counted now.
@@ -249,7 +215,7 @@ class TensorLedger(TorchDispatchMode):
                 self._entries[key] = entry
 
     def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run one operation (a subclass may run some elsewhere, see autotune.estimate)."""
+        """Run one operation (a subclass may run some elsewhere, see autotune.probe.estimate)."""
         return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -319,208 +285,3 @@ class ResidentPeak:
         self._thread.join()
         self._peak = max(self._peak, int(self._process.memory_info().rss))
         self.growth = self._peak - self._start
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """What a device has.
-
-    Attributes:
-        device: e.g. ``"cuda:0"`` or ``"cpu"``.
-        name: e.g. ``"NVIDIA H200"``.
-        total: bytes of memory.
-        free: bytes free now (CUDA: the driver's view; CPU: psutil's ``available``).
-        other_processes: bytes other processes hold on the device (CUDA with NVML only), else None.
-    """
-
-    device: str
-    name: str
-    total: int
-    free: int
-    other_processes: int | None = None
-
-
-def _nvml_handle(pynvml: Any, index: int) -> Any:
-    """NVML's handle for torch's CUDA device ``index``.
-
-    Matched by UUID (then PCI bus id), never by index: under ``CUDA_VISIBLE_DEVICES`` torch's
-    index 0 can be NVML's index 3.
-    """
-    props = torch.cuda.get_device_properties(index)
-    uuid = getattr(props, "uuid", None)
-    if uuid is not None:
-        text = str(uuid)
-        try:
-            return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
-        except Exception:
-            pass
-    bus_id = getattr(props, "pci_bus_id", None)
-    if bus_id is not None:
-        pci = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
-        return pynvml.nvmlDeviceGetHandleByPciBusId(pci)
-    return pynvml.nvmlDeviceGetHandleByIndex(index)
-
-
-def other_processes_bytes(usage: list[tuple[int, int]], me: int, reserved: int) -> int:
-    """Bytes that other processes hold, from NVML's ``(pid, bytes)`` list for the device.
-
-    This process is left out by its pid. Inside a container NVML reports host pids, so none
-    matches: then the entry whose usage is closest above this process's own allocator cache
-    (``reserved``) is taken to be this process (the context adds a few hundred MiB to it).
-
-    Example:
-        >>> other_processes_bytes([(101, 900), (7, 5000)], me=7, reserved=4000)
-        900
-        >>> other_processes_bytes([(40211, 4600), (40300, 900)], me=7, reserved=4000)  # a container
-        900
-    """
-    if any(pid == me for pid, _ in usage):
-        return sum(b for pid, b in usage if pid != me)
-    if not usage:
-        return 0
-    candidates = [(b - reserved, i) for i, (_, b) in enumerate(usage) if b >= reserved]
-    if not candidates:
-        return sum(b for _, b in usage)
-    mine = min(candidates)[1]
-    return sum(b for i, (_, b) in enumerate(usage) if i != mine)
-
-
-def _nvml_other_processes(index: int) -> int | None:
-    """Bytes that other processes hold on CUDA device ``index``, via NVML; None when unknown."""
-    try:
-        import pynvml  # nvidia-ml-py: imported only when a CUDA device is asked about
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        try:
-            handle = _nvml_handle(pynvml, index)
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            usage = [(int(p.pid), int(p.usedGpuMemory or 0)) for p in procs]
-            return other_processes_bytes(usage, os.getpid(), int(torch.cuda.memory_reserved(index)))
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVML missing from the driver, no permission: unknown
-        return None
-
-
-def outside_allocator(device: torch.device) -> int | None:
-    """Bytes this process holds on a CUDA device outside torch's caching allocator.
-
-    The CUDA context, cuBLAS/cuDNN handles and workspaces, NCCL buffers: the driver's used memory
-    less the allocator's reserved bytes less what other processes hold (NVML). None when other
-    processes' usage is unknown (no NVML), or on other devices.
-    """
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    free, total = torch.cuda.mem_get_info(index)
-    other = _nvml_other_processes(index)
-    if other is None:
-        return None
-    return max(0, int(total) - int(free) - int(torch.cuda.memory_reserved(index)) - other)
-
-
-def device_memory(device: torch.device | str) -> DeviceMemory:
-    """Facts about ``device``'s memory (CUDA via torch and NVML; CPU via psutil)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        free, total = torch.cuda.mem_get_info(index)
-        return DeviceMemory(
-            device=f"cuda:{index}",
-            name=torch.cuda.get_device_name(index),
-            total=int(total),
-            free=int(free),
-            other_processes=_nvml_other_processes(index),
-        )
-    if device.type == "cpu":
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return DeviceMemory(
-            device="cpu",
-            name=platform.processor() or platform.machine() or "cpu",
-            total=int(vm.total),
-            free=int(vm.available),
-        )
-    raise ValueError(
-        f"Cannot read the memory of device {str(device)!r}: pass memory_limit= (e.g. '16GiB')"
-    )
-
-
-def default_limit(device: torch.device, held: int) -> int:
-    """The memory the training may use when no limit is given.
-
-    ``held`` is what the training already holds on the device (model, gradients, optimizer state),
-    which the free figure no longer includes. On CUDA the allocator's reserved cache counts as
-    available too: it is this process's memory.
-    """
-    if device.type == "cuda":
-        facts = device_memory(device)
-        return facts.free + int(torch.cuda.memory_reserved(device))
-    return device_memory(device).free + held
-
-
-@contextlib.contextmanager
-def cuda_memory_fraction(device: torch.device, limit: int | None) -> Iterator[None]:
-    """Cap this process's CUDA allocator at ``limit`` bytes, restoring the old cap afterwards."""
-    if device.type != "cuda" or limit is None:
-        yield
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    # Not in every torch that autotune supports: without it the old cap is taken to be none (1.0).
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    old = float(getter(device)) if getter is not None else 1.0
-    torch.cuda.set_per_process_memory_fraction(min(1.0, max(0.0, limit / total)), device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(old, device)
-
-
-def allocator_cap(limit: int, set_aside: Iterable[tuple[str, int]]) -> int:
-    """The CUDA allocator's cap for a limit that counts everything: less what lives outside it."""
-    return limit - sum(b for name, b in set_aside if name == CUDA_OUTSIDE)
-
-
-def release_cached(device: torch.device, *, collect: bool | None = None) -> None:
-    """Free unreachable tensors (and, on CUDA, the allocator's cache) between trials.
-
-    ``collect`` runs the garbage collector (default: on CUDA, where the allocator holds what
-    unreachable tensors took; on the CPU the tensor count never sees them, and a collection costs
-    tens of milliseconds in a process that imported a large library). Never raises: after a
-    failure on the device (a sticky CUDA error), emptying the cache can fail too, and that must not
-    hide the error that matters.
-    """
-    if collect if collect is not None else device.type == "cuda":
-        gc.collect()
-    if device.type == "cuda":
-        try:
-            torch.cuda.empty_cache()
-        except RuntimeError:
-            pass
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA), so wall times include it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reset_peak(device: torch.device) -> int:
-    """Start a CUDA peak measurement; returns the allocator's retry count so far (0 elsewhere)."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
-
-
-def allocator_peak(device: torch.device) -> tuple[int, int]:
-    """CUDA: (peak reserved bytes since :func:`reset_peak`, allocator retries); (0, 0) elsewhere."""
-    if device.type != "cuda":
-        return 0, 0
-    torch.cuda.synchronize(device)
-    stats = torch.cuda.memory_stats(device)
-    return int(torch.cuda.max_memory_reserved(device)), int(stats.get("num_alloc_retries", 0))

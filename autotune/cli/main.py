@@ -145,11 +145,11 @@ def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, Any, Call
     import torch
     from torch import nn
 
-    from .checks import is_one_shot
-    from .step import _output_loss
+    from autotune.checks import is_one_shot
+    from autotune.step import _output_loss
 
     if args.demo and not args.model:
-        from .demo import demo_model
+        from autotune.cli.demo import demo_model
 
         model = demo_model()
     elif args.model:
@@ -266,7 +266,7 @@ def _workload(args: argparse.Namespace, base_batch: int) -> tuple[Any, Any, Call
 
 
 def _describe(batch: Any) -> Any:
-    from . import batches as B
+    from autotune import batches as B
 
     return [[list(t.shape), str(t.dtype)] for t in B.tensors(batch)]
 
@@ -326,9 +326,8 @@ def _cached_plan(entry: dict[str, Any] | None, target: int) -> tuple[Any, Any] |
     """The plan and breakdown of a cache entry, or None (with a one-line warning) when any part of it
     is not what the report wrote: the plan, its memory breakdown and its device facts."""
     import autotune
-
-    from . import cache
-    from .report import MemoryBreakdown
+    from autotune.planning import cache as cache
+    from autotune.planning.report import MemoryBreakdown
 
     if entry is None:
         return None
@@ -359,14 +358,19 @@ def _report(args: argparse.Namespace) -> int:
     import torch
 
     import autotune
-
-    from . import cache
-    from .demo import DEMO
-    from .memory import default_limit, device_memory, storage_bytes
-    from .estimate import estimator_for
-    from .trial import Workload
-    from .report import MemoryBreakdown, framework_configs, render_json, render_text
-    from .units import format_bytes, parse_bytes
+    from autotune.cli.demo import DEMO
+    from autotune.memory.device import default_limit, device_memory
+    from autotune.memory.ledger import storage_bytes
+    from autotune.planning import cache as cache
+    from autotune.planning.report import (
+        MemoryBreakdown,
+        framework_configs,
+        render_json,
+        render_text,
+    )
+    from autotune.probe.estimate import estimator_for
+    from autotune.probe.trial import Workload
+    from autotune.units import format_bytes, parse_bytes
 
     if not args.model and not args.demo:
         raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
@@ -421,7 +425,7 @@ def _report(args: argparse.Namespace) -> int:
         raise UsageError("No CUDA device here: to plan for one, give its memory with --memory-limit (e.g. 80GiB)")
 
     model, loader, loss_fn, described = _workload(args, base_batch)
-    from .checks import check_trainable
+    from autotune.checks import check_trainable
 
     check_trainable(model)  # no parameters, all frozen, lazy: said plainly, before anything runs
     lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
@@ -506,8 +510,8 @@ def _report(args: argparse.Namespace) -> int:
         table = autotune.what_if(model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn, plan=plan)
     noise = None
     if args.noise_scale:
-        from . import batches as B
-        from .noise import advice
+        from autotune import batches as B
+        from autotune.train.noise import advice
 
         first_size = B.batch_size(next(iter(loader)))
         noise = autotune.noise_scale(model, loader, micro_batch=max(1, min(plan.micro_batch, first_size)), micro_batches=4,
@@ -543,9 +547,9 @@ def _report(args: argparse.Namespace) -> int:
 
 def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any, on_device: bool) -> int:
     """``report --shard N``: an FSDP2 run over N devices, per rank, estimated from the unsharded model."""
-    from .plans import split_evenly
-    from .sharding import shard_plan
-    from .units import format_bytes
+    from autotune.planning.plans import split_evenly
+    from autotune.planning.sharding import shard_plan
+    from autotune.units import format_bytes
 
     if not on_device and args.memory_limit is None:
         raise UsageError("No such device here: give each device's memory with --memory-limit (e.g. 80GiB)")
@@ -587,7 +591,7 @@ def _by_length(plan: Any, loader: Any, lengths: list[int]) -> list[tuple[int, in
     """(length, micro-batch) for each asked length: the first batch resized to it."""
     if not lengths:
         return []
-    from . import batches as B
+    from autotune import batches as B
 
     first = next(iter(loader))
     dims = B.length_dims([first])
@@ -604,7 +608,7 @@ def _plot(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()) -> N
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'torch-autotune[plot]'") from None
-    from .report import fitted_line
+    from autotune.planning.report import fitted_line
 
     if by_length:
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -640,7 +644,7 @@ def _plot(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()) -> N
 
 def _nothing_fits_message(err: Any) -> str:
     """A NothingFits error in the command line's words: flags, not Python keywords."""
-    from .units import format_bytes
+    from autotune.units import format_bytes
 
     text = (
         f"even micro-batch {err.micro_batch} needs {'at least ' if err.measured else 'an estimated '}"
@@ -677,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed its usage error
         return int(exc.code or 0)
-    from .errors import NothingFits
+    from autotune.errors import NothingFits
 
     try:
         return _report(args)

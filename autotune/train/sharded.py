@@ -24,7 +24,7 @@ ledger, on CUDA by the allocator's peak (the allocator is not capped). An error 
 rank's forward or backward (its own code, or a real CUDA out-of-memory error, which lockstep cannot
 recover from) stops every rank within seconds: that rank writes its error to the process group's
 store and aborts the group, so the others' pending collectives fail at once and they raise, naming
-it (:func:`autotune.distributed.stop_every_rank`).
+it (:func:`autotune.parallel.ranks.stop_every_rank`).
 """
 
 from __future__ import annotations
@@ -35,12 +35,20 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-
-from . import batches as B
-from .distributed import FINE, Agreement, announce, check_distinct_samples, failure_watch, gather_numbers, set_gradient_sync, stop_every_rank
-from .errors import AutotuneError, AutotuneWarning, NothingFits
-from .memory import TensorLedger, allocator_peak, release_cached, reset_peak
-from .step import forward_backward
+from autotune import batches as B
+from autotune.errors import AutotuneError, AutotuneWarning, NothingFits
+from autotune.memory.device import allocator_peak, release_cached, reset_peak
+from autotune.memory.ledger import TensorLedger
+from autotune.parallel.exchange import FINE, Agreement
+from autotune.parallel.ranks import (
+    announce,
+    check_distinct_samples,
+    failure_watch,
+    gather_numbers,
+    set_gradient_sync,
+    stop_every_rank,
+)
+from autotune.step import forward_backward
 
 __all__ = ["run_window"]
 
@@ -51,7 +59,7 @@ __all__ = ["run_window"]
 def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> tuple[float, Any, Agreement] | None:
     """Run the next window of every rank in lockstep (see the module docstring).
 
-    ``run`` is the training loop's state (``autotune.training._Run``). Returns ``(global mean
+    ``run`` is the training loop's state (``autotune.train.fit._Run``). Returns ``(global mean
     loss, this rank's window, the agreement)``, or None when no rank has a window left.
     """
     failure: BaseException | None = None
@@ -125,7 +133,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
 
 def _lowered(run: Any, window: Any, peak: int) -> BaseException | None:
     """Halve this rank's micro-batch after its window went over the limit; the error when it cannot."""
-    from .units import format_bytes
+    from autotune.units import format_bytes
 
     failed = max((m.samples for m in window), default=0) if window is not None else 0
     floor = run.plan.min_micro_batch

@@ -13,7 +13,7 @@ so they decay ``k`` times per step and come from smaller, noisier batches. The m
   writes. Normalisation in training still uses each micro-batch's own statistics.
 - ``"precise"``: after training, population statistics are recomputed with the weights frozen
   (PreciseBN, Wu and Johnson 2021), pooling per-sample statistics over a number of samples.
-- ``"optuna"``: the momentum is tuned by replaying recorded statistics (see :mod:`autotune.tune`).
+- ``"optuna"``: the momentum is tuned by replaying recorded statistics (see :mod:`autotune.train.tune`).
 
 ``fit(bn=...)`` takes the mode's name, or an object that carries the mode's options:
 ``AdjustBN()``, ``PooledBN()``, ``PreciseBN(samples=8192)``, ``OptunaBN(val_loader, n_trials=30)``.
@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from .step import batchnorms
+from autotune.step import batchnorms
 
 __all__ = [
     "BN_MODES",
@@ -411,7 +411,7 @@ def precise_bn(model: nn.Module, batches: Iterable[Any], forward: Callable[[nn.M
     Returns:
         The number of samples used.
     """
-    from . import batches as B
+    from autotune import batches as B
 
     modules = batchnorms(model)
     if not modules:

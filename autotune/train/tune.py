@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from . import batches as B
-from .bn import FinishedRun, Recording, replay, set_running_stats
-from .step import batchnorms
-from .training import fit
+from autotune import batches as B
+from autotune.step import batchnorms
+from autotune.train.bn import FinishedRun, Recording, replay, set_running_stats
+from autotune.train.fit import fit
 
 __all__ = ["BNTuning", "OptunaBN", "tune_bn_momentum"]
 

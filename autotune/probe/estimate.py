@@ -1,13 +1,13 @@
 """Estimate a training step's memory without data: fake tensors that take the device's code paths.
 
-An estimate runs the trial step of :mod:`autotune.trial` on a copy of the model and optimizer whose
+An estimate runs the trial step of :mod:`autotune.probe.trial` on a copy of the model and optimizer whose
 floating-point tensors are *fake* (``torch._subclasses.fake_tensor.FakeTensorMode``): shapes, dtypes
 and strides, no storage, no compute. The tensor ledger counts their bytes exactly, in a time that
 does not depend on the batch size.
 
 **Two traces, every size.** At a fixed per-sample shape every tensor's size is affine in the
 micro-batch, so the live bytes after each operation are too: a trace of the step at two sizes gives
-one line per operation, and their upper envelope (:class:`autotune.search.MemoryCurve`) is the peak
+one line per operation, and their upper envelope (:class:`autotune.probe.search.MemoryCurve`) is the peak
 at *every* size. A plan therefore costs two traces, plus one confirming the candidate where no real
 step can (a CUDA target, or ``verify=False``); on the CPU the real trial confirms it to the byte.
 Each trace is one forward and backward in the steady state (gradients and optimizer state live); the
@@ -69,12 +69,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import batches as B
-from .memory import CUDA_BLOCK, TensorLedger, storage_bytes
-from .curve import MemoryCurve
-from .search import estimated_max
-from .step import forward_backward
-from .trial import Workload, held_tensors, min_micro_batch, planning
+from autotune import batches as B
+from autotune.memory.curve import MemoryCurve
+from autotune.memory.device import CUDA_BLOCK
+from autotune.memory.ledger import TensorLedger, storage_bytes
+from autotune.probe.search import estimated_max
+from autotune.probe.trial import Workload, held_tensors, min_micro_batch, planning
+from autotune.step import forward_backward
 
 __all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "forget", "optimizer_for_device"]
 
@@ -499,7 +500,7 @@ class Estimator:
             stack.enter_context(_quiet_torch())
             stack.enter_context(planning())
             if self.checkpointing:
-                from .checkpointing import activation_checkpointing
+                from autotune.memory.checkpointing import activation_checkpointing
 
                 stack.enter_context(activation_checkpointing(self.model))
             stack.enter_context(self.mode)
@@ -629,7 +630,7 @@ class Estimator:
         answer. With ``confirm`` (or when the two traces ran different operations) a trace at that
         size must agree with the curve to the byte, which then holds at the next size too; when it
         does not (an allocation that is not affine in the batch, a kernel that switches between the
-        sizes), the search goes on with traces alone (:func:`autotune.search.estimated_max`).
+        sizes), the search goes on with traces alone (:func:`autotune.probe.search.estimated_max`).
         """
         lower = min(self.lower, upper)
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .curve import Curve, MemoryCurve
+from autotune.memory.curve import Curve
 
 __all__ = ["Measurement", "SearchResult", "Trial", "estimated_max", "largest_fitting"]
 

@@ -11,11 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import batches as B
-from .checks import check_device_exists, check_grad_mode, check_optimizer, check_trainable
-from .distributed import BUCKET_BYTES, bucket_bytes_needed, bypass_nested, gather, on_every_rank, parallel, world
-from .errors import AutotuneError, NothingFits
-from .memory import (
+from autotune import batches as B
+from autotune.checks import (
+    check_device_exists,
+    check_grad_mode,
+    check_optimizer,
+    check_trainable,
+)
+from autotune.errors import AutotuneError, NothingFits
+from autotune.memory.device import (
     CUDA_CONTEXT_ALLOWANCE,
     CUDA_OUTSIDE,
     allocator_cap,
@@ -23,20 +27,41 @@ from .memory import (
     default_headroom,
     default_limit,
     outside_allocator,
-    storage_bytes,
 )
-from .search import Trial
-from .plans import Plan, budget_of, largest_share, window_layout
-from .probe import Progress, probe
-from .rng import RNGState
-from .scaling import LR_RULES, adjusted_bn_momentum, auto_lr_rule, cap_warmup, lr_scale, warmup_steps
-from .scaling import follow_batch as follow_batch_settings
-from .shapes import fit_shape_model
-from .sharding import estimated, shard_estimates
-from .step import LossFn, batchnorms, default_loss, normalize_precision
-from .trial import Looked, Snapshot, Workload, min_micro_batch, sample_batch
-from .units import format_bytes, parse_bytes
-from .whatif import WhatIf, estimate_rows
+from autotune.memory.ledger import storage_bytes
+from autotune.memory.shapes import fit_shape_model
+from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
+from autotune.parallel.ranks import (
+    bypass_nested,
+    gather,
+    on_every_rank,
+    parallel,
+    world,
+)
+from autotune.planning.plans import Plan, budget_of, largest_share, window_layout
+from autotune.planning.scaling import (
+    LR_RULES,
+    adjusted_bn_momentum,
+    auto_lr_rule,
+    cap_warmup,
+    lr_scale,
+    warmup_steps,
+)
+from autotune.planning.scaling import follow_batch as follow_batch_settings
+from autotune.planning.sharding import estimated, shard_estimates
+from autotune.planning.whatif import WhatIf, estimate_rows
+from autotune.probe.largest import Progress, probe
+from autotune.probe.search import Trial
+from autotune.probe.trial import (
+    Looked,
+    Snapshot,
+    Workload,
+    min_micro_batch,
+    sample_batch,
+)
+from autotune.rng import RNGState
+from autotune.step import LossFn, batchnorms, default_loss, normalize_precision
+from autotune.units import format_bytes, parse_bytes
 
 __all__ = ["plan", "resolve_device", "what_if"]
 
@@ -142,7 +167,7 @@ def plan(
 
     The probe runs the real training step (micro-step, optimizer step, micro-step) on real samples
     of ``loader`` resized to each candidate micro-batch, after an estimate on fake tensors that take
-    the device's code paths (:mod:`autotune.estimate`).
+    the device's code paths (:mod:`autotune.probe.estimate`).
     Afterwards the model's parameters, buffers and gradients, the optimizer's state and the RNG
     states are bitwise what they were, whatever happened.
 
@@ -185,10 +210,10 @@ def plan(
             shape model must cover besides the shapes seen, up to what the model's position
             embeddings take (a longer one is left out, with a note).
         checkpointing: plan for activation checkpointing on the model's blocks (see
-            :mod:`autotune.checkpointing`; ``fit(checkpointing=True)`` trains that way).
+            :mod:`autotune.memory.checkpointing`; ``fit(checkpointing=True)`` trains that way).
         follow_batch: for Adam-family optimizers, move betas, epsilon and (decoupled) weight decay
             to the target batch too, by the square-root SDE rule of Malladi et al. 2022 (see
-            :class:`autotune.scaling.OptimizerSettings`); ``fit`` applies them around each step.
+            :class:`autotune.planning.scaling.OptimizerSettings`); ``fit`` applies them around each step.
         progress: once probing takes more than a second (or this many seconds), say on stderr
             which size is being tried and whether it is an estimate or a real step (before a real
             step starts, and its outcome after); False is silent.
@@ -469,7 +494,7 @@ def what_if(
 
     Takes the arguments of :func:`autotune.plan` (or ``plan=``, one made already with them, whose
     budget and verified micro-batch are used). The model, optimizer and RNG are left as they were.
-    The estimates of the plan are reused (see :mod:`autotune.estimate`).
+    The estimates of the plan are reused (see :mod:`autotune.probe.estimate`).
 
     Returns:
         A :class:`autotune.WhatIf`; ``str()`` of it is the table.

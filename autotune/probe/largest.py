@@ -1,10 +1,10 @@
 """Find the largest micro-batch that fits: estimates first, then real trials on the device.
 
-The estimates (:mod:`autotune.estimate`) give memory against the micro-batch from two traces on fake
-tensors; its largest size within the budget is the candidate, which a real trial (:mod:`autotune.trial`'s
+The estimates (:mod:`autotune.probe.estimate`) give memory against the micro-batch from two traces on fake
+tensors; its largest size within the budget is the candidate, which a real trial (:mod:`autotune.probe.trial`'s
 step, under the memory budget) verifies. On the CPU the estimate is the real peak to the byte, so one
 real trial is the whole search; on a GPU the allocator's overhead recalibrates the estimate and a few
-more real trials may follow (:func:`autotune.search.largest_fitting`). An estimate that cannot run is
+more real trials may follow (:func:`autotune.probe.search.largest_fitting`). An estimate that cannot run is
 not an error: the search uses real trials only and a note says why. Every real trial starts from,
 and every probe ends with, the model, optimizer and RNG states exactly as they were.
 """
@@ -19,24 +19,35 @@ from typing import Any
 
 import torch
 
-from . import batches as B
-from .distributed import announce, failure_watch, gather_numbers, stop_every_rank
-from .errors import AutotuneError
-from .estimate import estimator_for
-from .memory import (
+from autotune import batches as B
+from autotune.errors import AutotuneError
+from autotune.memory.curve import MemoryCurve
+from autotune.memory.device import (
     CUDA_BLOCK,
-    ResidentPeak,
-    TensorLedger,
     allocator_peak,
-    is_out_of_memory,
     release_cached,
     reset_peak,
     synchronize,
 )
-from .curve import MemoryCurve
-from .search import Measurement, SearchResult, Trial, largest_fitting
-from .trial import Snapshot, Workload, min_micro_batch, planning, sharded_trial_step, trial_step, without_step_hooks
-from .units import format_bytes
+from autotune.memory.ledger import ResidentPeak, TensorLedger, is_out_of_memory
+from autotune.parallel.ranks import (
+    announce,
+    failure_watch,
+    gather_numbers,
+    stop_every_rank,
+)
+from autotune.probe.estimate import estimator_for
+from autotune.probe.search import Measurement, SearchResult, Trial, largest_fitting
+from autotune.probe.trial import (
+    Snapshot,
+    Workload,
+    min_micro_batch,
+    planning,
+    sharded_trial_step,
+    trial_step,
+    without_step_hooks,
+)
+from autotune.units import format_bytes
 
 __all__ = ["Progress", "probe"]
 
@@ -136,7 +147,7 @@ def probe(
         whole = work.fsdp and b >= upper
         if not work.checkpointing:
             return _real_trial(work, b, budget, snapshot, whole=whole)
-        from .checkpointing import activation_checkpointing
+        from autotune.memory.checkpointing import activation_checkpointing
 
         with activation_checkpointing(work.model):
             return _real_trial(work, b, budget, snapshot, whole=whole)
@@ -161,7 +172,7 @@ def probe(
 
 def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tuple[int, Callable[[int], int]]:
     """The largest micro-batch the estimates allow and the estimated peak at any size
-    (:meth:`autotune.estimate.Estimator.largest`); every trace used is recorded as a trial."""
+    (:meth:`autotune.probe.estimate.Estimator.largest`); every trace used is recorded as a trial."""
     estimator = estimator_for(work)
     work.estimator = estimator
     estimator.on_trace = _recorder(work, budget)
@@ -190,7 +201,7 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
     min_r(budget_r)``. A size then fits when it fits on every rank, and every rank's search takes
     the same path (a different path would pair different collectives). A trial that raises on one
     rank (its own error, or a real out-of-memory error inside a forward, which lockstep cannot
-    recover from) stops every rank within seconds (:func:`autotune.distributed.stop_every_rank`).
+    recover from) stops every rank within seconds (:func:`autotune.parallel.ranks.stop_every_rank`).
     """
     announce()  # where a failing peer finds this process
     common = int(min(r[0] for r in gather_numbers([float(budget)], work.device)))

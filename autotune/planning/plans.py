@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from .scaling import OptimizerSettings
-from .curve import MemoryCurve
-from .shapes import ShapeModel
-from .units import format_bytes
-
-from .search import Trial
+from autotune.memory.curve import MemoryCurve
+from autotune.memory.shapes import ShapeModel
+from autotune.planning.scaling import OptimizerSettings
+from autotune.probe.search import Trial
+from autotune.units import format_bytes
 
 __all__ = ["Plan", "budget_of", "largest_share", "peak_at", "rotated_share", "split_evenly", "window_layout"]
 
@@ -56,10 +55,10 @@ class Plan:
         checkpointing: whether the plan was made with activation checkpointing on the model's
             blocks (``fit`` then trains that way).
         optimizer_settings: Adam-family betas, epsilon and weight decay moved to the target batch
-            (``plan(..., follow_batch=True)``; see :class:`autotune.scaling.OptimizerSettings`),
+            (``plan(..., follow_batch=True)``; see :class:`autotune.planning.scaling.OptimizerSettings`),
             applied by ``fit`` around every optimizer step; None otherwise.
         shape_model: for data whose samples vary in length, how memory grows with the per-sample
-            size (see :mod:`autotune.shapes`); :meth:`micro_batch_for` reads it. None for
+            size (see :mod:`autotune.memory.shapes`); :meth:`micro_batch_for` reads it. None for
             fixed-shape data.
         probed_size: elements per sample (over the batch's tensors) of the batch the plan probed,
             the longest it looked at; 0 when unknown.
@@ -67,7 +66,7 @@ class Plan:
             for a batch longer than any the plan measured an estimate made when it arrives (see
             ``autotune.fit``). False: ``micro_batch`` for every shape.
         memory_curve: the estimated peak against the micro-batch at the probed shape (see
-            :class:`autotune.search.MemoryCurve`), before calibration by the real trial; None when
+            :class:`autotune.probe.search.MemoryCurve`), before calibration by the real trial; None when
             the answer came from real trials (or from traces alone).
         bn_mode: how BatchNorm statistics are kept in training (``"adjust"``, ``"pooled"``,
             ``"precise"``, ``"optuna"``), None without BatchNorm or when left alone.
@@ -142,7 +141,7 @@ class Plan:
         if self.shape_model is None or not self.by_shape:
             return self.micro_batch
         if isinstance(shape, bool) or not isinstance(shape, (int, float)):
-            from . import batches as B
+            from autotune import batches as B
 
             shape = B.per_sample_numel(shape)
         return self.shape_model.micro_batch(float(shape))
@@ -272,7 +271,7 @@ def peak_at(plan: Plan, size: int) -> int:
     if plan.memory_curve is not None:
         ratio = plan.peak_memory / max(plan.memory_curve(plan.micro_batch), 1)
         return max(0, int(ratio * plan.memory_curve(size)))
-    from .curve import Curve
+    from autotune.memory.curve import Curve
 
     for estimate in (True, False):
         points = {t.batch_size: t.peak_memory for t in plan.trials if t.estimate is estimate and (estimate or t.fits)}

@@ -3,8 +3,8 @@
 A trial is the steady-state training step: micro-step, optimizer step, micro-step, without
 ``zero_grad`` in between, so the last micro-step runs while gradients and optimizer state are
 live and a fresh gradient is being accumulated into them. Its peak is the peak of the whole
-sequence; forward/backward alone under-counts. Estimates (:mod:`autotune.estimate`) run the same
-step on fake copies; real trials (:mod:`autotune.probe`) run it on the device, between a
+sequence; forward/backward alone under-counts. Estimates (:mod:`autotune.probe.estimate`) run the same
+step on fake copies; real trials (:mod:`autotune.probe.largest`) run it on the device, between a
 :class:`Snapshot` and its :meth:`Snapshot.restore`.
 """
 
@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import batches as B
-from .checks import is_one_shot
-from .distributed import set_gradient_sync
-from .search import Trial
-from .rng import RNGState
-from .step import LossFn, Precision, forward_backward
+from autotune import batches as B
+from autotune.checks import is_one_shot
+from autotune.parallel.ranks import set_gradient_sync
+from autotune.probe.search import Trial
+from autotune.rng import RNGState
+from autotune.step import LossFn, Precision, forward_backward
 
 __all__ = [
     "EXACT_AT_ZERO_LR",
@@ -381,7 +381,7 @@ class Workload:
     curve: Any = None
     # Activation checkpointing on the model's blocks during trials (and on the estimate's copy).
     checkpointing: bool = False
-    # Sharded with FSDP2: trials in lockstep with the other ranks (see autotune.fsdp).
+    # Sharded with FSDP2: trials in lockstep with the other ranks (see autotune.train.sharded).
     fsdp: bool = False
 
     def record(self, trial: Trial) -> None:

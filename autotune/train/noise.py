@@ -216,12 +216,11 @@ def noise_scale(
     """
     import torch
 
-    from .accumulate import accumulate
-    from .checks import check_grad_mode, check_reiterable, check_trainable
-    from .trial import Snapshot
-    from .step import default_loss, forward_backward, normalize_precision
-
-    from .distributed import parallel
+    from autotune.checks import check_grad_mode, check_reiterable, check_trainable
+    from autotune.parallel.ranks import parallel
+    from autotune.probe.trial import Snapshot
+    from autotune.step import default_loss, forward_backward, normalize_precision
+    from autotune.train.accumulate import accumulate
 
     check_grad_mode("noise_scale")
     if parallel(model).fsdp:
@@ -275,6 +274,6 @@ def noise_scale(
 
 
 def _to(batch: Any, device: Any) -> Any:
-    from . import batches as B
+    from autotune import batches as B
 
     return B.to_device(batch, device)

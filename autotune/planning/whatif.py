@@ -5,12 +5,12 @@ many samples fit" but "what should I change". The estimator answers it without a
 touching the model: for each combination of
 
 - precision: fp32, or bf16 autocast (fp16 when that is what you train in),
-- activation checkpointing: off, or on (the model's blocks; see :mod:`autotune.checkpointing`),
+- activation checkpointing: off, or on (the model's blocks; see :mod:`autotune.memory.checkpointing`),
 - optimizer: the one given, or one with smaller state (SGD with momentum: one buffer per parameter
   instead of Adam's two; SGD without momentum when the given one is SGD with momentum),
 
 it estimates the largest micro-batch and the peak per sample, with the same estimator as the plan
-(:mod:`autotune.estimate`: two traces and one confirming trace per row; the row of your own settings
+(:mod:`autotune.probe.estimate`: two traces and one confirming trace per row; the row of your own settings
 is the plan's, verified by a real step). :func:`autotune.what_if` makes the table for a model;
 ``NothingFits`` carries it.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .estimate import estimator_for
-from .units import format_bytes
+from autotune.probe.estimate import estimator_for
+from autotune.units import format_bytes
 
 __all__ = ["WhatIf", "WhatIfRow", "estimate_rows"]
 
@@ -147,7 +147,7 @@ def estimate_rows(
     own_curve: Any = None,
 ) -> WhatIf:
     """The table for a workload: every combination's largest micro-batch, estimated
-    (:meth:`autotune.estimate.Estimator.largest`, confirmed by a trace at the answer).
+    (:meth:`autotune.probe.estimate.Estimator.largest`, confirmed by a trace at the answer).
 
     ``own_micro_batch`` and ``own_curve`` are the plan's answer for your own settings, reused.
     """

@@ -48,11 +48,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import batches as B
-from .checks import check_count_value
-from .distributed import is_distributed, sum_over_ranks, world
-from .errors import AutotuneWarning
-from .plans import Plan, split_evenly
+from autotune import batches as B
+from autotune.checks import check_count_value
+from autotune.errors import AutotuneWarning
+from autotune.parallel.ranks import is_distributed, sum_over_ranks, world
+from autotune.planning.plans import Plan, split_evenly
 
 __all__ = ["Micro", "Window", "accumulate"]
 
@@ -325,7 +325,7 @@ def accumulate(
             :meth:`Plan.micro_batch_for`, which sizes each shape by its own memory when the plan
             has a shape model).
         shares: ``shares(i) -> int``, this rank's samples in window ``i`` of the epoch (default:
-            the plan's, the same every window). ``fit`` passes :func:`autotune.plans.rotated_share`
+            the plan's, the same every window). ``fit`` passes :func:`autotune.planning.plans.rotated_share`
             under data parallelism, so that the ranks' shards run out together.
 
     Yields:

@@ -32,10 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import batches as B
-from .accumulate import Count, Pad, Window, accumulate
-from .bn import BNController, FinishedRun, resolve_bn
-from .checks import (
+from autotune import batches as B
+from autotune.checks import (
     check_callable,
     check_count_value,
     check_device_exists,
@@ -50,12 +48,17 @@ from .checks import (
     check_trainable,
     is_one_shot,
 )
-from .distributed import (
+from autotune.errors import AutotuneError, AutotuneWarning, NothingFits
+from autotune.memory.device import allocator_cap, cuda_memory_fraction, release_cached
+from autotune.memory.ledger import TensorLedger, is_out_of_memory
+from autotune.parallel.exchange import (
     FAILED,
     FINE,
     OUT_OF_MEMORY,
     Agreement,
     GradientSync,
+)
+from autotune.parallel.ranks import (
     Parallel,
     broadcast_model,
     bypass_nested,
@@ -68,19 +71,27 @@ from .distributed import (
     set_epoch,
     world,
 )
-from .errors import AutotuneError, AutotuneWarning, NothingFits
-from .estimate import estimator_for
-from .fsdp import run_window as fsdp_window
-from .memory import TensorLedger, allocator_cap, cuda_memory_fraction, is_out_of_memory, release_cached
-from .noise import NoiseMeter
-from .planner import plan as make_plan
-from .planner import resolve_device
-from .plans import Plan, peak_at, rotated_share, split_evenly
-from .trial import Workload, check_step, held_tensors, min_micro_batch
-from .rng import RNGState
-from .scaling import adjusted_bn_momentum
-from .step import LossFn, Precision, autocast, batchnorms, default_loss, forward_backward, normalize_precision
-from .units import parse_bytes
+from autotune.planning.planner import plan as make_plan
+from autotune.planning.planner import resolve_device
+from autotune.planning.plans import Plan, peak_at, rotated_share, split_evenly
+from autotune.planning.scaling import adjusted_bn_momentum
+from autotune.probe.estimate import estimator_for
+from autotune.probe.trial import Workload, check_step, held_tensors, min_micro_batch
+from autotune.rng import RNGState
+from autotune.step import (
+    LossFn,
+    Precision,
+    autocast,
+    batchnorms,
+    default_loss,
+    forward_backward,
+    normalize_precision,
+)
+from autotune.train.accumulate import Count, Pad, Window, accumulate
+from autotune.train.bn import BNController, FinishedRun, resolve_bn
+from autotune.train.noise import NoiseMeter
+from autotune.train.sharded import run_window as fsdp_window
+from autotune.units import parse_bytes
 
 __all__ = ["AutotuneWarning", "FitResult", "StepRecord", "fit"]
 
@@ -100,7 +111,7 @@ class StepRecord:
         seconds: wall time of the step.
         micro_batches: the sizes of the micro-batches that ran (on this rank).
         noise_scale: the gradient noise scale measured so far (``B_simple`` in loss items; see
-            :mod:`autotune.noise`), or None before it can be estimated.
+            :mod:`autotune.train.noise`), or None before it can be estimated.
         skipped: fp16 only: the GradScaler found non-finite gradients and skipped the optimizer
             step (the weights are those of the step before; the scale was lowered).
     """
@@ -127,7 +138,7 @@ class FitResult:
             steps, BatchNorm momentum and peak describe what training finally used.
         history: one :class:`StepRecord` per optimizer step.
         bn_tuning: the momentum study of ``bn=OptunaBN(...)`` (else None).
-        noise_scale: the gradient noise scale over the run (:class:`autotune.noise.NoiseScale`:
+        noise_scale: the gradient noise scale over the run (:class:`autotune.train.noise.NoiseScale`:
             value, its range, windows averaged), None when it was not measured (``noise_note``
             says why).
         noise_note: why the noise scale is missing or only a lower bound, in words; None when it
@@ -147,7 +158,7 @@ class FitResult:
         """
         if self.noise_scale is None:
             return None
-        from .noise import advice
+        from autotune.train.noise import advice
 
         full = [r.items for r in self.history if r.samples == self.plan.effective_batch] or [r.items for r in self.history]
         items = round(sum(full) / len(full)) if full else self.plan.effective_batch
@@ -286,16 +297,16 @@ def fit(
             one yourself between calls); stepped once per optimizer step.
         scaler: a ``torch.amp.GradScaler`` for fp16 (default: a new one), e.g. to carry its scale
             from one ``fit`` call to the next.
-        bn: how BatchNorm running statistics are kept (see :mod:`autotune.bn`): ``"adjust"``
+        bn: how BatchNorm running statistics are kept (see :mod:`autotune.train.bn`): ``"adjust"``
             (default), ``"pooled"``, ``"precise"``, ``None`` (leave BatchNorm alone), or a mode
             with options: ``autotune.PreciseBN(samples=8192)``, ``autotune.OptunaBN(val_loader,
             n_trials=30, storage="sqlite:///bn.db")``.
         checkpointing: activation checkpointing on the model's blocks for the run (see
-            :mod:`autotune.checkpointing`), counted by the plan: fewer activations kept, about a
+            :mod:`autotune.memory.checkpointing`), counted by the plan: fewer activations kept, about a
             third more compute; taken away when ``fit`` returns. A plan made with
             ``checkpointing=True`` trains that way too.
         noise_scale: measure the gradient noise scale while training, from the first micro-batch
-            of a window against the whole window (two gradient norms; see :mod:`autotune.noise`):
+            of a window against the whole window (two gradient norms; see :mod:`autotune.train.noise`):
             per step in the history and over the run in the result, whose ``advice()`` says when
             the target batch is far from it. True (the default) measures as many windows as keep
             its cost within 1% of the step time (every window for most models); an int ``n``
@@ -596,7 +607,7 @@ class _Run:
 
     def shares(self, window: int) -> int:
         """This rank's samples in the epoch's window ``window``: the target shared among the ranks, the
-        remainder taking turns (:func:`autotune.plans.rotated_share`), so that equal shards run out
+        remainder taking turns (:func:`autotune.planning.plans.rotated_share`), so that equal shards run out
         together and only an epoch's last step is short."""
         return rotated_share(self.plan.effective_batch, self.world_size, self.rank, window)
 
@@ -647,7 +658,7 @@ class _Run:
         stack.enter_context(cuda_memory_fraction(self.device, cap))
         stack.enter_context(bypass_nested(self.par.nested))
         if self.checkpointing:
-            from .checkpointing import activation_checkpointing
+            from autotune.memory.checkpointing import activation_checkpointing
 
             stack.enter_context(activation_checkpointing(self.model))
         self.bar = tqdm(total=self.total_steps, unit="step", disable=not self.progress or self.rank != 0, delay=2.0, dynamic_ncols=True)
@@ -683,7 +694,7 @@ class _Run:
         Three modes, one method each: one process (:meth:`_single_window`: nothing to agree on), data
         parallel ranks (:meth:`_data_parallel_window`: each rank runs its window alone, then one
         all-reduce agrees on it and sums the gradients) and sharded ranks (FSDP2,
-        :func:`autotune.fsdp.run_window`: every micro-batch in lockstep).
+        :func:`autotune.train.sharded.run_window`: every micro-batch in lockstep).
 
         Returns ``(global mean loss, this rank's window, the agreement)``, or None when no rank
         has a window left (the epoch is over for all).

@@ -19,8 +19,8 @@ each block, then on the model):
 - or, when it is larger, the optimizer step: its shard of everything above and of the step's own
   temporaries.
 
-The blocks are those of :func:`autotune.checkpointing.blocks`, else the model's children. Every
-figure is an estimate from the same fake-tensor step as :class:`autotune.estimate.Estimator`.
+The blocks are those of :func:`autotune.memory.checkpointing.blocks`, else the model's children. Every
+figure is an estimate from the same fake-tensor step as :class:`autotune.probe.estimate.Estimator`.
 """
 
 from __future__ import annotations
@@ -33,15 +33,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpointing import blocks
-from .estimate import estimator_for
-from .memory import CUDA_CONTEXT_ALLOWANCE, default_headroom, default_limit, storage_bytes
-from .plans import budget_of, split_evenly
-from .rng import RNGState
-from .search import estimated_max
-from .step import default_loss, normalize_precision
-from .trial import Workload, min_micro_batch, sample_batch
-from .units import format_bytes, parse_bytes
+from autotune.memory.checkpointing import blocks
+from autotune.memory.device import (
+    CUDA_CONTEXT_ALLOWANCE,
+    default_headroom,
+    default_limit,
+)
+from autotune.memory.ledger import storage_bytes
+from autotune.planning.plans import budget_of, split_evenly
+from autotune.probe.estimate import estimator_for
+from autotune.probe.search import estimated_max
+from autotune.probe.trial import Workload, min_micro_batch, sample_batch
+from autotune.rng import RNGState
+from autotune.step import default_loss, normalize_precision
+from autotune.units import format_bytes, parse_bytes
 
 __all__ = ["ShardEstimate", "ShardParts", "shard_estimates", "shard_parts", "shard_plan"]
 
@@ -177,7 +182,7 @@ def estimated(work: Any, lower: int) -> tuple[ShardParts, Callable[[int], int]]:
 
     The activations are the steady-state forward and backward's peak less the weights, buffers,
     gradients and optimizer state; the optimizer state and the step's temporaries come from the
-    estimator's optimizer step (the same estimator as the plan's, see :mod:`autotune.estimate`).
+    estimator's optimizer step (the same estimator as the plan's, see :mod:`autotune.probe.estimate`).
     """
     estimator = estimator_for(work)
     cache: dict[int, int] = {}
