@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from autotune.batches import pad_to_longest
-from autotune.errors import AutotuneError, NothingFits
+from autotune.errors import AutotuneError, AutotuneWarning, NothingFits
 from autotune.planning.planner import plan, what_if
 from autotune.planning.plans import Plan
 from autotune.planning.sharding import ShardEstimate, shard_plan
@@ -16,8 +16,9 @@ from autotune.probe.search import Trial
 from autotune.probe.trial import is_planning
 from autotune.train.accumulate import Micro, Window, accumulate
 from autotune.train.bn import AdjustBN, PooledBN, PreciseBN
-from autotune.train.fit import AutotuneWarning, FitResult, StepRecord, fit
+from autotune.train.fit import fit
 from autotune.train.noise import NoiseScale, noise_scale
+from autotune.train.records import FitResult, StepRecord
 from autotune.train.tune import BNTuning, OptunaBN, tune_bn_momentum
 from autotune.units import format_bytes, parse_bytes
 

@@ -30,6 +30,7 @@ __all__ = [
     "check_scheduler",
     "check_trainable",
     "is_one_shot",
+    "resolve_device",
 ]
 
 
@@ -237,3 +238,30 @@ def check_count_value(value: Any) -> int:
     if value < 0:
         raise ValueError(bad + "a count cannot be negative")
     return value
+
+
+def resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """The device to plan on: ``device``, or the model's; an error when the model is elsewhere."""
+    check_trainable(model)
+    check_device_exists(device)
+    model_device = _without_cpu_index(next(model.parameters()).device)
+    if device is None:
+        resolved = model_device
+    else:
+        # torchrun and the trainers name a rank's CPU 'cpu:0', 'cpu:1', ...: one memory, no index to match
+        resolved = _without_cpu_index(torch.device(device))
+        if resolved.type == "cuda" and resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.type == "cuda" and model_device.type == "cuda" and model_device.index is None:
+        model_device = torch.device("cuda", torch.cuda.current_device())
+    if model_device != resolved:
+        raise ValueError(
+            f"Invalid device {str(resolved)!r}: the model's parameters are on {str(model_device)!r}; "
+            f"move the model first (model.to({str(resolved)!r})) or leave device=None"
+        )
+    return resolved
+
+
+def _without_cpu_index(device: torch.device) -> torch.device:
+    """'cpu:N' as 'cpu': CPU tensors carry no index, so a rank's 'cpu:1' is the model's 'cpu'."""
+    return torch.device("cpu") if device.type == "cpu" else device

@@ -463,7 +463,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                          memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False)
     limit = c.get("train_limits", c["limits"])[rank]
     ledger = TensorLedger("cpu")
-    ledger.track(autotune.probe.trial.held_tensors(model, opt))
+    ledger.track(autotune.memory.ledger.held_tensors(model, opt))
     if c.get("preloaded"):
         ledger.ignore(t for batch in loader for t in batch)
     with ledger:

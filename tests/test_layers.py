@@ -23,11 +23,11 @@ WINGS = {
     "planning": ["planning", "planning.scaling", "planning.plans", "planning.report", "planning.cache", "planning.whatif",
                  "planning.sharding", "planning.planner"],
     # training at the planned batch: the loop, its windows, BatchNorm, the noise scale, BN tuning
-    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.run", "train.retry", "train.single", "train.data_parallel",
-              "train.sharded", "train.records", "train.fit", "train.tune"],
+    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.caps", "train.run", "train.attempt",
+              "train.retry", "train.stepping", "train.single", "train.data_parallel", "train.sharded", "train.fit", "train.tune"],
     # the surfaces
-    "surfaces": ["cli.demo", "cli.render", "cli.commands", "cli.main", "cli", "integrations", "integrations.common",
-                 "integrations.hf", "integrations.lightning", "integrations.accelerate", "__init__"],
+    "surfaces": ["integrations", "integrations.common", "integrations.hf", "integrations.lightning", "integrations.accelerate",
+                 "__init__", "cli.demo", "cli.parser", "cli.render", "cli.workload", "cli.main", "cli"],
 }
 LAYERS = [module for modules in WINGS.values() for module in modules]
 PURE = {"units", "errors", "memory.curve", "memory.shapes", "probe.search", "planning.scaling", "planning.plans", "planning.report",

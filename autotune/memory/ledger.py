@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.units import format_bytes
@@ -23,6 +24,7 @@ from autotune.units import format_bytes
 __all__ = [
     "ResidentPeak",
     "TensorLedger",
+    "held_tensors",
     "is_out_of_memory",
     "storage_bytes",
 ]
@@ -285,3 +287,14 @@ class ResidentPeak:
         self._thread.join()
         self._peak = max(self._peak, int(self._process.memory_info().rss))
         self.growth = self._peak - self._start
+
+
+def held_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Tensors training holds between steps: parameters, buffers, gradients, optimizer state."""
+    yield from model.parameters()
+    yield from model.buffers()
+    for p in model.parameters():
+        if p.grad is not None:
+            yield p.grad
+    for s in optimizer.state.values():
+        yield from (v for v in s.values() if isinstance(v, torch.Tensor))

@@ -1,5 +1,10 @@
 """``autotune.plan`` and ``autotune.what_if``: probe the device, then derive micro-batch,
-accumulation, LR and BN momentum; or the same under other settings."""
+accumulation, LR and BN momentum; or the same under other settings.
+
+Why this is long: :func:`plan` reads top to bottom as one function on purpose (checks, the probe, the
+ranks' agreement, the Plan), and the helpers here (the device, the shape model, the shard hint, the
+"nothing fits" error) serve it alone; split, a reader would follow one plan through four files.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +17,7 @@ import torch
 from torch import nn
 
 from autotune import batches as B
-from autotune.checks import (
-    check_device_exists,
-    check_grad_mode,
-    check_optimizer,
-    check_trainable,
-)
+from autotune.checks import check_grad_mode, check_optimizer, resolve_device
 from autotune.errors import AutotuneError, NothingFits
 from autotune.memory.device import (
     CUDA_CONTEXT_ALLOWANCE,
@@ -63,7 +63,7 @@ from autotune.rng import RNGState
 from autotune.step import LossFn, batchnorms, default_loss, normalize_precision
 from autotune.units import format_bytes, parse_bytes
 
-__all__ = ["plan", "resolve_device", "what_if"]
+__all__ = ["plan", "what_if"]
 
 
 def _check_target(target_batch: Any) -> int:
@@ -77,33 +77,6 @@ def _check_target(target_batch: Any) -> int:
             f"Invalid target_batch {target_batch!r}: it must be at least 1 sample per optimizer step"
         )
     return target_batch
-
-
-def resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
-    """The device to plan on: ``device``, or the model's; an error when the model is elsewhere."""
-    check_trainable(model)
-    check_device_exists(device)
-    model_device = _without_cpu_index(next(model.parameters()).device)
-    if device is None:
-        resolved = model_device
-    else:
-        # torchrun and the trainers name a rank's CPU 'cpu:0', 'cpu:1', ...: one memory, no index to match
-        resolved = _without_cpu_index(torch.device(device))
-        if resolved.type == "cuda" and resolved.index is None:
-            resolved = torch.device("cuda", torch.cuda.current_device())
-    if resolved.type == "cuda" and model_device.type == "cuda" and model_device.index is None:
-        model_device = torch.device("cuda", torch.cuda.current_device())
-    if model_device != resolved:
-        raise ValueError(
-            f"Invalid device {str(resolved)!r}: the model's parameters are on {str(model_device)!r}; "
-            f"move the model first (model.to({str(resolved)!r})) or leave device=None"
-        )
-    return resolved
-
-
-def _without_cpu_index(device: torch.device) -> torch.device:
-    """'cpu:N' as 'cpu': CPU tensors carry no index, so a rank's 'cpu:1' is the model's 'cpu'."""
-    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def _bn_base_momentum(model: nn.Module) -> float | None:

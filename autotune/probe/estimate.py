@@ -47,6 +47,10 @@ trial measures the rest.
 A model whose step cannot run without data (``.numpy()`` or ``.item()`` on a float tensor,
 data-dependent shapes, an op without a fake kernel) raises from :class:`Estimator`; the probe then
 searches with real trials. Torch's own log of such failures is kept off stderr while estimating.
+
+Why this is long: the :class:`Estimator` and the traced step it drives share one fake-tensor setup
+(the copies of the model and optimizer, integer tensors kept real, attention kernels and foreach
+optimizers as the device runs them); apart, each half would reach into the other's private state.
 """
 
 from __future__ import annotations
@@ -72,9 +76,9 @@ from torch.overrides import TorchFunctionMode
 from autotune import batches as B
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
-from autotune.memory.ledger import TensorLedger, storage_bytes
+from autotune.memory.ledger import TensorLedger, held_tensors, storage_bytes
 from autotune.probe.search import estimated_max
-from autotune.probe.trial import Workload, held_tensors, min_micro_batch, planning
+from autotune.probe.trial import Workload, min_micro_batch, planning
 from autotune.step import forward_backward
 
 __all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "forget", "optimizer_for_device"]

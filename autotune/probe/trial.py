@@ -21,6 +21,7 @@ from torch import nn
 
 from autotune import batches as B
 from autotune.checks import is_one_shot
+from autotune.memory.ledger import held_tensors
 from autotune.parallel.ranks import set_gradient_sync
 from autotune.probe.search import Trial
 from autotune.rng import RNGState
@@ -35,7 +36,6 @@ __all__ = [
     "planning",
     "Snapshot",
     "Workload",
-    "held_tensors",
     "min_micro_batch",
     "sample_batch",
     "sharded_trial_step",
@@ -174,17 +174,6 @@ class _SavedTensor:
 
     original: torch.Tensor
     value: torch.Tensor
-
-
-def held_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Tensors training holds between steps: parameters, buffers, gradients, optimizer state."""
-    yield from model.parameters()
-    yield from model.buffers()
-    for p in model.parameters():
-        if p.grad is not None:
-            yield p.grad
-    for s in optimizer.state.values():
-        yield from (v for v in s.values() if isinstance(v, torch.Tensor))
 
 
 def min_micro_batch(model: nn.Module) -> int:

@@ -27,11 +27,14 @@ before training, torch imported inside it.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NoiseMeter", "NoiseScale", "advice", "noise_scale"]
+import torch
+
+__all__ = ["NoiseMeter", "NoisePacer", "NoiseScale", "advice", "noise_scale", "squared_norm"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,75 @@ class NoiseMeter:
             error = value * math.sqrt(max(vt / (t * t) + vg / (g * g) - 2 * c / (t * g), 0.0))  # the delta method
         low, high = _fieller(t, g, vt, vg, c)
         return NoiseScale(value, error, steps, g, t, low, high)
+
+
+class NoisePacer:
+    """The noise meter inside ``fit``: which windows it measures, and the measurement.
+
+    A measured window keeps the squared norm of its first micro-batch's gradient (:meth:`first`) and
+    compares it with the whole window's (:meth:`measure`). At most 1% of the step time goes to it
+    (:meth:`pace`): for most models every window is measured.
+
+    Args:
+        asked: ``fit``'s ``noise_scale``: True (paced), an int ``n`` (every ``n``-th window) or False.
+    """
+
+    def __init__(self, asked: bool | int) -> None:
+        self.meter: NoiseMeter | None = NoiseMeter() if asked is not False else None
+        self.fixed = None if isinstance(asked, bool) else max(1, int(asked))
+        self.small: tuple[torch.Tensor, float, int] | None = None  # first micro-batch: (|grad|^2, weight, items)
+        # Every `every`-th window is measured, chosen so that it costs at most 1% of the step time.
+        self.every, self.count, self.seconds, self.first_seconds = self.fixed or 1, 0, 0.0, 0.0
+        self.due = asked is not False
+
+    def first(self, grads: list[torch.Tensor], weight: float, items: int) -> None:
+        """After a window's first micro-batch the gradient is its own (weighted): keep ``|G_b|^2``."""
+        if not self.due or self.small is not None:
+            return
+        started = time.perf_counter()
+        if grads:
+            self.small = (squared_norm(grads), weight, items)
+        self.first_seconds = time.perf_counter() - started
+
+    def measure(self, grads: list[torch.Tensor], window_items: float, scale: float) -> float | None:
+        """Feed the meter with this window, its first micro-batch against the whole window (``grads``,
+        before clipping; ``scale``: the GradScaler's scale, squared); the estimate so far."""
+        if self.meter is None:
+            return None
+        due, self.due = self.due, False
+        small, self.small = self.small, None
+        if due and small is not None:
+            start = time.perf_counter()
+            small_sq, weight, items = small
+            if grads and weight > 0:
+                big_sq = float(squared_norm(grads))
+                self.meter.add(float(small_sq) / (weight * weight) / scale, items, big_sq / scale, float(window_items))
+            self.seconds = time.perf_counter() - start + self.first_seconds
+        estimate = self.meter.estimate()
+        return estimate.value if estimate is not None and math.isfinite(estimate.value) else None
+
+    def pace(self, step_seconds: float, agreed_pace: float | None) -> None:
+        """Measure the next window or not: at most 1% of the step time goes to the meter.
+
+        Each rank proposes how often from its own timings (``every``, sent with the next exchange);
+        the windows measured follow the ranks' mean of the proposals (``agreed_pace``), the same on
+        every rank, so no rank waits for another's measurement.
+        """
+        if self.meter is None:
+            return
+        self.count += 1
+        if self.fixed is not None:
+            self.every = self.fixed
+        elif self.seconds and step_seconds > 0:
+            self.every = max(1, min(64, math.ceil(self.seconds / (0.01 * step_seconds))))
+        every = max(1, round(agreed_pace)) if agreed_pace is not None else self.every
+        self.due = self.count % every == 0
+
+
+def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared norm of all gradients together, as a tensor (no sync)."""
+    norms = torch._foreach_norm(grads)
+    return torch.stack([n.to(norms[0].device) for n in norms]).double().square().sum()
 
 
 def _fieller(t: float, g: float, vt: float, vg: float, c: float) -> tuple[float, float]:

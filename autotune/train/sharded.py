@@ -49,6 +49,7 @@ from autotune.parallel.ranks import (
     stop_every_rank,
 )
 from autotune.step import forward_backward
+from autotune.train.retry import lower
 
 __all__ = ["run_window"]
 
@@ -59,7 +60,7 @@ __all__ = ["run_window"]
 def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> tuple[float, Any, Agreement] | None:
     """Run the next window of every rank in lockstep (see the module docstring).
 
-    ``run`` is the training loop's state (``autotune.train.fit._Run``). Returns ``(global mean
+    ``run`` is the training loop's state (``autotune.train.run.Run``). Returns ``(global mean
     loss, this rank's window, the agreement)``, or None when no rank has a window left.
     """
     failure: BaseException | None = None
@@ -70,7 +71,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         failure = exc
     if window is not None and len(window):
         run.spare = B.slice_batch(window[0].batch, 0, min(run.plan.min_micro_batch, window[0].samples))
-    bn_saved = run._save_bn()
+    bn_saved = run.save_bn()
     device, group = run.device, run.par.group
     if not run.checked_samples:  # once per run: where a failing peer finds this process
         announce(group)
@@ -82,7 +83,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
             float(window.samples if has else 0), float(has), float(has or run.spare is not None),
         ], device, group)
         if any(r[0] for r in rows):
-            run._raise_failure(failure)
+            run.raise_failure(failure)
         with_data = sum(int(r[4]) for r in rows)
         total_items, total_samples = sum(int(r[2]) for r in rows), sum(int(r[3]) for r in rows)
         if with_data == 0:
@@ -112,7 +113,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         run.optimizer.zero_grad(set_to_none=True)
         for p in run.outside:
             p.grad = None
-        run._restore_bn(bn_saved)
+        run.restore_bn(bn_saved)
         release_cached(device, collect=True)
         if over:
             failure = _lowered(run, window, peak)
@@ -150,7 +151,7 @@ def _lowered(run: Any, window: Any, peak: int) -> BaseException | None:
         AutotuneWarning,
         stacklevel=4,
     )
-    run._lower(smaller)
+    lower(run, smaller)
     return None
 
 
@@ -197,10 +198,10 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float) -> tuple
 def _idle_micro(run: Any) -> None:
     """A zero-weight micro-batch: this rank takes part in the collectives and learns nothing from it
     (its BatchNorm statistics are put back)."""
-    saved = run._save_bn()
+    saved = run.save_bn()
     with run.bnc.paused():  # nothing pooled or recorded from it
         forward_backward(
             run.model, run.loss_fn, B.to_device(run.spare, run.device), weight=0.0, device_type=run.device.type,
             precision=run.precision, scaler=run.scaler,
         )
-    run._restore_bn(saved)
+    run.restore_bn(saved)

@@ -1,0 +1,114 @@
+"""The command line's words: the parser, and what its arguments name (a callable in a module or
+file, a shape, lengths)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DTYPES", "UsageError", "load_callable", "make_parser", "parse_lengths", "parse_shape"]
+
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "long", "int", "bool", "mask")
+
+
+class UsageError(Exception):
+    """A mistake on the command line: reported in one line, exit code 2."""
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotune", description="Find the largest micro-batch that fits and plan gradient accumulation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser(
+        "report",
+        help="probe a model and print the recommended settings",
+        description="Probe MODEL on a device and print the micro-batch, accumulation steps, learning rate, "
+        "BatchNorm momentum, memory breakdown and trials, and the same settings for Lightning, "
+        "Accelerate, Transformers, DeepSpeed and Keras.",
+    )
+    r.add_argument("model", nargs="?", help="module:callable or path/file.py:callable returning an nn.Module (called with no arguments)")
+    r.add_argument("--demo", action="store_true", help="use the built-in demo model (a small CNN) and settings")
+    r.add_argument("--input-shape", action="append", metavar="SHAPE", help="per-sample input shape, e.g. 3,224,224; repeat for several inputs")
+    r.add_argument("--input-dtype", action="append", metavar="DTYPE", choices=DTYPES, help="dtype of each input (default float32); long inputs are token ids; mask is an all-ones attention mask (long)")
+    r.add_argument("--input-name", action="append", metavar="NAME", help="pass the inputs by keyword, one name per --input-shape, e.g. input_ids and attention_mask")
+    r.add_argument("--vocab-size", type=int, default=2, metavar="N", help="long inputs are drawn from [0, N) (default 2)")
+    r.add_argument("--num-classes", type=int, metavar="C", help="class targets in [0, C) for cross-entropy (default: the model output's last dimension)")
+    r.add_argument("--regression", action="store_true", help="float targets shaped like the output, for mean squared error")
+    r.add_argument("--loader", metavar="SPEC", help="module:callable returning an iterable of real batches, instead of synthetic inputs")
+    r.add_argument("--target-batch", type=int, metavar="N", help="samples per optimizer step")
+    r.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu)")
+    r.add_argument("--memory-limit", metavar="SIZE", help="e.g. 24GiB (default: what the device has)")
+    r.add_argument("--headroom", type=float, metavar="FRACTION", help="fraction of the limit kept free (default 0.10 on CUDA, 0.05 on CPU)")
+    r.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adamw")
+    r.add_argument("--lr", type=float, default=None, help="the learning rate tuned at --base-batch (default 1e-3; 0.1 for sgd)")
+    r.add_argument("--base-batch", type=int, metavar="N", help="batch size --lr was tuned at (default 32)")
+    r.add_argument("--lr-rule", choices=("auto", "linear", "sqrt", "none"), default="auto")
+    r.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    out = r.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the plan, device facts and memory breakdown as JSON")
+    out.add_argument("--format", choices=("lightning", "accelerate", "hf", "deepspeed", "keras"), help="print only that framework's config")
+    r.add_argument("--plot", metavar="PNG", type=Path, help="plot peak memory against batch size (needs matplotlib)")
+    r.add_argument("--epochs", type=int, metavar="N", help="the run's length, to cap the recommended warm-up at 10%% of it")
+    r.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing on the model's blocks")
+    r.add_argument("--follow-batch", action="store_true", help="Adam family: move betas, eps and weight decay to the target batch too (Malladi et al. 2022)")
+    r.add_argument("--noise-scale", action="store_true", help="also measure the gradient noise scale on the --loader batches, and say whether the target is far from it")
+    r.add_argument("--what-if", action="store_true", help="also print the largest micro-batch with bf16, activation checkpointing and an optimizer with less state (estimates)")
+    r.add_argument("--shard", type=int, metavar="N", help="instead of a plan for one device: estimate an FSDP2 run (fully_shard) over N devices, per rank, for a model too large for one")
+    r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
+    r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
+    r.add_argument("--debug", action="store_true", help="show the traceback of an error in your model or loader")
+    return parser
+
+
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    if ":" not in spec:
+        raise UsageError(f"Invalid {what} {spec!r}: write module:callable or path/file.py:callable")
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py") or "/" in target:
+            path = Path(target)
+            if not path.exists():
+                raise UsageError(f"Invalid {what} {spec!r}: no file {target}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.path.insert(0, str(path.resolve().parent))
+            try:
+                module_spec.loader.exec_module(module)
+            finally:
+                sys.path.pop(0)
+        else:
+            module = importlib.import_module(target)
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise UsageError(f"Invalid {what} {spec!r}: importing {target} failed ({type(exc).__name__}: {exc})") from None
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        raise UsageError(f"Invalid {what} {spec!r}: {target} has no callable {name!r}")
+    return obj
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(p) for p in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise UsageError(f"Invalid --input-shape {text!r}: give positive sizes separated by commas, e.g. 3,224,224")
+    return shape
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(p) for p in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or any(n < 1 for n in lengths):
+        raise UsageError(f"Invalid --lengths {text!r}: give positive lengths separated by commas, e.g. 128,512,2048")
+    return sorted(set(lengths))

@@ -1,0 +1,178 @@
+"""What ``autotune report`` plans: the model, a loader of synthetic batches, the loss and the
+optimizer, from the command line's arguments (the user's code called, its errors said in one line)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from autotune.cli.parser import (
+    UsageError,
+    load_callable,
+    parse_shape,
+)
+
+__all__ = ["call_user", "describe_batch", "first_line", "logits_of", "workload_from_args"]
+
+
+def call_user(fn: Callable[[], Any], what: str, debug: bool) -> Any:
+    """Call the user's factory; its error becomes a one-line usage error (``--debug``: the traceback)."""
+    try:
+        return fn()
+    except Exception as exc:
+        if debug:
+            raise
+        raise UsageError(f"{what} raised {type(exc).__name__}: {first_line(exc)} (--debug shows the traceback)") from None
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def logits_of(output: Any) -> Any:
+    """The logits in a model's output: the tensor itself, ``.logits``, ``["logits"]``, or a tuple's first."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, Any, Callable[[Any, Any], Any] | None, dict[str, Any]]:
+    """Build (model, loader, loss_fn, description for the cache key) from the arguments."""
+    import torch
+    from torch import nn
+
+    from autotune.checks import is_one_shot
+    from autotune.step import _output_loss
+
+    if args.demo and not args.model:
+        from autotune.cli.demo import demo_model
+
+        model = demo_model()
+    elif args.model:
+        factory = load_callable(args.model, "MODEL")
+        model = call_user(factory, f"MODEL {args.model!r}", args.debug)
+    else:
+        raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"Invalid MODEL {args.model!r}: it returned {type(model).__name__}, not a torch.nn.Module")
+
+    if args.loader:
+        made = call_user(load_callable(args.loader, "--loader"), f"--loader {args.loader!r}", args.debug)
+        if made is None or not hasattr(made, "__iter__"):
+            raise UsageError(f"Invalid --loader {args.loader!r}: it returned {type(made).__name__}; return an iterable of batches (a DataLoader or a list)")
+        # An iterator can be looked at once: keep the batches the probe looks at.
+        loader = list(itertools.islice(made, 8)) if is_one_shot(made) else made
+        try:
+            first = next(iter(loader), None)
+        except Exception as exc:
+            if args.debug:
+                raise
+            raise UsageError(f"Invalid --loader {args.loader!r}: iterating it raised {type(exc).__name__}: {first_line(exc)}") from None
+        if first is None:
+            raise UsageError(f"Invalid --loader {args.loader!r}: it yielded no batches")
+        return model, loader, None, {"loader": args.loader, "first": describe_batch(first)}
+
+    shapes = [parse_shape(s) for s in (args.input_shape or [])]
+    if not shapes:
+        raise UsageError("Missing --input-shape: give the per-sample input shape (e.g. 3,224,224), or --loader")
+    dtypes = args.input_dtype or ["float32"]
+    if len(dtypes) == 1:
+        dtypes = dtypes * len(shapes)
+    if len(dtypes) != len(shapes):
+        raise UsageError(f"Invalid --input-dtype: {len(dtypes)} given for {len(shapes)} --input-shape; give one, or one per input")
+    names = args.input_name or []
+    if names and len(names) != len(shapes):
+        raise UsageError(f"Invalid --input-name: {len(names)} given for {len(shapes)} --input-shape; give one name per input")
+    if len(set(names)) != len(names):
+        raise UsageError(f"Invalid --input-name: {names} repeats a name")
+    if args.vocab_size < 1:
+        raise UsageError(f"Invalid --vocab-size {args.vocab_size}: it must be at least 1")
+    if args.num_classes is not None and args.num_classes < 1:
+        raise UsageError(f"Invalid --num-classes {args.num_classes}: it must be at least 1")
+    g = torch.Generator().manual_seed(0)
+    inputs = []
+    for shape, name in zip(shapes, dtypes):
+        if name == "mask":
+            inputs.append(torch.ones((base_batch, *shape), dtype=torch.long))
+            continue
+        dtype = {"long": torch.long, "int": torch.int32}.get(name) or getattr(torch, name)
+        if dtype in (torch.long, torch.int32):
+            inputs.append(torch.randint(0, args.vocab_size, (base_batch, *shape), generator=g, dtype=dtype))
+        elif dtype == torch.bool:
+            inputs.append(torch.rand((base_batch, *shape), generator=g) > 0.5)
+        else:
+            inputs.append(torch.randn((base_batch, *shape), generator=g).to(dtype))
+
+    def call(model: Any, xs: Sequence[Any]) -> Any:
+        return model(**dict(zip(names, xs))) if names else model(*xs)
+
+    # One forward on the first two samples tells what the output is and so which targets to make.
+    with torch.no_grad():
+        was_training = model.training
+        model.eval()
+        try:
+            out = call(model, [t[:2] for t in inputs])
+        except IndexError as exc:
+            if any(d in ("long", "int") for d in dtypes) and "index out of range" in str(exc):
+                sizes = sorted({m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)})
+                raise UsageError(
+                    f"Invalid --vocab-size {args.vocab_size}: token ids up to {args.vocab_size - 1} do not fit an "
+                    f"embedding of the model (sizes {sizes}); use --vocab-size at most its vocabulary"
+                ) from None
+            raise UsageError(f"The model failed on inputs of shape {[tuple(t.shape[1:]) for t in inputs]} (IndexError: {first_line(exc)}); check --input-shape and --input-dtype") from None
+        except Exception as exc:
+            if args.debug:
+                raise
+            raise UsageError(f"The model failed on inputs of shape {[tuple(t.shape[1:]) for t in inputs]} ({type(exc).__name__}: {first_line(exc)}); check --input-shape, --input-dtype and --input-name") from None
+        finally:
+            model.train(was_training)
+    describe = {"inputs": [[list(s), d] for s, d in zip(shapes, dtypes)], "names": names, "vocab": args.vocab_size}
+    try:
+        _output_loss(out)
+        own_loss = not (isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2 and out.numel() > 1)
+    except TypeError:
+        own_loss = False
+    if own_loss and args.num_classes is None and not args.regression:
+        def loss_fn(model: Any, batch: Any) -> Any:
+            return _output_loss(call(model, batch))
+
+        return model, [tuple(inputs)], loss_fn, {**describe, "targets": "own loss"}
+    logits = logits_of(out)
+    if logits is None or logits.dim() < 2:
+        raise UsageError(
+            f"The model's output ({type(out).__name__}) is neither a loss nor logits with a batch dimension "
+            "(a tensor, .logits or ['logits']): pass --loader with real batches"
+        )
+    if args.regression:
+        targets = torch.randn((base_batch, *logits.shape[1:]), generator=g)
+
+        def loss_fn(model: Any, batch: Any) -> Any:
+            return nn.functional.mse_loss(logits_of(call(model, batch[:-1])), batch[-1])
+    else:
+        classes = args.num_classes or logits.shape[-1]
+        if logits.shape[-1] != classes:
+            raise UsageError(f"Invalid --num-classes {classes}: the model's output has {logits.shape[-1]} logits in its last dimension")
+        targets = torch.randint(0, classes, (base_batch, *logits.shape[1:-1]), generator=g)
+
+        def loss_fn(model: Any, batch: Any) -> Any:
+            out = logits_of(call(model, batch[:-1]))
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), batch[-1].reshape(-1))
+
+    return model, [(*inputs, targets)], loss_fn, {**describe, "targets": [list(targets.shape[1:]), str(targets.dtype)]}
+
+
+def describe_batch(batch: Any) -> Any:
+    from autotune import batches as B
+
+    return [[list(t.shape), str(t.dtype)] for t in B.tensors(batch)]

@@ -1,0 +1,207 @@
+"""The state of one ``fit`` run, with its setup and restore: what every window mode and the optimizer
+step share.
+
+On entry: the BatchNorm mode applied, the CUDA allocator capped, activation checkpointing, a progress
+bar, train mode; on exit all of it is put back. Between: the BatchNorm buffers saved and restored
+around a window that is undone, a failure that stops every rank, a non-finite loss refused, the CPU
+ledger for windows of new shapes. The windows (:mod:`autotune.train.single`,
+:mod:`~autotune.train.data_parallel`, :mod:`~autotune.train.sharded`), the out-of-memory retry
+(:mod:`~autotune.train.retry`) and the optimizer step (:mod:`~autotune.train.stepping`) each take a
+:class:`Run`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune import batches as B
+from autotune.errors import AutotuneError
+from autotune.memory.device import allocator_cap, cuda_memory_fraction
+from autotune.memory.ledger import TensorLedger, held_tensors
+from autotune.parallel.exchange import GradientSync
+from autotune.parallel.ranks import Parallel, bypass_nested, gather, world
+from autotune.planning.plans import Plan, rotated_share
+from autotune.step import LossFn, Precision
+from autotune.train.accumulate import Window
+from autotune.train.bn import BNController
+from autotune.train.caps import ShapeCaps
+from autotune.train.noise import NoisePacer
+from autotune.train.records import StepRecord
+
+__all__ = ["Run"]
+
+
+class Run:
+    """Setup and restore around the loop, and what the windows and the step share (a context object)."""
+
+    def __init__(
+        self,
+        par: Parallel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loss_fn: LossFn,
+        plan: Plan,
+        device: torch.device,
+        precision: Precision,
+        scaler: torch.amp.GradScaler | None,
+        clip_grad_norm: float | None,
+        limit: int | None,
+        mode: Any,
+        bns: list[nn.modules.batchnorm._BatchNorm],
+        total_steps: int | None,
+        progress: bool,
+        *,
+        checkpointing: bool = False,
+        noise_scale: bool | int = False,
+    ) -> None:
+        self.checkpointing = checkpointing
+        self.noise = NoisePacer(noise_scale)
+        self.par, self.model, self.optimizer, self.scheduler = par, par.inner, optimizer, scheduler
+        self.loss_fn, self.plan, self.device, self.precision = loss_fn, plan, device, precision
+        self.scaler, self.clip_grad_norm, self.limit = scaler, clip_grad_norm, limit
+        self.bns = bns
+        self.bnc = BNController(par.inner, mode.name if mode is not None else None, record=bool(mode is not None and mode.records))
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        in_optimizer = {id(p) for p in self.params}
+        # Trainable parameters the optimizer does not step: their gradients are zeroed with the rest.
+        self.outside = [p for p in par.inner.parameters() if p.requires_grad and id(p) not in in_optimizer]
+        # The gradients the ranks sum: every trainable parameter but those DDP was told to ignore,
+        # in the model's order (the same on every rank).
+        self.synced = [p for name, p in par.inner.named_parameters() if p.requires_grad and name not in par.ignored]
+        if par.fsdp:
+            # FSDP2 reduce-scatters the gradients itself; the sync only sums BatchNorm statistics.
+            self.synced = []
+            self.noise.meter = None
+        self.sync = GradientSync(self.synced, device=device, group=par.group)
+        # With several ranks the loss weights carry each rank's share of the global count ahead of
+        # the exchange: n_i / unit instead of n_i / N_r, ``unit`` being the global count of the last
+        # step (the same on every rank; 0 before the first, when the weights are the local ones).
+        # The exchange then sends the gradients as they are and, when the count is again ``unit``,
+        # writes them back as they are: two passes over the gradients fewer per step.
+        self.unit = 0.0
+        self.spare: Any = None  # under FSDP2: a small batch for zero-weight micro-batches
+        self.rank, self.world_size = world(par.group)
+        self.total_steps, self.progress = total_steps, progress
+        self.stack = ExitStack()
+        # After an OOM lowered the micro-batch: the peak counted since (CPU ledger), which then
+        # replaces the estimated peak in the plan.
+        self.measured: int | None = None
+        self.lowered = False
+        self.steps = 0  # optimizer steps taken in this run
+        self.stepped = False  # the first optimizer step (which creates the optimizer state) has run
+        self.agreed: Any = None
+        # Window shapes already run under the CPU ledger: later windows of the same shapes need no
+        # counting (the count is the same), which keeps its dispatch overhead off the common path.
+        self.counted: set[Any] = set()
+        self.last_ledger: TensorLedger | None = None
+        self.checked_samples = False
+        self.caps = ShapeCaps(self)
+
+    def shares(self, window: int) -> int:
+        """This rank's samples in the epoch's window ``window``: the target shared among the ranks, the
+        remainder taking turns (:func:`autotune.planning.plans.rotated_share`), so that equal shards run out
+        together and only an epoch's last step is short."""
+        return rotated_share(self.plan.effective_batch, self.world_size, self.rank, window)
+
+    def __enter__(self) -> Run:
+        from tqdm.auto import tqdm  # imported here: `import autotune` stays light
+
+        stack = self.stack
+        stack.enter_context(self.bnc)
+        # Under FSDP2 the limit is counted, not enforced: an OOM inside a forward would strand the other ranks.
+        cap = allocator_cap(self.limit, self.plan.set_aside) if (self.limit is not None and not self.par.fsdp) else None
+        stack.enter_context(cuda_memory_fraction(self.device, cap))
+        stack.enter_context(bypass_nested(self.par.nested))
+        if self.checkpointing:
+            from autotune.memory.checkpointing import activation_checkpointing
+
+            stack.enter_context(activation_checkpointing(self.model))
+        self.bar = tqdm(total=self.total_steps, unit="step", disable=not self.progress or self.rank != 0, delay=2.0, dynamic_ncols=True)
+        stack.callback(self.bar.close)
+        stack.callback(self.model.train, self.model.training)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+
+    def held(self) -> Any:
+        """Tensors held between steps: parameters, buffers, gradients, optimizer state."""
+        return held_tensors(self.model, self.optimizer)
+
+    def window_ledger(self, window: Window) -> Any:
+        """A tensor count for windows of new shapes on a CPU with a limit (else nothing)."""
+        if self.limit is None or self.device.type == "cuda":
+            return nullcontext()
+        key = tuple(sorted({(m.samples, B.sample_shapes(m.batch)) for m in window}, key=repr))
+        if key in self.counted:
+            return nullcontext()
+        self.counted.add(key)
+        ledger = TensorLedger(self.device.type, limit=self.limit)
+        ledger.track(held_tensors(self.model, self.optimizer))
+        self.last_ledger = ledger
+        return ledger
+
+    def finish_bn(self, had_data: bool, ranks_with_data: int) -> None:
+        """BatchNorm statistics at the window's end: pooled, or averaged over the ranks that had data
+        (one more collective); nothing without BatchNorm."""
+        if not self.bnc.modules:
+            return
+        payload = self.bnc.payload(had_data) if (self.world_size > 1 or self.bnc.mode == "pooled") else None
+        summed = self.sync.sum(payload) if payload is not None else None
+        self.bnc.finish_window(summed, ranks_with_data, distributed=self.world_size > 1)
+
+    def raise_failure(self, own: BaseException | None) -> None:
+        """Every rank stops: the failing rank with its own error, the others naming it."""
+        messages = gather(None if own is None else f"{type(own).__name__}: {own}", self.device, self.par.group)
+        if own is not None:
+            raise own
+        rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+        raise AutotuneError(f"rank {rank} failed in this window, so every rank stops: {message}")
+
+    def save_bn(self) -> list[list[torch.Tensor]]:
+        """A copy of the BatchNorm buffers, for :meth:`restore_bn` when a window is undone."""
+        return [[b.detach().clone() for b in m.buffers()] for m in self.bns]
+
+    def restore_bn(self, saved: list[list[torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for m, values in zip(self.bns, saved):
+                for b, value in zip(m.buffers(), values):
+                    b.copy_(value)
+
+    def check_finite(self, loss: float, window: Window | None, *, step: int, epoch: int) -> None:
+        """Refuse to step on a non-finite loss: the weights would become NaN."""
+        if math.isfinite(loss):
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        where = f"window {window.position} of the epoch, {window.samples} samples here" if window is not None else "no window here"
+        raise AutotuneError(
+            f"Non-finite loss ({loss}) at step {step} (epoch {epoch}, {where}): the optimizer step was not taken, so "
+            f"the weights are those after step {step - 1}; check the data of this window, lower the learning rate, "
+            "or set clip_grad_norm"
+        )
+
+    def measure_noise(self, agreed: Any) -> float | None:
+        """The noise meter on this window (its gradient before clipping); the estimate so far."""
+        if self.noise.meter is None:
+            return None
+        grads = [p.grad for p in self.synced if p.grad is not None]
+        scale = float(self.scaler.get_scale()) ** 2 if self.scaler is not None else 1.0
+        return self.noise.measure(grads, float(agreed.items), scale)
+
+    def pace_noise(self, step_seconds: float) -> None:
+        """Measure the next window or not (:meth:`autotune.train.noise.NoisePacer.pace`)."""
+        self.noise.pace(step_seconds, self.agreed.pace if self.agreed is not None else None)
+
+    def show(self, record: StepRecord) -> None:
+        """Advance the progress bar."""
+        if self.bar.disable:
+            return
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record.loss:.4g}", samples_s=f"{record.samples / max(record.seconds, 1e-9):.0f}", refresh=False)
