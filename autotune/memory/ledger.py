@@ -114,7 +114,7 @@ class TensorLedger(TorchDispatchMode):
         block: round every storage up to a multiple of this (512 to mimic the CUDA allocator).
         trace: also record the live bytes after every operation (``trace``) and the operations
             (``ops``): two traces of the same step at two micro-batch sizes give memory as a
-            function of the size (see :class:`autotune.probe.search.MemoryCurve`).
+            function of the size (see :class:`autotune.memory.curve.MemoryCurve`).
 
     Attributes:
         live: bytes counted now.

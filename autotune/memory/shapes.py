@@ -1,7 +1,7 @@
 """Memory as a function of samples and shape, for data whose samples vary in length.
 
 For a fixed per-sample shape the peak of a training step is a curve in the number of samples (see
-:class:`autotune.probe.search.MemoryCurve`). With variable-length data (sequences padded per batch) the
+:class:`autotune.memory.curve.MemoryCurve`). With variable-length data (sequences padded per batch) the
 curve depends on the length: activations grow linearly with it (MLPs, convolutions, flash
 attention) or quadratically (attention that materialises its scores). The shape model is built only
 when the batches a plan looks at differ in shape, from the shapes they have (never longer ones,

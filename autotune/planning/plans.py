@@ -66,7 +66,7 @@ class Plan:
             for a batch longer than any the plan measured an estimate made when it arrives (see
             ``autotune.fit``). False: ``micro_batch`` for every shape.
         memory_curve: the estimated peak against the micro-batch at the probed shape (see
-            :class:`autotune.probe.search.MemoryCurve`), before calibration by the real trial; None when
+            :class:`autotune.memory.curve.MemoryCurve`), before calibration by the real trial; None when
             the answer came from real trials (or from traces alone).
         bn_mode: how BatchNorm statistics are kept in training (``"adjust"``, ``"pooled"``,
             ``"precise"``, ``"optuna"``), None without BatchNorm or when left alone.

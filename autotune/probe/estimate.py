@@ -7,7 +7,7 @@ does not depend on the batch size.
 
 **Two traces, every size.** At a fixed per-sample shape every tensor's size is affine in the
 micro-batch, so the live bytes after each operation are too: a trace of the step at two sizes gives
-one line per operation, and their upper envelope (:class:`autotune.probe.search.MemoryCurve`) is the peak
+one line per operation, and their upper envelope (:class:`autotune.memory.curve.MemoryCurve`) is the peak
 at *every* size. A plan therefore costs two traces, plus one confirming the candidate where no real
 step can (a CUDA target, or ``verify=False``); on the CPU the real trial confirms it to the byte.
 Each trace is one forward and backward in the steady state (gradients and optimizer state live); the
