@@ -18,6 +18,7 @@ from autotune.train.accumulate import Micro, Window, accumulate
 from autotune.train.bn import AdjustBN, PooledBN, PreciseBN
 from autotune.train.fit import fit
 from autotune.train.noise import NoiseScale, noise_scale
+from autotune.train.ramp import BatchRamp
 from autotune.train.records import FitResult, StepRecord
 from autotune.train.tune import BNTuning, OptunaBN, tune_bn_momentum
 from autotune.units import format_bytes, parse_bytes
@@ -29,6 +30,7 @@ __all__ = [
     "AutotuneError",
     "AutotuneWarning",
     "BNTuning",
+    "BatchRamp",
     "FitResult",
     "Micro",
     "NoiseScale",

@@ -285,8 +285,11 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         add = NoiseMeter.add
         NoiseMeter.add = lambda self, *a: (measured.append(len(steps) + 1), add(self, *a))[1]  # type: ignore[method-assign]
     collectives = _counting_collectives()
+    target = autotune.BatchRamp.fixed(c["ramp"]) if "ramp" in c else c["target"]
+    if "adaptive" in c:
+        target = autotune.BatchRamp.adaptive(*c["adaptive"], margin=1.0)
     result = autotune.fit(
-        model, loader, None if plan else c["target"], optimizer=opt, loss_fn=loss_fn, count=count_tokens if c.get("count", True) else None,
+        model, loader, None if plan else target, optimizer=opt, loss_fn=loss_fn, count=count_tokens if c.get("count", True) else None,
         memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False, epochs=c.get("epochs", 1), plan=plan,
         pad=pad, noise_scale=c["noise_every"][rank] if "noise_every" in c else True, callback=lambda r: steps.append(r.step),
     )

@@ -26,11 +26,15 @@ def shares(target, world, window=0):
     return [base + (1 if r in more else 0) for r in range(world)]
 
 
-def global_windows(seqs, target):
-    """Global window k: each rank's next ``shares(target, world, k)[r]`` samples, until no rank has any."""
+def global_windows(seqs, target, stages=None):
+    """Global window k: each rank's next ``shares(target, world, k)[r]`` samples, until no rank has any.
+    With ``stages`` ([(from_samples, target), ...], a fixed batch ramp) the target of window k is the
+    stage's at the samples of the windows before it."""
     world = len(seqs)
     at, k = [0] * world, 0
     while any(at[r] < len(seqs[r]) for r in range(world)):
+        if stages is not None:
+            target = max(t for start, t in stages if start <= sum(at))
         share = shares(target, world, k)
         yield [s for r in range(world) for s in seqs[r][at[r] : at[r] + share[r]]]
         at = [a + s for a, s in zip(at, share)]
@@ -53,7 +57,7 @@ def reference(config, world, *, model_class=W.TokenModel):
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
         steps = 0
         for _ in range(config.get("epochs", 1)):
-            for window in global_windows(seqs, config["target"]):
+            for window in global_windows(seqs, config["target"], config.get("ramp")):
                 total, items = 0.0, 0
                 for x, y in window:  # one sample at a time: lengths differ
                     real = y != W.PAD
@@ -131,6 +135,39 @@ def test_every_step_but_an_epochs_last_is_full_while_every_shard_has_data(tmp_pa
         full = next((i for i, s in enumerate(steps) if s < target), len(steps))
         assert full * (target // world) <= min(sizes) <= (full + 1) * (-(-target // world))
     assert sum(steps) == sum(sizes)  # every sample once (a DistributedSampler pads to equal shards)
+
+
+@pytest.mark.parametrize("world, stages", [(2, [(0, 6), (18, 12), (54, 20)]), (3, [(0, 7), (30, 16)])], ids=["W2", "W3"])
+def test_a_fixed_batch_ramp_on_several_ranks_is_exact_at_every_stage(tmp_path, world, stages):
+    """Every rank changes the target at the same window (the stage is read from the global samples
+    seen), each step is the exact token mean of its global window (float64), with per-rank
+    micro-batches under different memory limits."""
+    config = {**BASE, "n": 100, "target": stages[-1][1], "ramp": stages, "limits": ["120KiB", "64MiB", "64MiB"]}
+    W.launch(world, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, world)
+    assert_exact(outs, config, world)
+    seen, want = 0, []
+    for record in outs[0]["history"]:
+        want.append(max(t for start, t in stages if start <= seen))
+        seen += record["samples"]
+    assert [r["target"] for r in outs[0]["history"]] == want and len(set(want)) == len(stages)
+    assert all([r["target"] for r in o["history"]] == want for o in outs[1:])
+
+
+def test_an_adaptive_batch_ramp_changes_on_every_rank_at_the_same_step(tmp_path):
+    """Each rank measures the noise scale with its own first micro-batch, so their estimates differ; the
+    votes ride in the exchange the ranks already make and the target rises only when every rank voted:
+    the same targets at the same steps on every rank, the same weights, no extra collective."""
+    config = {**BASE, "n": 400, "target": 48, "adaptive": (4, 48), "epochs": 2, "count": False}
+    W.launch(2, str(tmp_path), "tokens", config)
+    outs = results(tmp_path, 2)
+    targets = [[r["target"] for r in o["history"]] for o in outs]
+    assert targets[0] == targets[1] and len(set(targets[0])) > 1
+    assert all(torch.equal(outs[0]["params"][k], outs[1]["params"][k]) for k in outs[0]["params"])
+    for o in outs:
+        # once per fit: the start-up agreement and the distinct-samples check; once per epoch: the exchange
+        # that finds it over on every rank
+        assert o["collectives"].count("all_reduce") == len(o["history"]) + 2 + config["epochs"]
 
 
 def test_ranks_that_load_the_same_samples_are_warned(tmp_path):

@@ -23,7 +23,7 @@ WINGS = {
     "planning": ["planning", "planning.scaling", "planning.plans", "planning.report", "planning.cache", "planning.whatif",
                  "planning.sharding", "planning.planner"],
     # training at the planned batch: the loop, its windows, BatchNorm, the noise scale, BN tuning
-    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.caps", "train.run", "train.attempt",
+    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.caps", "train.run", "train.attempt",
               "train.retry", "train.stepping", "train.single", "train.data_parallel", "train.sharded", "train.fit", "train.tune"],
     # the surfaces
     "surfaces": ["integrations", "integrations.common", "integrations.hf", "integrations.lightning", "integrations.accelerate",

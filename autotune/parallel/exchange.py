@@ -58,6 +58,8 @@ class Agreement:
         synced: whether the gradients are now the global mean on every rank.
         pace: the ranks' mean of the ``pace`` they proposed (the same on every rank), so that
             every rank measures the noise scale in the same windows.
+        vote: the ranks' mean of the ``vote`` they sent (a batch ramp raises its target only when
+            every rank voted 1).
     """
 
     status: int
@@ -67,13 +69,14 @@ class Agreement:
     ranks_with_data: int
     synced: bool
     pace: float = 1.0
+    vote: float = 0.0
 
 
 # Counts travel split in two, each exactly representable in a float32 sum up to 2**24 per part.
 _SPLIT = 4096
 
 
-_HEAD = 10  # fine, oom, failed, items (hi, lo), samples (hi, lo), loss sum, had data, pace
+_HEAD = 11  # fine, oom, failed, items (hi, lo), samples (hi, lo), loss sum, had data, pace, vote
 
 
 class GradientSync:
@@ -111,7 +114,7 @@ class GradientSync:
         self.collectives = 0  # made so far (for the benchmark and the tests)
 
     def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool, pace: float = 1.0,
-                 unit: float = 0.0) -> Agreement:
+                 unit: float = 0.0, vote: float = 0.0) -> Agreement:
         """Agree on the window and, if every rank is fine, make the gradients the global mean.
 
         ``pace`` is a small number each rank proposes (how often to measure the noise scale); the
@@ -126,11 +129,11 @@ class GradientSync:
         """
         if not self.distributed:
             fine = status == FINE
-            return Agreement(status, items, samples, loss_sum / items if items else float("nan"), int(had_data), fine, pace)
+            return Agreement(status, items, samples, loss_sum / items if items else float("nan"), int(had_data), fine, pace, vote)
         fine_here = status == FINE
         head = [float(status == FINE), float(status == OUT_OF_MEMORY), float(status == FAILED),
                 float(items // _SPLIT), float(items % _SPLIT), float(samples // _SPLIT), float(samples % _SPLIT),
-                float(loss_sum), float(had_data and fine_here), float(pace)]
+                float(loss_sum), float(had_data and fine_here), float(pace), float(vote)]
         flags = [float(fine_here and p.grad is not None) for p in self.params]
         out = (1.0 if unit else float(items)) if fine_here else 0.0
         flat = self._flat(0, head + flags, out)
@@ -142,9 +145,9 @@ class GradientSync:
         with_data = int(round(values[8]))
         code = FAILED if failed else (OUT_OF_MEMORY if oom else FINE)
         loss = values[7] / total_items if total_items else float("nan")
-        mean_pace = values[9] / self.world_size
+        mean_pace, mean_vote = values[9] / self.world_size, values[10] / self.world_size
         if code != FINE or with_data == 0 or total_items == 0:
-            return Agreement(code, total_items, total_samples, loss, with_data, False, mean_pace)
+            return Agreement(code, total_items, total_samples, loss, with_data, False, mean_pace, mean_vote)
         has_grad = [v > 0 for v in values[_HEAD:]]
         back = unit / total_items if unit else 1.0 / total_items
         self._write_back(0, flat, back, has_grad)
@@ -156,7 +159,7 @@ class GradientSync:
             self._buffers.clear()  # several buckets: keep none between steps (at most one at a time)
             self._views.clear()
             self._lent.clear()
-        return Agreement(code, total_items, total_samples, loss, with_data, True, mean_pace)
+        return Agreement(code, total_items, total_samples, loss, with_data, True, mean_pace, mean_vote)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small float64 tensor over ranks (BatchNorm statistics)."""

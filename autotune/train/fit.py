@@ -78,6 +78,7 @@ from autotune.step import (
 from autotune.train import data_parallel, sharded, single
 from autotune.train.accumulate import Count, Pad, accumulate
 from autotune.train.bn import FinishedRun, resolve_bn
+from autotune.train.ramp import BatchRamp, RampChange, plan_for_target, ramp_micro_batch
 from autotune.train.records import FitResult, StepRecord
 from autotune.train.run import Run
 from autotune.train.stepping import optimizer_step
@@ -148,7 +149,7 @@ def _check_count(loader: Iterable[Any], count: Count | None, group: Any = None, 
 def fit(
     model: nn.Module,
     loader: Iterable[Any],
-    target_batch: int | None = None,
+    target_batch: int | BatchRamp | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: LossFn | None = None,
@@ -185,7 +186,10 @@ def fit(
     Args:
         model: the module to train; it is moved to ``device``.
         loader: a re-iterable of batches (as for :func:`autotune.plan`); one pass is one epoch.
-        target_batch: samples per optimizer step (required unless ``plan`` is given).
+        target_batch: samples per optimizer step (required unless ``plan`` is given), or a
+            :class:`autotune.BatchRamp`: a target that grows during the run, in fixed stages or
+            following the measured noise scale (the plan is made for its largest target; pass the
+            same ramp to a later ``fit`` to continue it).
         optimizer: default ``AdamW(lr=1e-3)`` over the model's parameters.
         loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss over the batch's items
             (default: see :func:`autotune.step.default_loss`). With ``count``, the mean over exactly
@@ -268,11 +272,24 @@ def fit(
         raise ValueError(f"Invalid max_steps {max_steps!r}: give a whole number >= 1, or None")
     check_positive_number("clip_grad_norm", clip_grad_norm)
     mode = resolve_bn(bn)
-    _check_plan(plan, target_batch)
+    ramp = target_batch if isinstance(target_batch, BatchRamp) else None
+    # a ramp's plan is made for its largest target
+    target: int | None = ramp.maximum if ramp is not None else target_batch  # type: ignore[assignment]
+    if ramp is not None:
+        if ramp.adaptive_form and noise_scale is False:
+            raise ValueError(f"Invalid noise_scale False with {ramp!r}: an adaptive ramp raises the batch from the measured "
+                             "noise scale; leave noise_scale on, or use BatchRamp.fixed")
+        if plan is not None and plan.effective_batch != ramp.maximum:
+            raise ValueError(f"Invalid plan for {ramp!r}: it trains {plan.effective_batch} samples per step, and a ramp's plan is "
+                             f"made for its largest target ({ramp.maximum}); make the plan with target_batch={ramp.maximum}")
+    _check_plan(plan, target)
     check_reiterable(loader, epochs)
     check_grad_mode("fit")
     check_device_exists(device)
     par = parallel(model)  # under DDP: the inner module runs; autotune syncs once per window
+    if ramp is not None and par.fsdp:
+        raise ValueError(f"Invalid target_batch {ramp!r} for a model sharded with FSDP2: a changing target is not supported "
+                         "under FSDP2 (its ranks run every micro-batch in lockstep); give a fixed target_batch")
     if mode is not None and mode.name in ("precise", "optuna") and par.fsdp:
         raise ValueError(
             f"Invalid bn {mode.name!r} for a model sharded with FSDP2: it recomputes BatchNorm statistics with extra "
@@ -316,7 +333,7 @@ def fit(
     loss_fn = loss_fn or default_loss
     if plan is None:
         plan = make_plan(
-            model, loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn,  # type: ignore[arg-type]
+            model, loader, target_batch=target, optimizer=optimizer, loss_fn=loss_fn,  # type: ignore[arg-type]
             device=device, memory_limit=limit, headroom=headroom, lr_rule=lr_rule,
             base_batch=base_batch, precision=precision_name, epochs=epochs, progress=progress,
             checkpointing=checkpointing,
@@ -336,11 +353,21 @@ def fit(
 
     # --- the loop -------------------------------------------------------------------------------
     history: list[StepRecord] = []
+    changes: list[RampChange] = []
+    rank = world(par.group)[0]
     run = Run(
-        par, optimizer, scheduler, loss_fn, plan, device, precision_name, scaler, clip_grad_norm,
-        limit, mode, bns, _total_steps(loader, plan, epochs, max_steps), progress,
+        par, optimizer, scheduler, loss_fn,
+        plan_for_target(plan, ramp.target, micro_batch=ramp_micro_batch(plan, ramp, min_micro), rank=rank) if ramp else plan,
+        device, precision_name, scaler, clip_grad_norm, limit, mode, bns, _total_steps(loader, plan, epochs, max_steps), progress,
         checkpointing=checkpointing or plan.checkpointing, noise_scale=noise_scale,
     )
+    if ramp is not None:
+        run.ramp, run.vote = ramp, ramp.pending_vote
+        if ramp.adaptive_form:  # the meter travels with the ramp (a later fit continues it), every window measured
+            ramp.meter = ramp.meter or run.noise.meter
+            run.noise.meter = ramp.meter
+            run.noise.fixed = run.noise.fixed or 1
+            run.noise.every = run.noise.fixed
     # One window module per mode: one process, data-parallel ranks (one exchange per window), FSDP2 (lockstep).
     run_window = sharded.run_window if par.fsdp else data_parallel.run_window if run.sync.distributed else single.run_window
     first_epoch = sampler_epoch(loader)  # continue where an earlier fit left the sampler
@@ -350,9 +377,11 @@ def fit(
     with run:
         for epoch in range(epochs):
             set_epoch(loader, first_epoch + epoch)
+            if ramp is not None:
+                ramp.begin_epoch()
             windows = accumulate(
-                run.caps.meeting(loader), plan, count=count, drop_last=local_drop, min_micro_batch=min_micro,
-                distributed=False, skip_empty=run.world_size == 1, pad=pad, cap=run.caps.cap, shares=run.shares if run.world_size > 1 else None,
+                run.caps.meeting(loader), plan, count=count, drop_last=local_drop, min_micro_batch=min_micro, distributed=False,
+                skip_empty=run.world_size == 1, pad=pad, cap=run.caps.cap, shares=run.shares if (run.world_size > 1 or ramp) else None,
             )
             seen_samples = seen_items = 0
             while max_steps is None or len(history) < max_steps:
@@ -364,15 +393,26 @@ def fit(
                 seen_samples, seen_items = seen_samples + agreed.samples, seen_items + agreed.items
                 if agreed.items == 0:  # no loss item on any rank: nothing to learn from, no step
                     run.optimizer.zero_grad(set_to_none=True)
+                    if ramp is not None:
+                        ramp.skipped(int(agreed.samples))
                     continue
                 run.check_finite(loss, window, step=len(history) + 1, epoch=epoch)
+                if ramp is not None:  # the learning rate follows the target of the window that ran
+                    _follow(run, plan, ramp.trained_target())
                 noise = run.measure_noise(agreed)  # the window's gradient, before clipping
-                lr, skipped = optimizer_step(run)  # clip, step at the scaled LR, schedule, zero
+                lr, skipped = optimizer_step(run, int(agreed.samples))  # clip, step at the scaled LR, schedule, zero
+                change = None
+                if ramp is not None:  # a stage reached, or every rank voted at this exchange: later windows grow
+                    change = ramp.after_step(samples=int(agreed.samples), items=int(agreed.items), vote=agreed.vote)
+                    run.vote = ramp.pending_vote = ramp.vote(run.noise.meter.estimate() if run.noise.meter else None,
+                                                            agreed.items / max(agreed.samples, 1))
+                    changes += [change] if change else []
                 record = StepRecord(
                     step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
                     loss=loss, lr=lr, micro_batch=max((m.samples for m in window), default=0) if window else 0,
                     seconds=time.perf_counter() - start, micro_batches=tuple(m.samples for m in window) if window else (),
-                    noise_scale=noise, skipped=skipped,
+                    noise_scale=noise, skipped=skipped, target=run.plan.effective_batch,
+                    target_change=f"target {change.before} -> {change.target}: {change.reason}" if change else None,
                 )
                 run.pace_noise(record.seconds)
                 history.append(record)
@@ -400,7 +440,13 @@ def fit(
         tuning = mode.finish(inner, finished)
     measured = run.noise.meter.estimate() if run.noise.meter is not None else None
     return FitResult(plan=run.plan, history=tuple(history), bn_tuning=tuning,
-                     noise_scale=measured, noise_note=_noise_note(measured, run, noise_scale))
+                     noise_scale=measured, noise_note=_noise_note(measured, run, noise_scale), ramp=ramp, ramp_changes=tuple(changes))
+
+
+def _follow(run: Run, plan: Plan, target: int) -> None:
+    """The run's plan for a ramp's ``target``: same micro-batch, its accumulation and learning rate."""
+    if target != run.plan.effective_batch:  # the micro-batch stays the run's (or what an OOM lowered it to)
+        run.plan = plan_for_target(plan, target, micro_batch=run.plan.micro_batch, rank=run.rank)
 
 
 def _noise_note(noise: Any, run: Run, asked: bool | int) -> str | None:

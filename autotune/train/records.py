@@ -28,6 +28,9 @@ class StepRecord:
             :mod:`autotune.train.noise`), or None before it can be estimated.
         skipped: fp16 only: the GradScaler found non-finite gradients and skipped the optimizer
             step (the weights are those of the step before; the scale was lowered).
+        target: the target batch of this step (with a :class:`autotune.BatchRamp`, the stage's).
+        target_change: with a ramp, the change of target decided after this step and why, in words
+            (else None).
     """
 
     step: int
@@ -41,6 +44,8 @@ class StepRecord:
     micro_batches: tuple[int, ...] = ()
     noise_scale: float | None = None
     skipped: bool = False
+    target: int = 0
+    target_change: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class FitResult:
             says why).
         noise_note: why the noise scale is missing or only a lower bound, in words; None when it
             was measured with both ends of its range.
+        ramp: the :class:`autotune.BatchRamp` given as ``target_batch`` (its state after the run:
+            pass it to a later ``fit`` to continue), else None.
+        ramp_changes: the target changes in this run (:class:`autotune.train.ramp.RampChange`: when and why).
     """
 
     plan: Plan
@@ -64,6 +72,8 @@ class FitResult:
     bn_tuning: Any = None
     noise_scale: Any = None
     noise_note: str | None = None
+    ramp: Any = None
+    ramp_changes: tuple[Any, ...] = ()
 
     def advice(self) -> str | None:
         """Plain words when the target batch is far from the measured noise scale (else None).

@@ -31,6 +31,7 @@ from autotune.train.accumulate import Window
 from autotune.train.bn import BNController
 from autotune.train.caps import ShapeCaps
 from autotune.train.noise import NoisePacer
+from autotune.train.ramp import BatchRamp
 from autotune.train.records import StepRecord
 
 __all__ = ["Run"]
@@ -101,12 +102,16 @@ class Run:
         self.last_ledger: TensorLedger | None = None
         self.checked_samples = False
         self.caps = ShapeCaps(self)
+        self.ramp: BatchRamp | None = None  # a target that grows (fit's target_batch=BatchRamp)
+        self.vote = 0.0  # this rank's ramp vote, sent with the next exchange
 
     def shares(self, window: int) -> int:
-        """This rank's samples in the epoch's window ``window``: the target shared among the ranks, the
-        remainder taking turns (:func:`autotune.planning.plans.rotated_share`), so that equal shards run out
-        together and only an epoch's last step is short."""
-        return rotated_share(self.plan.effective_batch, self.world_size, self.rank, window)
+        """This rank's samples in the epoch's window ``window``: the target (the ramp's, when the target
+        grows) shared among the ranks, the remainder taking turns
+        (:func:`autotune.planning.plans.rotated_share`), so that equal shards run out together and only
+        an epoch's last step is short."""
+        target = self.ramp.window_target() if self.ramp is not None else self.plan.effective_batch
+        return rotated_share(target, self.world_size, self.rank, window)
 
     def __enter__(self) -> Run:
         from tqdm.auto import tqdm  # imported here: `import autotune` stays light

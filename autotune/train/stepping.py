@@ -15,7 +15,7 @@ from autotune.memory.ledger import TensorLedger, held_tensors, is_out_of_memory
 __all__ = ["optimizer_step"]
 
 
-def optimizer_step(run: Any) -> tuple[float, bool]:
+def optimizer_step(run: Any, samples: int = 0) -> tuple[float, bool]:
     """Unscale, clip, step at ``lr_scale`` times the scheduled LR, schedule, zero the gradients
     (the exchange at the window's end already made them the global mean). ``run`` is the
     :class:`autotune.train.run.Run`.
@@ -74,7 +74,9 @@ def optimizer_step(run: Any) -> tuple[float, bool]:
             g.update(values)
     run.steps = step
     if run.scheduler is not None:
-        run.scheduler.step()
+        # With a growing target the schedule advances by samples seen: once per the ramp's first target.
+        for _ in range(run.ramp.scheduler_steps(samples) if run.ramp is not None else 1):
+            run.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     for p in run.outside:  # parameters outside the optimizer do not pile up gradients either
         p.grad = None

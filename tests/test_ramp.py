@@ -1,0 +1,211 @@
+"""A target batch that grows during the run (``fit(target_batch=autotune.BatchRamp...)``): the stages
+change at the right sample counts, every step's gradient is one big batch of that step's samples
+(float64, computed here apart from autotune), the learning rate follows the rule at every change, the
+adaptive form raises the batch on a problem whose noise scale is known in closed form and never where
+it stays below the batch, a resumed run is bitwise the uninterrupted one, and bad ramps are refused
+before anything changes."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import autotune
+from autotune.planning.plans import split_evenly
+from autotune.train.ramp import BatchRamp
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def data(n=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x @ torch.randn(8, generator=g) + 0.1 * torch.randn(n, generator=g))
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def mse(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x).squeeze(-1), y)
+
+
+class Steps:
+    """Per optimizer step: the parameters before it, its gradient, and the samples the model saw."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.params, self.grads, self.inputs, self.current = model, [], [], [], []
+        model.register_forward_hook(self.seen)
+        optimizer.register_step_pre_hook(self.step)
+
+    def seen(self, module, args, output):
+        if module.training and not autotune.is_planning():
+            self.current.append(args[0].detach().clone())
+
+    def step(self, optimizer, args, kwargs):
+        self.params.append([p.detach().clone() for p in self.model.parameters()])
+        self.grads.append([p.grad.detach().clone() for p in self.model.parameters()])
+        self.inputs.append(torch.cat(self.current))
+        self.current = []
+
+
+def targets_of(dataset, x):
+    index = {tuple(row.tolist()): i for i, row in enumerate(dataset.tensors[0])}
+    return dataset.tensors[1][[index[tuple(row.tolist())] for row in x]]
+
+
+def assert_every_step_is_its_big_batch(steps, dataset):
+    for params, grads, x in zip(steps.params, steps.grads, steps.inputs):
+        ref = mlp()
+        with torch.no_grad():
+            for p, v in zip(ref.parameters(), params):
+                p.copy_(v)
+        mse(ref, (x, targets_of(dataset, x))).backward()
+        worst = max(((g - p.grad).abs().max() / p.grad.abs().max()).item() for g, p in zip(grads, ref.parameters()))
+        assert worst <= 1e-10
+
+
+def test_a_fixed_ramp_changes_the_target_at_its_sample_counts_and_every_step_is_exact():
+    dataset, model = data(), mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps = Steps(model, optimizer)
+    ramp = BatchRamp.fixed([(0, 16), (64, 32), (160, 64)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no out-of-memory retry: one micro-batch size all run
+        result = autotune.fit(model, DataLoader(dataset, batch_size=10), ramp, optimizer=optimizer, loss_fn=mse, memory_limit="32KiB",
+                              headroom=0, progress=False, lr_rule="linear", base_batch=16)
+    targets = [r.target for r in result.history]
+    seen_before = [sum(r.samples for r in result.history[:i]) for i in range(len(result.history))]
+    want = [16 if s < 64 else 32 if s < 160 else 64 for s in seen_before]
+    assert targets == want and [r.samples for r in result.history[:-1]] == want[:-1]  # the last window: what is left
+    micro = result.plan.micro_batch  # the same at every stage: the accumulation follows the target
+    assert [r.micro_batches for r in result.history] == [split_evenly(r.samples, math.ceil(r.samples / micro)) for r in result.history]
+    assert max(len(r.micro_batches) for r in result.history) > 1
+    assert [(c.seen, c.before, c.target) for c in result.ramp_changes] == [(64, 16, 32), (160, 32, 64)]
+    assert [r.target_change is not None for r in result.history].count(True) == 2
+    assert [r.lr for r in result.history] == pytest.approx([0.05 * t / 16 for t in targets])  # the linear rule at every stage
+    assert_every_step_is_its_big_batch(steps, dataset)
+
+
+def test_the_learning_rate_follows_the_square_root_rule_and_the_scheduler_advances_by_samples():
+    dataset, model = data(), mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    ramp = BatchRamp.fixed([(0, 16), (96, 64)])
+    result = autotune.fit(model, DataLoader(dataset, batch_size=16), ramp, optimizer=optimizer, scheduler=scheduler, loss_fn=mse,
+                          memory_limit="1GiB", progress=False, lr_rule="sqrt", base_batch=16)
+    seen = 0
+    for r in result.history:  # the schedule is in units of the first target: it stepped once per 16 samples before
+        assert r.lr == pytest.approx(1e-3 / (1 + seen // 16) * math.sqrt(r.target / 16))
+        seen += r.samples
+    assert scheduler.last_epoch == 400 // 16
+
+
+def test_an_adaptive_ramp_raises_the_batch_while_the_noise_scale_is_far_above_it_and_stops_below_it():
+    """Linear regression with B_simple = 49 in closed form (tests/test_noise.py), parameters held
+    still: from 4, raised while the range's lower end is at least 2 x the batch, so to 32 at the most
+    (49 < 2 x 32), and never raised on the same problem made to have B_simple = 9.2, from 8."""
+    from test_noise import D, manual_plan, problem, samples
+
+    def run(delta_sq, start, windows=900):
+        model, w_star, truth = problem()
+        if delta_sq != 0.05:
+            with torch.no_grad():
+                d = model.weight - w_star
+                model.weight.copy_(w_star + d / d.norm() * math.sqrt(delta_sq))
+            truth = ((D + 1) * delta_sq + 0.25 * D) / delta_sq
+        x, y = samples(w_star, windows * 64, seed=1)
+        loader = [(x[i: i + 64], y[i: i + 64]) for i in range(0, len(x), 64)]
+        ramp = BatchRamp.adaptive(start, 64)
+        result = autotune.fit(model, loader, ramp, plan=manual_plan(64, [2] * 32), optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                              loss_fn=mse, progress=False, max_steps=windows)
+        return result, truth
+
+    raised, truth = run(0.05, 4)
+    assert truth == pytest.approx(49)
+    assert [c.target for c in raised.ramp_changes] == [8, 16, 32][: len(raised.ramp_changes)] and raised.ramp_changes
+    assert raised.ramp.target <= 32 and all("noise scale's range" in c.reason for c in raised.ramp_changes)
+    steady, truth = run(10.0, 8)
+    assert truth == pytest.approx(9.2) and steady.ramp_changes == () and steady.ramp.target == 8
+
+
+@pytest.mark.parametrize("form", ["fixed", "adaptive"])
+def test_fit_called_again_continues_the_ramp_bitwise(form):
+    """Three fit calls of one epoch each train what one call of three epochs trains, bit for bit: the
+    ramp keeps its stage (or, adaptive, its noise meter and pending vote) between calls."""
+    from test_noise import problem, samples
+
+    def train(calls):
+        if form == "fixed":
+            model, r = mlp(), BatchRamp.fixed([(0, 16), (300, 32), (600, 64)])
+            loader = DataLoader(data(), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+            optimizer, loss_fn, settings = torch.optim.Adam(model.parameters(), lr=1e-2), mse, dict(memory_limit="24KiB", headroom=0)
+        else:  # the closed-form problem of tests/test_noise.py (B_simple about 49), whose noise scale the meter can tell
+            model, w_star, _ = problem()
+            x, y = samples(w_star, 200 * 64, seed=1)
+            loader = [(x[i: i + 64], y[i: i + 64]) for i in range(0, len(x), 64)]
+            r, optimizer, loss_fn = BatchRamp.adaptive(4, 64), torch.optim.SGD(model.parameters(), lr=1e-4), mse
+            settings = dict(plan=autotune.plan(model, loader, target_batch=64, optimizer=optimizer, loss_fn=mse, memory_limit="1GiB",
+                                               progress=False))
+        results = [autotune.fit(model, loader, r, optimizer=optimizer, loss_fn=loss_fn, epochs=epochs, progress=False, **settings)
+                   for epochs in calls]
+        return model, r, [h for res in results for h in res.history]
+
+    whole, r1, h1 = train([3])
+    parts, r2, h2 = train([1, 1, 1])
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), parts.parameters()))
+    assert [h.target for h in h1] == [h.target for h in h2] and r1.changes == r2.changes and r1.changes
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: BatchRamp.fixed([(0, 64), (100, 32)]), "the target shrinks from 64 to 32 at 100"),
+    (lambda: BatchRamp.fixed([(10, 64)]), "the first starts at 10, not 0"),
+    (lambda: BatchRamp.fixed([(0, 16), (100, 32), (50, 64)]), "50 does not come after 100"),
+    (lambda: BatchRamp.fixed([(0, 2.5)]), "Invalid stage target 2.5"),
+    (lambda: BatchRamp.fixed([(0, True)]), "Invalid stage target True"),
+    (lambda: BatchRamp.fixed(5), "Invalid stages 5"),
+    (lambda: BatchRamp.adaptive(64, 32), "Invalid maximum 32: it is below start=64"),
+    (lambda: BatchRamp.adaptive(16.0, 64), "Invalid start 16.0"),
+    (lambda: BatchRamp.adaptive(16, 64, factor=1), "Invalid factor 1"),
+    (lambda: BatchRamp.adaptive(16, 64, margin=0.5), "Invalid margin 0.5"),
+    (lambda: BatchRamp.fixed([(0, 16)], unit="tokens"), "Invalid unit 'tokens'"),
+], ids=["shrinks", "not-from-0", "unordered", "float-target", "bool-target", "not-a-list", "max-below-start", "float-start",
+        "factor-1", "margin-below-1", "unit"])
+def test_a_bad_ramp_is_refused_with_the_value_and_the_fix(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("case, match", [
+    ("adaptive-without-noise", "Invalid noise_scale False with BatchRamp.adaptive"),
+    ("plan-for-another-target", "Invalid plan for BatchRamp.fixed.* make the plan with target_batch=64"),
+])
+def test_fit_refuses_a_ramp_it_cannot_follow_before_anything_changes(case, match):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+    loader = DataLoader(data(), batch_size=16)
+    if case == "adaptive-without-noise":
+        call = dict(target_batch=BatchRamp.adaptive(16, 64), noise_scale=False)
+    else:
+        call = dict(target_batch=BatchRamp.fixed([(0, 16), (100, 64)]),
+                    plan=autotune.plan(model, loader, target_batch=32, optimizer=optimizer, loss_fn=mse, memory_limit="1GiB", progress=False))
+    with pytest.raises(ValueError, match=match):
+        autotune.fit(model, loader, optimizer=optimizer, loss_fn=mse, progress=False, **call)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not optimizer.state
+
+
+def test_a_ramp_says_what_it_would_do():
+    lines = BatchRamp.fixed([(0, 256), (2_000_000, 512), (4_000_000, 2048)]).describe(micro_batch=96, total=6_000_000)
+    assert lines[0] == "256 per step from 0 to 2,000,000 samples: 3 micro-batches of <= 96 per step, 7,813 steps"
+    assert lines[2] == "2048 per step from 4,000,000 to 6,000,000 samples: 22 micro-batches of <= 96 per step, 977 steps"
+    adaptive = BatchRamp.adaptive(64, 512).describe(micro_batch=128, world_size=2)
+    assert adaptive[:2] == ["64 per step: 1 micro-batch of <= 32 per step per rank", "128 per step: 1 micro-batch of <= 64 per step per rank"]
