@@ -205,7 +205,7 @@ def test_fit_refuses_a_ramp_it_cannot_follow_before_anything_changes(case, match
 
 def test_a_ramp_says_what_it_would_do():
     lines = BatchRamp.fixed([(0, 256), (2_000_000, 512), (4_000_000, 2048)]).describe(micro_batch=96, total=6_000_000)
-    assert lines[0] == "256 per step from 0 to 2,000,000 samples: 3 micro-batches of <= 96 per step, 7,813 steps"
-    assert lines[2] == "2048 per step from 4,000,000 to 6,000,000 samples: 22 micro-batches of <= 96 per step, 977 steps"
+    assert lines[0] == "256 per step from 0 to 2,000,000 samples: 3 micro-batches of 85-86 per step, 7,813 steps"
+    assert lines[2] == "2048 per step from 4,000,000 to 6,000,000 samples: 22 micro-batches of 93-94 per step, 977 steps"
     adaptive = BatchRamp.adaptive(64, 512).describe(micro_batch=128, world_size=2)
-    assert adaptive[:2] == ["64 per step: 1 micro-batch of <= 32 per step per rank", "128 per step: 1 micro-batch of <= 64 per step per rank"]
+    assert adaptive[:2] == ["64 per step: 1 micro-batch of 32 per step per rank", "128 per step: 1 micro-batch of 64 per step per rank"]

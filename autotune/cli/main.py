@@ -21,6 +21,7 @@ from autotune.cli.parser import (
     UsageError,
     make_parser,
     parse_lengths,
+    parse_ramp,
 )
 from autotune.cli.render import (
     check_plot_path,
@@ -168,6 +169,9 @@ def _report(args: argparse.Namespace) -> int:
     if args.noise_scale and not args.loader:
         raise UsageError("--noise-scale measures gradients on real data: give --loader module:callable too")
     lengths = parse_lengths(args.lengths) if args.lengths else []
+    if args.samples is not None and (args.ramp is None or args.samples < 1):
+        raise UsageError(f"Invalid --samples {args.samples}: give the run's samples (>= 1) with --ramp")
+    ramp = parse_ramp(args.ramp, args.target_batch) if args.ramp else None
     try:
         device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     except RuntimeError:
@@ -278,6 +282,8 @@ def _report(args: argparse.Namespace) -> int:
             data["what_if"] = table.to_dict()
         if args.noise_scale:
             data["noise_scale"] = None if noise is None else {**dataclasses.asdict(noise), "advice": advice(noise, args.target_batch)}
+        if ramp is not None:
+            data["ramp"] = {"spec": repr(ramp), "stages": _ramp_lines(ramp, plan, args.samples)}
         print(json.dumps(data, indent=2))
     elif args.format:
         print(framework_configs(plan)[args.format])
@@ -296,7 +302,18 @@ def _report(args: argparse.Namespace) -> int:
                 print(f"  {noise}")
                 said = advice(noise, args.target_batch)
                 print(f"  {said}" if said else f"  target {args.target_batch}: its range is not clearly 2x away from it, so no advice")
+        if ramp is not None:
+            print()
+            print(f"Batch ramp ({ramp!r}; the plan above is for its largest target)")
+            print("\n".join("  " + line for line in _ramp_lines(ramp, plan, args.samples)))
     return 0
+
+
+def _ramp_lines(ramp: Any, plan: Any, samples: int | None) -> list[str]:
+    """What the ramp would do with the plan's micro-batch (an adaptive one: at most half its first target)."""
+    from autotune.train.ramp import ramp_micro_batch
+
+    return ramp.describe(ramp_micro_batch(plan, ramp, plan.min_micro_batch), plan.world_size, samples)
 
 
 def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any, on_device: bool) -> int:

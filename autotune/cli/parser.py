@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "UsageError", "load_callable", "make_parser", "parse_lengths", "parse_shape"]
+__all__ = ["parse_ramp", "DTYPES", "UsageError", "load_callable", "make_parser", "parse_lengths", "parse_shape"]
 
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "long", "int", "bool", "mask")
@@ -60,6 +60,9 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--what-if", action="store_true", help="also print the largest micro-batch with bf16, activation checkpointing and an optimizer with less state (estimates)")
     r.add_argument("--shard", type=int, metavar="N", help="instead of a plan for one device: estimate an FSDP2 run (fully_shard) over N devices, per rank, for a model too large for one")
     r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
+    r.add_argument("--ramp", metavar="SPEC", help="also say what a growing target would do, up to --target-batch: fixed stages "
+                   "TARGET,TARGET@FROM,... (samples seen; the first from 0), e.g. 256,512@2000000,2048@4000000; or adaptive:START")
+    r.add_argument("--samples", type=int, metavar="N", help="with --ramp: the run's samples, to count each stage's optimizer steps")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
     r.add_argument("--debug", action="store_true", help="show the traceback of an error in your model or loader")
     return parser
@@ -112,3 +115,23 @@ def parse_lengths(text: str) -> list[int]:
     if not lengths or any(n < 1 for n in lengths):
         raise UsageError(f"Invalid --lengths {text!r}: give positive lengths separated by commas, e.g. 128,512,2048")
     return sorted(set(lengths))
+
+
+def parse_ramp(text: str, maximum: int) -> Any:
+    """``--ramp``: fixed stages ``TARGET,TARGET@FROM,...`` or ``adaptive:START``, up to ``maximum``."""
+    from autotune.train.ramp import BatchRamp
+
+    try:
+        if text.startswith("adaptive:"):
+            return BatchRamp.adaptive(int(text.split(":", 1)[1]), maximum)
+        stages = []
+        for part in text.split(","):
+            target, _, start = part.partition("@")
+            stages.append((int(start) if start else 0, int(target)))
+        ramp = BatchRamp.fixed(stages)
+    except ValueError as exc:
+        raise UsageError(f"Invalid --ramp {text!r}: {exc}; write TARGET,TARGET@FROM,... (e.g. 256,512@2000000) or adaptive:START") from None
+    if ramp.maximum != maximum:
+        raise UsageError(f"Invalid --ramp {text!r}: its largest target is {ramp.maximum}, and --target-batch is {maximum}; the plan is "
+                         "made for the ramp's largest target, so give --target-batch the same")
+    return ramp

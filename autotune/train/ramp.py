@@ -76,7 +76,7 @@ class BatchRamp:
     """
 
     def __init__(self, *, stages: Sequence[tuple[int, int]] | None = None, start: int | None = None, maximum: int | None = None,
-                 factor: int = 2, margin: float = 2.0, unit: Unit = "samples") -> None:
+                 factor: int = 2, margin: float = 2.0, windows: int = 10, unit: Unit = "samples") -> None:
         if unit not in ("samples", "items"):
             raise ValueError(f"Invalid unit {unit!r}: use 'samples' or 'items' (what fit's count counts)")
         self.unit: Unit = unit
@@ -96,8 +96,10 @@ class BatchRamp:
             if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
                 raise ValueError(f"Invalid margin {margin!r}: give a number >= 1 (raise when the noise scale's lower end "
                                  "is at least margin times the batch)")
+            windows = _positive_int("windows", windows, "measured windows since the last change before the next may come")
         assert start is not None and maximum is not None
-        self.start, self.maximum, self.factor, self.margin = start, maximum, factor, float(margin)
+        self.start, self.maximum, self.factor, self.margin, self.windows = start, maximum, factor, float(margin), windows
+        self.measured = 0  # measured windows in a row whose range lay at or above margin x the batch
         self.target = start
         self.seen = 0
         self.steps = 0
@@ -120,17 +122,20 @@ class BatchRamp:
         return cls(stages=stages, unit=unit)
 
     @classmethod
-    def adaptive(cls, start: int, maximum: int, *, factor: int = 2, margin: float = 2.0, unit: Unit = "samples") -> BatchRamp:
+    def adaptive(cls, start: int, maximum: int, *, factor: int = 2, margin: float = 2.0, windows: int = 10,
+                 unit: Unit = "samples") -> BatchRamp:
         """Start at ``start``; after a step whose measured noise scale's range lies at or above
         ``margin`` times the batch (its lower end, two standard errors down), multiply the batch by
-        ``factor``, up to ``maximum``. Decided from the range, not the point estimate, so that noise in
-        the meter cannot raise the batch; never lowered.
+        ``factor``, up to ``maximum``. Decided from the range, not the point estimate, and only when it
+        held for ``windows`` measured windows in a row (a range from two or three windows says little,
+        and one range out of many misses by chance), so that noise in the meter cannot raise the
+        batch; never lowered.
 
         Example:
             >>> BatchRamp.adaptive(64, 1024).target
             64
         """
-        return cls(start=start, maximum=maximum, factor=factor, margin=margin, unit=unit)
+        return cls(start=start, maximum=maximum, factor=factor, margin=margin, windows=windows, unit=unit)
 
     @property
     def adaptive_form(self) -> bool:
@@ -140,7 +145,8 @@ class BatchRamp:
     def __repr__(self) -> str:
         if self.stages is not None:
             return f"BatchRamp.fixed({list(self.stages)!r}, unit={self.unit!r})"
-        return f"BatchRamp.adaptive({self.start}, {self.maximum}, factor={self.factor}, margin={self.margin:g}, unit={self.unit!r})"
+        return (f"BatchRamp.adaptive({self.start}, {self.maximum}, factor={self.factor}, margin={self.margin:g}, windows={self.windows}, "
+                f"unit={self.unit!r})")
 
     # --- inside fit ------------------------------------------------------------------------------
 
@@ -173,7 +179,10 @@ class BatchRamp:
         if self.stages is not None or noise is None or self.target >= self.maximum:
             return 0.0
         batch = self.target * (items_per_sample if self.unit == "items" else 1.0)
-        return 1.0 if noise.low >= self.margin * batch else 0.0
+        # Held for `windows` measured windows in a row: a vote at every step is a test at every step, and
+        # one range out of many would miss the truth by chance.
+        self.measured = self.measured + 1 if noise.low >= self.margin * batch else 0
+        return 1.0 if self.measured >= self.windows and noise.steps >= self.windows else 0.0
 
     def after_step(self, *, samples: int, items: int, vote: float) -> RampChange | None:
         """A step of ``samples`` (``items``) trained, and the ranks' mean ``vote`` from the exchange:
@@ -199,6 +208,7 @@ class BatchRamp:
             reason = (f"the noise scale's range lies at or above {self.margin:g} x the batch of {before} "
                       f"({self.unit}), on every rank")
         self.target = now
+        self.measured = 0
         change = RampChange(self.steps, self.seen, before, now, reason)
         self.changes.append(change)
         return change
@@ -215,8 +225,9 @@ class BatchRamp:
         the micro-batches per step and (with ``total`` samples) the optimizer steps."""
         def split(target: int) -> str:
             share = math.ceil(target / world_size)
-            k = math.ceil(share / micro_batch)
-            return f"{k} micro-batch{'es' if k > 1 else ''} of <= {min(micro_batch, share)} per step" + (f" per rank" if world_size > 1 else "")
+            sizes = split_evenly(share, math.ceil(share / micro_batch))
+            size = f"{sizes[0]}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
+            return f"{len(sizes)} micro-batch{'es' if len(sizes) > 1 else ''} of {size} per step" + (" per rank" if world_size > 1 else "")
 
         if self.stages is None:
             targets, t = [self.start], self.start
