@@ -383,3 +383,19 @@ def test_noise_scale_line_needs_a_loader_and_gives_advice(capsys, tmp_path, monk
     assert code == 0, err
     noise = json.loads(out)["noise_scale"]
     assert noise is None or (noise["value"] > 0 and noise["steps"] >= 2)
+
+
+def test_a_ramp_in_the_report_says_what_each_stage_takes(capsys):
+    code, out, _ = run(capsys, "report", "--demo", "--ramp", "64,128@5000,256@20000", "--samples", "40000", "--no-cache")
+    assert code == 0
+    plan = Plan.from_dict(json.loads(run(capsys, "report", "--demo", "--json", "--no-cache")[1])["plan"])
+    micro = plan.micro_batch
+    lines = out.split("Batch ramp (")[1].splitlines()[1:4]
+    for line, (target, start, end) in zip(lines, [(64, 0, 5000), (128, 5000, 20000), (256, 20000, 40000)]):
+        k = -(-target // micro)
+        assert line.strip().startswith(f"{target} per step from {start:,} to {end:,} samples: {k} micro-batch")
+        assert line.endswith(f"{-(-(end - start) // target):,} steps")
+    code, _, err = run(capsys, "report", "--demo", "--ramp", "64,128@5000")
+    assert code == 2 and "its largest target is 128, and --target-batch is 256" in err
+    code, out, _ = run(capsys, "report", "--demo", "--ramp", "adaptive:32", "--json", "--no-cache")
+    assert json.loads(out)["ramp"]["stages"][-1].startswith("raised x2 when the noise scale's lower end is >= 2 x the batch")

@@ -90,6 +90,8 @@ def test_a_fixed_ramp_changes_the_target_at_its_sample_counts_and_every_step_is_
     assert [r.micro_batches for r in result.history] == [split_evenly(r.samples, math.ceil(r.samples / micro)) for r in result.history]
     assert max(len(r.micro_batches) for r in result.history) > 1
     assert [(c.seen, c.before, c.target) for c in result.ramp_changes] == [(64, 16, 32), (160, 32, 64)]
+    assert any(n.startswith("batch ramp BatchRamp.fixed([(0, 16), (64, 32), (160, 64)]") and "64 per step from 160 samples on" in n
+               for n in result.plan.notes)
     assert [r.target_change is not None for r in result.history].count(True) == 2
     assert [r.lr for r in result.history] == pytest.approx([0.05 * t / 16 for t in targets])  # the linear rule at every stage
     assert_every_step_is_its_big_batch(steps, dataset)

@@ -355,6 +355,9 @@ def fit(
     history: list[StepRecord] = []
     changes: list[RampChange] = []
     rank = world(par.group)[0]
+    if ramp is not None:  # the plan says what the ramp does with its micro-batch
+        lines = ramp.describe(ramp_micro_batch(plan, ramp, min_micro), plan.world_size)
+        plan = dataclasses.replace(plan, notes=plan.notes + (f"batch ramp {ramp!r}: " + "; ".join(lines),))
     run = Run(
         par, optimizer, scheduler, loss_fn,
         plan_for_target(plan, ramp.target, micro_batch=ramp_micro_batch(plan, ramp, min_micro), rank=rank) if ramp else plan,
