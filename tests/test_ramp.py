@@ -211,3 +211,32 @@ def test_a_ramp_says_what_it_would_do():
     assert lines[2] == "2048 per step from 4,000,000 to 6,000,000 samples: 22 micro-batches of 93-94 per step, 977 steps"
     adaptive = BatchRamp.adaptive(64, 512).describe(micro_batch=128, world_size=2)
     assert adaptive[:2] == ["64 per step: 1 micro-batch of 32 per step per rank", "128 per step: 1 micro-batch of 64 per step per rank"]
+
+
+def test_a_ramp_is_refused_for_a_model_sharded_with_fsdp2():
+    """In a process of its own (a one-rank gloo group), under a timeout: the refusal names FSDP2 and the fix."""
+    import subprocess
+    import sys
+
+    code = """
+import tempfile, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import autotune
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+fully_shard(model[0]); fully_shard(model)
+before = [p.detach().clone() for p in model.parameters()]
+x = torch.randn(32, 8)
+try:
+    autotune.fit(model, [(x, x.sum(1, keepdim=True))], autotune.BatchRamp.fixed([(0, 8), (16, 16)]), progress=False,
+                 loss_fn=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+except ValueError as exc:
+    print(exc)
+print(all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(before, model.parameters())))
+dist.destroy_process_group()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    message, unchanged = done.stdout.strip().splitlines()[-2:]
+    assert message.startswith("Invalid target_batch BatchRamp.fixed([(0, 8), (16, 16)], unit='samples') for a model sharded with FSDP2")
+    assert message.endswith("give a fixed target_batch") and unchanged == "True"
