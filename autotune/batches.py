@@ -180,6 +180,26 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     return _map(batch, lambda t: t[start:stop], lambda values: values[start:stop], batch_size(batch))
 
 
+def _aligned(first: Any, other: Any, where: str = "") -> Any:
+    """``other`` with its dicts' keys in ``first``'s order, so that batches join by key, not by
+    position; an error naming the keys when they differ."""
+    if isinstance(first, Mapping):
+        if not isinstance(other, Mapping):
+            raise ValueError(f"Cannot join batches{where}: one is a dict with keys {sorted(map(str, first))}, another a "
+                             f"{type(other).__name__}; every batch must have the same structure")
+        if set(first) != set(other):
+            missing, extra = sorted(map(str, set(first) - set(other))), sorted(map(str, set(other) - set(first)))
+            raise ValueError(
+                f"Cannot join batches{where} with different keys: {sorted(map(str, first))} and {sorted(map(str, other))} "
+                f"(missing {missing or 'none'}, extra {extra or 'none'}); every batch of the loader needs the same keys"
+            )
+        return {k: _aligned(first[k], other[k], f"{where}[{k!r}]") for k in first}
+    if isinstance(first, (list, tuple)) and isinstance(other, (list, tuple)) and len(first) == len(other) and not isinstance(first, str):
+        if any(isinstance(v, (Mapping, list, tuple)) for v in first):
+            return type(other)(_aligned(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(first, other)))
+    return other
+
+
 def _columns(batches: Sequence[Batch]) -> list[list[torch.Tensor]]:
     """Each batch's tensors, in order; an error when the batches do not hold the same tensors."""
     columns = [tensors(b) for b in batches]
@@ -198,6 +218,7 @@ def concat(batches: Sequence[Batch]) -> Batch:
     first = batches[0]
     if len(batches) == 1:
         return first
+    batches = [first, *(_aligned(first, b) for b in batches[1:])]  # dicts join by key, whatever their order
     columns = _columns(batches)
     joined = iter([torch.cat(list(parts), dim=0) for parts in zip(*columns)])
     lists = iter(_join_lists(batches))
@@ -294,6 +315,7 @@ def pad_to_longest(batches: Sequence[Batch], *, values: Mapping[Any, float] | Se
     first = batches[0]
     if len(batches) == 1:
         return first
+    batches = [first, *(_aligned(first, b) for b in batches[1:])]  # dicts join by key, whatever their order
     columns = _columns(batches)
     keys = _tensor_keys(first)
     fills = []

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autotune import batches as B
-from autotune.checks import check_grad_mode, check_optimizer, resolve_device
+from autotune.checks import check_flag, check_grad_mode, check_optimizer, resolve_device
 from autotune.errors import AutotuneError, NothingFits
 from autotune.memory.device import (
     CUDA_CONTEXT_ALLOWANCE,
@@ -26,6 +26,7 @@ from autotune.memory.device import (
     cuda_memory_fraction,
     default_headroom,
     default_limit,
+    device_memory,
     outside_allocator,
 )
 from autotune.memory.ledger import storage_bytes
@@ -77,6 +78,22 @@ def _check_target(target_batch: Any) -> int:
             f"Invalid target_batch {target_batch!r}: it must be at least 1 sample per optimizer step"
         )
     return target_batch
+
+
+def _check_limit_within(device: torch.device, limit: int) -> None:
+    """Refuse a memory limit larger than the device has (a typo such as '100000TiB' would plan for memory
+    that is not there, and the run would meet the out-of-memory killer instead of a clear error)."""
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        return
+    try:
+        total = device_memory(device).total
+    except Exception:  # the device cannot tell: nothing to compare with
+        return
+    if total and limit > total:
+        raise ValueError(
+            f"Invalid memory_limit {format_bytes(limit)}: this {device.type} has {format_bytes(total)}; give at most that "
+            "(or leave memory_limit out: what the device has), or plan for another device with verify=False"
+        )
 
 
 def _bn_base_momentum(model: nn.Module) -> float | None:
@@ -213,6 +230,15 @@ def plan(
         raise ValueError(f"Invalid max_probe_batches {max_probe_batches!r}: give how many batches to look at, at least 1")
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
         raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs (>= 1), or None")
+    for name, flag in (("verify", verify), ("estimate", estimate), ("by_shape", by_shape), ("checkpointing", checkpointing),
+                       ("follow_batch", follow_batch)):
+        check_flag(name, flag)
+    if lengths is not None:
+        if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+            raise ValueError(f"Invalid lengths {lengths!r}: give a list of sequence lengths, e.g. [128, 512, 2048]")
+        bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+        if bad:
+            raise ValueError(f"Invalid lengths {list(lengths)!r}: {bad[0]!r} is not a length; give whole numbers >= 1, e.g. [128, 512, 2048]")
     inner_model = parallel(model).inner
     if verify or device is None:
         device = resolve_device(inner_model, device)
@@ -229,6 +255,8 @@ def plan(
     if base_batch is not None and (isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1):
         raise ValueError(f"Invalid base_batch {base_batch!r}: give a positive int, the batch your LR was tuned at")
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    if limit is not None and verify:  # a limit is enforced on this device: no more than it has
+        _check_limit_within(device, limit)
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     check_optimizer(inner_model, optimizer)

@@ -36,8 +36,10 @@ class ShapeCaps:
         size arrived, see :meth:`meet`), less what OOMs taught."""
         cap = self.longer.get(size) or self.run.plan.micro_batch_for(size)
         for at, limit in self.corrections:
-            if size >= at:
-                cap = min(cap, limit)
+            # A micro-batch's memory grows with its samples times their size: what ran out at ``at`` caps
+            # that size and longer ones, and shorter ones at the same product (so slightly shorter sizes
+            # do not run out one after another; much shorter ones keep their own).
+            cap = min(cap, limit if size >= at else max(limit, (limit * at) // max(size, 1)))
         return cap
 
     def correct(self, size: int, micro_batch: int) -> None:

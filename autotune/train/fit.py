@@ -65,6 +65,7 @@ from autotune.parallel.ranks import (
 )
 from autotune.planning.planner import plan as make_plan
 from autotune.planning.plans import Plan
+from autotune.planning.scaling import auto_lr_rule
 from autotune.probe.trial import check_step, min_micro_batch
 from autotune.rng import RNGState
 from autotune.step import (
@@ -118,6 +119,46 @@ def _check_plan(plan: Any, target_batch: int | None) -> None:
         raise ValueError(
             f"Invalid target_batch {target_batch!r}: the plan given trains {plan.effective_batch} "
             "samples per step; leave target_batch out or make a new plan"
+        )
+
+
+def _check_against_plan(plan: Plan | None, optimizer: Any, *, lr_rule: str, base_batch: int | None, headroom: float | None) -> None:
+    """Arguments given beside ``plan=`` that the plan contradicts: refused (the plan's would win silently)."""
+    if plan is None:
+        return
+    fix = "leave it out (the plan's holds), or make a new plan with it"
+    if lr_rule != "auto" and lr_rule != plan.lr_rule:
+        raise ValueError(f"Invalid lr_rule {lr_rule!r} with plan=: the plan scales the learning rate by its own rule {plan.lr_rule!r} "
+                         f"(x{plan.lr_scale:.4g}); {fix}")
+    if base_batch is not None and base_batch != plan.base_batch:
+        raise ValueError(f"Invalid base_batch {base_batch!r} with plan=: the plan's learning rate is scaled from batch "
+                         f"{plan.base_batch}; {fix}")
+    if headroom is not None and headroom != plan.headroom:
+        raise ValueError(f"Invalid headroom {headroom!r} with plan=: the plan was made with headroom {plan.headroom:g}; {fix}")
+    if optimizer is not None and plan.lr_scale != 1.0 and plan.lr_rule in ("linear", "sqrt"):
+        family = auto_lr_rule(c.__name__ for c in type(optimizer).__mro__)
+        if family in ("linear", "sqrt") and family != plan.lr_rule:
+            raise ValueError(
+                f"Invalid optimizer {type(optimizer).__name__} for this plan: it was made for {plan.optimizer or 'an optimizer'} "
+                f"and scales the learning rate by the {plan.lr_rule} rule (x{plan.lr_scale:.4g}), while "
+                f"{type(optimizer).__name__} takes the {family} rule; make the plan with this optimizer "
+                "(autotune.plan(..., optimizer=optimizer))"
+            )
+
+
+def _warn_if_larger_than_an_epoch(loader: Iterable[Any], target: int) -> None:
+    """A target larger than an epoch's samples trains one short step per epoch at the target's learning rate."""
+    try:
+        samples = len(loader.dataset)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return
+    if 0 < samples < target:
+        warnings.warn(
+            f"target_batch={target} is more than the {samples} samples of an epoch: every epoch trains one step of "
+            f"{samples} samples, at the learning rate scaled for {target}; give a target of at most {samples}, or more "
+            "data per epoch",
+            AutotuneWarning,
+            stacklevel=3,
         )
 
 
@@ -283,6 +324,7 @@ def fit(
             raise ValueError(f"Invalid plan for {ramp!r}: it trains {plan.effective_batch} samples per step, and a ramp's plan is "
                              f"made for its largest target ({ramp.maximum}); make the plan with target_batch={ramp.maximum}")
     _check_plan(plan, target)
+    _check_against_plan(plan, optimizer, lr_rule=lr_rule, base_batch=base_batch, headroom=headroom)
     check_reiterable(loader, epochs)
     check_grad_mode("fit")
     check_device_exists(device)
@@ -348,6 +390,7 @@ def fit(
             AutotuneWarning,
             stacklevel=2,
         )
+    _warn_if_larger_than_an_epoch(loader, plan.effective_batch)
     if scaler is None and precision_name == "fp16":
         scaler = torch.amp.GradScaler(device.type)
 
@@ -389,6 +432,7 @@ def fit(
             seen_samples = seen_items = 0
             while max_steps is None or len(history) < max_steps:
                 start = time.perf_counter()
+                run.begin_window()  # a stop before this window's step puts the model back as it is now
                 done = run_window(run, windows, drop_last=drop_last)  # micro-batches, then one agreement
                 if done is None:
                     break  # the epoch is over on every rank
@@ -404,6 +448,7 @@ def fit(
                     _follow(run, plan, ramp.trained_target())
                 noise = run.measure_noise(agreed)  # the window's gradient, before clipping
                 lr, skipped = optimizer_step(run, int(agreed.samples))  # clip, step at the scaled LR, schedule, zero
+                run.end_window()
                 change = None
                 if ramp is not None:  # a stage reached, or every rank voted at this exchange: later windows grow
                     change = ramp.after_step(samples=int(agreed.samples), items=int(agreed.items), vote=agreed.vote)

@@ -13,6 +13,7 @@ ledger for windows of new shapes. The windows (:mod:`autotune.train.single`,
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from contextlib import ExitStack, nullcontext
 from typing import Any
 
@@ -34,7 +35,11 @@ from autotune.train.noise import NoisePacer
 from autotune.train.ramp import BatchRamp
 from autotune.train.records import StepRecord
 
-__all__ = ["Run"]
+__all__ = ["COUNTED_SHAPES", "Run"]
+
+# Window shapes whose count is remembered (a window of a shape counted already runs without the ledger);
+# the least recently seen is forgotten past this, and counted again if it comes back.
+COUNTED_SHAPES = 1024
 
 
 class Run:
@@ -98,9 +103,12 @@ class Run:
         self.agreed: Any = None
         # Window shapes already run under the CPU ledger: later windows of the same shapes need no
         # counting (the count is the same), which keeps its dispatch overhead off the common path.
-        self.counted: set[Any] = set()
+        self.counted: OrderedDict[Any, None] = OrderedDict()  # the most recent COUNTED_SHAPES, least recent dropped
         self.last_ledger: TensorLedger | None = None
         self.checked_samples = False
+        # The BatchNorm buffers before the window now running (None between a step and the next window):
+        # a stop inside a window (an error, Ctrl-C, a non-finite loss) puts them back.
+        self.before_window: list[list[torch.Tensor]] | None = None
         self.caps = ShapeCaps(self)
         self.ramp: BatchRamp | None = None  # a target that grows (fit's target_batch=BatchRamp)
         self.vote = 0.0  # this rank's ramp vote, sent with the next exchange
@@ -133,8 +141,29 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        if kind is not None and self.before_window is not None:
+            # Stopped inside a window: the model goes back to what its last good step left (no partial
+            # gradients, no BatchNorm statistics of the window that did not step).
+            self.undo_window()
         self.stack.close()
+
+    def begin_window(self) -> None:
+        """Before a window: what a stop inside it puts back."""
+        self.before_window = self.save_bn()
+
+    def end_window(self) -> None:
+        """The window's step was taken: nothing of it to put back any more."""
+        self.before_window = None
+
+    def undo_window(self) -> None:
+        """Put back the BatchNorm buffers of before the window and drop its gradients."""
+        if self.before_window is not None:
+            self.restore_bn(self.before_window)
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.outside:
+            p.grad = None
+        self.before_window = None
 
     def held(self) -> Any:
         """Tensors held between steps: parameters, buffers, gradients, optimizer state."""
@@ -146,8 +175,11 @@ class Run:
             return nullcontext()
         key = tuple(sorted({(m.samples, B.sample_shapes(m.batch)) for m in window}, key=repr))
         if key in self.counted:
+            self.counted.move_to_end(key)
             return nullcontext()
-        self.counted.add(key)
+        self.counted[key] = None
+        if len(self.counted) > COUNTED_SHAPES:  # bounded on long variable-length runs
+            self.counted.popitem(last=False)
         ledger = TensorLedger(self.device.type, limit=self.limit)
         ledger.track(held_tensors(self.model, self.optimizer))
         self.last_ledger = ledger
@@ -188,7 +220,7 @@ class Run:
         where = f"window {window.position} of the epoch, {window.samples} samples here" if window is not None else "no window here"
         raise AutotuneError(
             f"Non-finite loss ({loss}) at step {step} (epoch {epoch}, {where}): the optimizer step was not taken, so "
-            f"the weights are those after step {step - 1}; check the data of this window, lower the learning rate, "
+            f"the weights (and BatchNorm statistics) are those after step {step - 1}; check the data of this window, lower the learning rate, "
             "or set clip_grad_norm"
         )
 
