@@ -244,7 +244,7 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     data = Samples(samples, bad=c.get("bad") if rank == c.get("bad_rank") else None)
     indices = rank_indices(len(samples), rank, world, c.get("shards", "sampler"))
     loader = DataLoader(Subset(data, indices), batch_size=c.get("loader_batch", 4), collate_fn=pad_collate)
-    model: nn.Module = (WithUnused if c.get("unused") else TokenModel)()
+    model: nn.Module = WithUnused() if c.get("unused") else TokenModel(dim=c["dims"][rank]) if "dims" in c else TokenModel()
     wrap = c.get("wrap", "ddp")
     if wrap == "ddp":
         model = DistributedDataParallel(model, gradient_as_bucket_view=c.get("bucket_view", False))
@@ -285,7 +285,7 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         add = NoiseMeter.add
         NoiseMeter.add = lambda self, *a: (measured.append(len(steps) + 1), add(self, *a))[1]  # type: ignore[method-assign]
     collectives = _counting_collectives()
-    target = autotune.BatchRamp.fixed(c["ramp"]) if "ramp" in c else c["target"]
+    target = autotune.BatchRamp.fixed(c["ramp"]) if "ramp" in c else c["targets"][rank] if "targets" in c else c["target"]
     if "adaptive" in c:
         target = autotune.BatchRamp.adaptive(*c["adaptive"], margin=1.0)
     result = autotune.fit(

@@ -170,6 +170,21 @@ def test_an_adaptive_batch_ramp_changes_on_every_rank_at_the_same_step(tmp_path)
         assert o["collectives"].count("all_reduce") == len(o["history"]) + 2 + config["epochs"]
 
 
+@pytest.mark.parametrize("config, match", [
+    ({"targets": [24, 16]}, "Invalid target_batch: the ranks disagree \\(rank 0: 24, rank 1: 16\\); every rank must train with the same"),
+    ({"dims": [16, 12]}, "Invalid model \\(its parameters' names and shapes\\): the ranks disagree \\(rank 0: checksum .*, rank 1: checksum"),
+], ids=["target", "model"])
+def test_settings_that_must_agree_across_ranks_are_refused_on_every_rank_at_start_up(tmp_path, config, match):
+    """Ranks given different targets would train 20 samples a step without a word; ranks with different
+    models would meet raw gloo errors. Both are refused at start-up, on every rank, before any step."""
+    import re
+
+    W.launch(2, str(tmp_path), "tokens", {**BASE, "n": 24, "target": 24, "wrap": "plain", **config})
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for o in outs:
+        assert "error" in o and re.search(match, o["error"]), o.get("error")
+
+
 def test_ranks_that_load_the_same_samples_are_warned(tmp_path):
     """Every rank iterating the whole dataset (no DistributedSampler) is warned about, on every rank;
     ranks with their own shards are not."""

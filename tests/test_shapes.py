@@ -187,6 +187,10 @@ def test_an_out_of_memory_error_caps_that_shape_and_longer_ones_only():
     first, long_, last = result.history[0].micro_batch, result.history[1].micro_batch, result.history[-1].micro_batch
     assert long_ < first == last  # the short windows after it kept their size
     assert any("capped at" in n for n in result.plan.notes)
+    # the result's plan says what trained: its probed shape (the longest) took the retried micro-batch, and
+    # the peak is the one counted since the retry
+    assert result.plan.micro_batch == long_ < bold.micro_batch
+    assert result.plan.peak_memory != bold.peak_memory and result.plan.peak_memory <= 3 * 2**20
     assert max_diff(model, reference(start, loader, 64, 0.1)) <= 1e-10
 
 

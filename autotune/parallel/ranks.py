@@ -282,12 +282,15 @@ def sampler_epoch(loader: Any) -> int:
     return 0
 
 
-def on_every_rank(fn: Any, *args: Any, device: torch.device | None = None, group: Any = None, what: str = "") -> Any:
+def on_every_rank(fn: Any, *args: Any, device: torch.device | None = None, group: Any = None, what: str = "",
+                  agree: Sequence[tuple[str, float, Any]] = ()) -> Any:
     """Run ``fn(*args)`` on every rank; if it raised on any rank, raise on every rank.
 
     The rank that failed raises its own error; the others an AutotuneError naming it. For steps that
     touch the data before training (a dataset that raises on one rank must not leave the others
-    waiting in the next collective).
+    waiting in the next collective). ``agree``: ``(name, number, shown)`` settings every rank must
+    share, carried in the same all-reduce; a difference raises ValueError on every rank, naming the
+    ranks and their values (``shown(number)``).
     """
     error: BaseException | None = None
     result = None
@@ -299,8 +302,15 @@ def on_every_rank(fn: Any, *args: Any, device: torch.device | None = None, group
         if error is not None:
             raise error
         return result
-    # One small all-reduce says whether any rank failed; only then do the messages travel.
-    if not any(v for (v,) in gather_numbers([error is not None], device, group)):
+    # One small all-reduce says whether any rank failed (and carries what must agree); only then do the
+    # messages travel.
+    rows = gather_numbers([error is not None, *(number for _, number, _ in agree)], device, group)
+    if not any(row[0] for row in rows):
+        for i, (name, _, shown) in enumerate(agree, start=1):
+            values = [row[i] for row in rows]
+            if len(set(values)) > 1:
+                ranks = ", ".join(f"rank {r}: {shown(v)}" for r, v in enumerate(values))
+                raise ValueError(f"Invalid {name}: the ranks disagree ({ranks}); every rank must train with the same {name}")
         return result
     messages = gather(None if error is None else f"{type(error).__name__}: {error}", device, group)
     if error is not None:

@@ -162,6 +162,29 @@ def _warn_if_larger_than_an_epoch(loader: Iterable[Any], target: int) -> None:
         )
 
 
+def _must_agree(model: nn.Module, target: int | None, precision: str, mode: Any, lr_rule: str) -> list[tuple[str, float, Any]]:
+    """What every rank must share, as numbers for the start-up all-reduce: a difference would train
+    another batch on each rank, or wait in a collective for ever."""
+    import zlib
+
+    from autotune.planning.scaling import LR_RULES
+    from autotune.train.bn import BN_MODES
+
+    precisions = ("fp32", "bf16", "fp16")
+
+    if lr_rule not in LR_RULES:
+        raise ValueError(f"Invalid lr_rule {lr_rule!r}: use one of {', '.join(map(repr, LR_RULES))}")
+    shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters())
+    names = list(BN_MODES)
+    return [
+        ("target_batch", float(target or 0), lambda v: str(int(v))),
+        ("precision", float(precisions.index(precision)), lambda v: repr(precisions[int(v)])),
+        ("bn", float(names.index(mode.name if mode is not None else None)), lambda v: repr(names[int(v)])),
+        ("lr_rule", float(LR_RULES.index(lr_rule)), lambda v: repr(LR_RULES[int(v)])),
+        ("model (its parameters' names and shapes)", float(zlib.crc32(shapes.encode())), lambda v: f"checksum {int(v):08x}"),
+    ]
+
+
 def _check_count(loader: Iterable[Any], count: Count | None, group: Any = None, *, max_batches: int = 8) -> None:
     """Call ``count`` on the first batches (generators restored after), so a bad count fails now."""
     if count is None:
@@ -361,7 +384,8 @@ def fit(
         if check_loss:
             check_step(inner, loss_fn or default_loss, loader, device=next(inner.parameters()).device, precision=precision_name)
 
-    on_every_rank(look, device=None, group=par.group, what="looking at its first batches")
+    on_every_rank(look, device=None, group=par.group, what="looking at its first batches",
+                  agree=_must_agree(inner, target if plan is None else plan.effective_batch, precision_name, mode, lr_rule))
 
     # --- setup ----------------------------------------------------------------------------------
     device = _fit_device(model, device)

@@ -55,9 +55,16 @@ def retry_smaller(run: Any, window: Window, failure: BaseException, bn_saved: li
         lower(run, smaller)
         return window.with_micro_batch(smaller)
     run.caps.correct(failed_shape, smaller)
+    # The plan says what trains from here: the micro-batch its own (probed) shape now gets, and the
+    # peak the ledger counts from now on (attempt replaces it), not the probe's.
+    plan = run.plan
+    micro = min(plan.micro_batch, run.caps.cap(plan.probed_size)) if plan.probed_size else plan.micro_batch
+    share = sum(plan.micro_batches)
+    sizes = split_evenly(share, math.ceil(share / micro)) if micro < plan.micro_batch else plan.micro_batches
+    run.lowered, run.measured = True, None
     run.plan = dataclasses.replace(
-        run.plan,
-        notes=run.plan.notes + (
+        plan, micro_batch=micro, micro_batches=sizes, accumulation_steps=len(sizes),
+        notes=plan.notes + (
             f"out of memory while training at micro-batch {failed_size} of per-sample size {failed_shape}: "
             f"that size and longer ones capped at {smaller}",
         ),
