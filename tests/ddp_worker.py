@@ -452,11 +452,11 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     opt = (torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1) if c.get("optimizer") == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.5))
     loss_fn = token_loss
-    if c.get("fail_rank") == rank:  # an error inside this rank's forward, at its n-th training micro-batch
+    if c.get("fail_rank") == rank:  # an error inside this rank's forward, at its n-th training (or planning) micro-batch
         calls: list[int] = []
 
         def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:  # noqa: F811
-            if not autotune.is_planning():
+            if autotune.is_planning() == bool(c.get("fail_in_plan")):
                 calls.append(1)
                 if len(calls) == c["fail_call"]:
                     raise ValueError("a failure inside the forward")

@@ -181,6 +181,17 @@ def test_an_error_inside_one_ranks_forward_stops_every_rank_within_seconds(tmp_p
     assert outs[0]["at"] - outs[1]["at"] < 10
 
 
+def test_an_error_inside_a_planning_forward_is_named_on_every_rank(tmp_path):
+    """The same failure during plan()'s lockstep trials: each rank raises the cause (rank 1 its own
+    error, rank 0 naming rank 1 and it), not the transport's "connection closed" from a last gather on
+    the aborted group."""
+    config = {"n": 96, "target": 24, "lengths": (6, 6), "limits": [BIG, BIG], "fail_rank": 1, "fail_call": 2, "fail_in_plan": True}
+    W.launch(2, str(tmp_path), "fsdp", config, timeout=60)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert outs[1]["error"] == "ValueError: a failure inside the forward"
+    assert outs[0]["error"].startswith("AutotuneError: rank 1 failed") and "a failure inside the forward" in outs[0]["error"]
+
+
 # --- one process: what is refused ---------------------------------------------------------------
 
 

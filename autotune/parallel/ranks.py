@@ -332,6 +332,12 @@ def _store() -> Any:
         return None
 
 
+def group_broken(error: BaseException | None) -> bool:
+    """Whether ``error`` came from :func:`stop_every_rank`: the process group is aborted, and a
+    collective would only replace the named cause with the transport's "connection closed"."""
+    return bool(getattr(error, "autotune_group_broken", False))
+
+
 def stop_every_rank(own: BaseException, group: Any = None, *, what: str) -> NoReturn:
     """A rank's step raised inside a lockstep step (FSDP2: every forward and backward is collective):
     make every rank stop within seconds, each naming the cause, instead of leaving the others waiting
@@ -350,7 +356,9 @@ def stop_every_rank(own: BaseException, group: Any = None, *, what: str) -> NoRe
     told = _read_failure(store)
     if told is not None and told[0] != rank:
         _ack(store, rank)
-        raise AutotuneError(f"rank {told[0]} failed {what}, so every rank stops: {told[1]}") from own
+        stopped = AutotuneError(f"rank {told[0]} failed {what}, so every rank stops: {told[1]}")
+        stopped.autotune_group_broken = True  # type: ignore[attr-defined]
+        raise stopped from own
     if store is not None:
         try:
             store.set(_FAILED, f"{rank}\n{type(own).__name__}: {own}")
@@ -359,6 +367,7 @@ def stop_every_rank(own: BaseException, group: Any = None, *, what: str) -> NoRe
     _abort(group)
     if store is not None:
         _wait_for_acks(store, [r for r in range(size) if r != rank])
+    own.autotune_group_broken = True  # type: ignore[attr-defined]  # no collective may follow: the group is aborted
     raise own
 
 

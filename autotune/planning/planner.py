@@ -35,6 +35,7 @@ from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
 from autotune.parallel.ranks import (
     bypass_nested,
     gather,
+    group_broken,
     on_every_rank,
     parallel,
     world,
@@ -373,6 +374,9 @@ def plan(
     finally:
         snapshot.restore()
 
+    if group_broken(error):  # every rank already stopped, each naming the cause (FSDP2's fail-fast path)
+        assert error is not None
+        raise error
     # Every rank reaches this point, failed or not, so no rank is left waiting in a collective.
     statuses = gather((found.batch_size if error is None and found else 0, None if error is None else f"{type(error).__name__}: {error}"), device)
     if error is not None:
