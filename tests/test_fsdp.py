@@ -110,7 +110,7 @@ def test_the_estimate_from_the_unsharded_model_bounds_the_real_peak(tmp_path):
 def test_batchnorm_under_fsdp2(tmp_path, bn):
     """Shares 10 and 9 of 19, micro-batches of 3 (3, 3, 2, 2 and 3, 3, 3): rank 1 runs a zero-weight one
     whose BatchNorm statistics must not count. Pooled: one global big-batch forward's statistics."""
-    config = {"n": 40, "target": 19, "bn": bn, "steps": 1, "limits": [3300, 3300], "fsdp": True}
+    config = {"n": 40, "target": 19, "bn": bn, "steps": 1, "limits": [3300, 3300], "fsdp": True, "micro": 3}
     W.launch(2, str(tmp_path), "bn", config, timeout=90)
     outs = results(tmp_path, 2)
     micro = outs[0]["history"][0]["micro_batches"], outs[1]["history"][0]["micro_batches"]
