@@ -20,7 +20,7 @@ from autotune.planning.scaling import OptimizerSettings
 from autotune.probe.search import Trial
 from autotune.units import format_bytes
 
-__all__ = ["Plan", "budget_of", "largest_share", "peak_at", "rotated_share", "split_evenly", "window_layout"]
+__all__ = ["Plan", "budget_of", "even_micro_batches", "largest_share", "peak_at", "rotated_share", "split_evenly", "window_layout"]
 
 
 @dataclass(frozen=True)
@@ -317,6 +317,16 @@ def rotated_share(target_batch: int, world_size: int, rank: int, window: int) ->
     return base + int((rank - window * extra) % world_size < extra)
 
 
+def even_micro_batches(share: int, cap: int) -> tuple[int, ...]:
+    """``share`` samples in the fewest micro-batches of at most ``cap``, as even as possible.
+
+    Example:
+        >>> even_micro_batches(250, 64), even_micro_batches(32, 22)
+        ((63, 63, 62, 62), (16, 16))
+    """
+    return split_evenly(share, math.ceil(share / cap))
+
+
 def largest_share(target_batch: int, world_size: int) -> int:
     """The most samples any rank takes in a window (:func:`rotated_share`'s largest): the micro-batch
     search's upper end.
@@ -357,4 +367,4 @@ def window_layout(
             f"least one sample per step; use target_batch >= {world_size}"
         )
     shares = split_evenly(target_batch, world_size)
-    return tuple(split_evenly(share, math.ceil(share / cap)) for share, cap in zip(shares, caps))
+    return tuple(even_micro_batches(share, cap) for share, cap in zip(shares, caps))

@@ -112,11 +112,12 @@ def equal_split(plan: Plan) -> EqualSplit:
             f"every device trains {per_device} per micro-batch: the smallest rank fits {fits} "
             f"(per rank: {', '.join(map(str, plan.rank_micro_batches))}), and these frameworks need the same batch on every device"
         )
-    if per_device < fits and steps > -(-share // fits):
+    fewest = -(-share // fits)  # the accumulation steps of micro-batches of `fits`, not all equal
+    if per_device < fits and steps > fewest:
         notes.append(
-            f"exact, but {steps} accumulation steps instead of {-(-share // fits)}: {share} has "
+            f"exact, but {steps} accumulation steps instead of {fewest}: {share} has "
             f"no divisor between {per_device} and {fits}; a target of "
-            f"{fits * -(-share // fits) * world} would allow micro-batches of {fits}"
+            f"{fits * fewest * world} would allow micro-batches of {fits}"
         )
     return EqualSplit(per_device, steps, "; ".join(notes) or None)
 

@@ -29,7 +29,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from autotune.planning.plans import Plan, rotated_share, split_evenly
+from autotune.planning.plans import (
+    Plan,
+    even_micro_batches,
+    largest_share,
+    rotated_share,
+)
 from autotune.planning.scaling import adjusted_bn_momentum, lr_scale
 
 __all__ = ["BatchRamp", "RampChange", "plan_for_target", "ramp_micro_batch"]
@@ -224,8 +229,7 @@ class BatchRamp:
         """What the ramp would do with micro-batches of at most ``micro_batch`` per rank: per stage,
         the micro-batches per step and (with ``total`` samples) the optimizer steps."""
         def split(target: int) -> str:
-            share = math.ceil(target / world_size)
-            sizes = split_evenly(share, math.ceil(share / micro_batch))
+            sizes = even_micro_batches(largest_share(target, world_size), micro_batch)
             size = f"{sizes[0]}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
             return f"{len(sizes)} micro-batch{'es' if len(sizes) > 1 else ''} of {size} per step" + (" per rank" if world_size > 1 else "")
 
@@ -287,7 +291,7 @@ def plan_for_target(plan: Plan, target: int, *, micro_batch: int, rank: int = 0)
     ``micro_batch`` (the same at every stage), the accumulation steps of this rank's share, the learning
     rate by the plan's rule for this target, the BatchNorm momentum per micro-batch for these steps."""
     share = rotated_share(target, plan.world_size, rank, 0)
-    sizes = split_evenly(share, math.ceil(share / micro_batch))
+    sizes = even_micro_batches(share, micro_batch)
     rule = plan.lr_rule
     scale = lr_scale(target / plan.base_batch, rule) if rule in ("linear", "sqrt", "none") else plan.lr_scale  # type: ignore[arg-type]
     momentum = None

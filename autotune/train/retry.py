@@ -4,7 +4,6 @@ The one place where training lowers a micro-batch (the plan's, or a shape's cap)
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any
 
@@ -12,7 +11,7 @@ import torch
 
 from autotune.errors import AutotuneWarning, NothingFits
 from autotune.memory.device import release_cached
-from autotune.planning.plans import peak_at, split_evenly
+from autotune.planning.plans import even_micro_batches, peak_at
 from autotune.planning.scaling import adjusted_bn_momentum
 from autotune.train.accumulate import Window
 
@@ -60,7 +59,7 @@ def retry_smaller(run: Any, window: Window, failure: BaseException, bn_saved: li
     plan = run.plan
     micro = min(plan.micro_batch, run.caps.cap(plan.probed_size)) if plan.probed_size else plan.micro_batch
     share = sum(plan.micro_batches)
-    sizes = split_evenly(share, math.ceil(share / micro)) if micro < plan.micro_batch else plan.micro_batches
+    sizes = even_micro_batches(share, micro) if micro < plan.micro_batch else plan.micro_batches
     run.lowered, run.measured = True, None
     run.plan = dataclasses.replace(
         plan, micro_batch=micro, micro_batches=sizes, accumulation_steps=len(sizes),
@@ -76,7 +75,7 @@ def lower(run: Any, micro_batch: int) -> None:
     """Lower the plan's micro-batch for the rest of the run; every field follows."""
     plan = run.plan
     share = sum(plan.micro_batches)
-    sizes = split_evenly(share, math.ceil(share / micro_batch))
+    sizes = even_micro_batches(share, micro_batch)
     base = next((m for m, _ in run.bnc._saved if m is not None), None)
     run.lowered = True
     run.measured = None
