@@ -58,8 +58,7 @@ def run_micro_batches(run: Any, window: Window) -> float:
                 exc.autotune_micro_size = B.per_sample_numel(micro.batch)  # type: ignore[attr-defined]
             raise
         losses.append(loss)
-        if run.noise.due and run.noise.small is None:
-            run.noise.first([p.grad for p in run.synced if p.grad is not None], micro.weight * share, micro.items)
+        run.noise.first(run.synced, micro.weight * share, micro.items)
     return weighted_sum(losses, [micro.weight for micro in window])
 
 

@@ -33,7 +33,7 @@ def run_window(run: Any, windows: Iterator[Window], *, drop_last: bool = False) 
         window = next(windows, None)
     except Exception as exc:  # the loader, the dataset or count failed on this rank
         failure = exc
-    bn_saved = run.save_bn()
+    bn_saved = run.window_start()
     done = False  # this rank's window has run (kept while another rank redoes its own)
     local_loss = 0.0
     while True:

@@ -432,7 +432,7 @@ def fit(
         checkpointing=checkpointing or plan.checkpointing, noise_scale=noise_scale,
     )
     if ramp is not None:
-        run.ramp, run.vote = ramp, ramp.pending_vote
+        run.ramp = ramp
         if ramp.adaptive_form:  # the meter travels with the ramp (a later fit continues it), every window measured
             ramp.meter = ramp.meter or run.noise.meter
             run.noise.meter = ramp.meter
@@ -476,8 +476,8 @@ def fit(
                 change = None
                 if ramp is not None:  # a stage reached, or every rank voted at this exchange: later windows grow
                     change = ramp.after_step(samples=int(agreed.samples), items=int(agreed.items), vote=agreed.vote)
-                    run.vote = ramp.pending_vote = ramp.vote(run.noise.meter.estimate() if run.noise.meter else None,
-                                                            agreed.items / max(agreed.samples, 1))
+                    ramp.pending_vote = ramp.vote(run.noise.meter.estimate() if run.noise.meter else None,
+                                                  agreed.items / max(agreed.samples, 1))
                     changes += [change] if change else []
                 record = StepRecord(
                     step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),

@@ -144,11 +144,13 @@ class NoisePacer:
         self.every, self.count, self.seconds, self.first_seconds = self.fixed or 1, 0, 0.0, 0.0
         self.due = asked is not False
 
-    def first(self, grads: list[torch.Tensor], weight: float, items: int) -> None:
-        """After a window's first micro-batch the gradient is its own (weighted): keep ``|G_b|^2``."""
+    def first(self, params: list[torch.Tensor], weight: float, items: int) -> None:
+        """After a window's first micro-batch the gradient is its own (weighted): keep ``|G_b|^2`` of
+        ``params``' gradients, when this window is measured (else nothing: called after every micro-batch)."""
         if not self.due or self.small is not None:
             return
         started = time.perf_counter()
+        grads = [p.grad for p in params if p.grad is not None]
         if grads:
             self.small = (squared_norm(grads), weight, items)
         self.first_seconds = time.perf_counter() - started

@@ -111,7 +111,6 @@ class Run:
         self.before_window: list[list[torch.Tensor]] | None = None
         self.caps = ShapeCaps(self)
         self.ramp: BatchRamp | None = None  # a target that grows (fit's target_batch=BatchRamp)
-        self.vote = 0.0  # this rank's ramp vote, sent with the next exchange
 
     def shares(self, window: int) -> int:
         """This rank's samples in the epoch's window ``window``: the target (the ramp's, when the target
@@ -149,8 +148,20 @@ class Run:
         self.stack.close()
 
     def begin_window(self) -> None:
-        """Before a window: what a stop inside it puts back."""
+        """Before a window: what a stop inside it, or an out-of-memory retry of it, puts back."""
         self.before_window = self.save_bn()
+
+    def window_start(self) -> list[list[torch.Tensor]]:
+        """The BatchNorm buffers from before the window now running (taken once, by :meth:`begin_window`),
+        for a window mode that undoes an attempt."""
+        assert self.before_window is not None, "begin_window() comes before every window"
+        return self.before_window
+
+    @property
+    def vote(self) -> float:
+        """This rank's batch-ramp vote for the next exchange (0 without a ramp). It lives in the ramp,
+        which carries it to a later ``fit``."""
+        return self.ramp.pending_vote if self.ramp is not None else 0.0
 
     def end_window(self) -> None:
         """The window's step was taken: nothing of it to put back any more."""

@@ -71,7 +71,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         failure = exc
     if window is not None and len(window):
         run.spare = B.slice_batch(window[0].batch, 0, min(run.plan.min_micro_batch, window[0].samples))
-    bn_saved = run.save_bn()
+    bn_saved = run.window_start()
     device, group = run.device, run.par.group
     if not run.checked_samples:  # once per run: where a failing peer finds this process
         announce(group)

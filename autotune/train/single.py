@@ -21,7 +21,7 @@ def run_window(run: Any, windows: Iterator[Window], *, drop_last: bool = False) 
     window = next(windows, None)
     if window is None:
         return None
-    bn_saved = run.save_bn()  # to undo a failed attempt; BN buffers are small
+    bn_saved = run.window_start()  # to undo a failed attempt
     while True:
         try:
             loss = attempt(run, window)
