@@ -30,6 +30,7 @@ import dataclasses
 import math
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -65,7 +66,7 @@ from autotune.parallel.ranks import (
 )
 from autotune.planning.planner import plan as make_plan
 from autotune.planning.plans import Plan
-from autotune.planning.scaling import auto_lr_rule
+from autotune.planning.scaling import LR_RULES, auto_lr_rule
 from autotune.probe.trial import check_step, min_micro_batch
 from autotune.rng import RNGState
 from autotune.step import (
@@ -78,7 +79,7 @@ from autotune.step import (
 )
 from autotune.train import data_parallel, sharded, single
 from autotune.train.accumulate import Count, Pad, accumulate
-from autotune.train.bn import FinishedRun, resolve_bn
+from autotune.train.bn import BN_MODES, FinishedRun, resolve_bn
 from autotune.train.ramp import BatchRamp, RampChange, plan_for_target, ramp_micro_batch
 from autotune.train.records import FitResult, StepRecord
 from autotune.train.run import Run
@@ -165,21 +166,12 @@ def _warn_if_larger_than_an_epoch(loader: Iterable[Any], target: int) -> None:
 def _must_agree(model: nn.Module, target: int | None, precision: str, mode: Any, lr_rule: str) -> list[tuple[str, float, Any]]:
     """What every rank must share, as numbers for the start-up all-reduce: a difference would train
     another batch on each rank, or wait in a collective for ever."""
-    import zlib
-
-    from autotune.planning.scaling import LR_RULES
-    from autotune.train.bn import BN_MODES
-
     precisions = ("fp32", "bf16", "fp16")
-
-    if lr_rule not in LR_RULES:
-        raise ValueError(f"Invalid lr_rule {lr_rule!r}: use one of {', '.join(map(repr, LR_RULES))}")
     shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters())
-    names = list(BN_MODES)
     return [
         ("target_batch", float(target or 0), lambda v: str(int(v))),
         ("precision", float(precisions.index(precision)), lambda v: repr(precisions[int(v)])),
-        ("bn", float(names.index(mode.name if mode is not None else None)), lambda v: repr(names[int(v)])),
+        ("bn", float(BN_MODES.index(mode.name if mode is not None else None)), lambda v: repr(BN_MODES[int(v)])),
         ("lr_rule", float(LR_RULES.index(lr_rule)), lambda v: repr(LR_RULES[int(v)])),
         ("model (its parameters' names and shapes)", float(zlib.crc32(shapes.encode())), lambda v: f"checksum {int(v):08x}"),
     ]
@@ -384,8 +376,11 @@ def fit(
         if check_loss:
             check_step(inner, loss_fn or default_loss, loader, device=next(inner.parameters()).device, precision=precision_name)
 
-    on_every_rank(look, device=None, group=par.group, what="looking at its first batches",
-                  agree=_must_agree(inner, target if plan is None else plan.effective_batch, precision_name, mode, lr_rule))
+    if lr_rule not in LR_RULES:
+        raise ValueError(f"Invalid lr_rule {lr_rule!r}: use one of {', '.join(map(repr, LR_RULES))}")
+    # Several ranks: what they must share travels in the same all-reduce (one process: nothing to compare).
+    agree = _must_agree(inner, target if plan is None else plan.effective_batch, precision_name, mode, lr_rule) if is_distributed() else ()
+    on_every_rank(look, device=None, group=par.group, what="looking at its first batches", agree=agree)
 
     # --- setup ----------------------------------------------------------------------------------
     device = _fit_device(model, device)
