@@ -37,10 +37,11 @@ say how far from exact, never "exact".
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -185,6 +186,18 @@ def _close(a: float, b: float, tol: float) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b), 1e-30)
 
 
+@contextlib.contextmanager
+def _metrics_kept(trainer: Any) -> Iterator[None]:
+    """TRL's trainers record metrics in every ``compute_loss``: what planning and the loss check add
+    to them is taken out again."""
+    metrics = copy.deepcopy(trainer.__dict__.get("_metrics"))
+    try:
+        yield
+    finally:
+        if metrics is not None:
+            trainer.__dict__["_metrics"] = metrics
+
+
 def check_loss(trainer: Any, batch: Mapping[str, Any]) -> LossCheck | None:
     """Evaluate the Trainer's loss on ``batch`` (no gradient, every module in eval mode, under
     :func:`autotune.planning`) with two item counts and on two halves, and say what it does with
@@ -201,7 +214,6 @@ def check_loss(trainer: Any, batch: Mapping[str, Any]) -> LossCheck | None:
         return None
     modes = [(m, m.training) for m in model.modules()]
     rng = RNGState()
-    metrics = copy.deepcopy(trainer.__dict__.get("_metrics"))  # TRL's trainers record a metric per compute_loss
     dtypes = []
 
     def loss(b: Mapping[str, Any], n: int | None = None) -> float:
@@ -212,7 +224,7 @@ def check_loss(trainer: Any, batch: Mapping[str, Any]) -> LossCheck | None:
 
     try:
         model.eval()
-        with torch.no_grad(), planning():
+        with torch.no_grad(), planning(), _metrics_kept(trainer):
             with_count, with_triple = loss(batch, counted), loss(batch, 3 * counted)
             # rounding of the loss's own dtype (transformers computes some losses in float32 for float64 models)
             tol = 1e-9 if dtypes[0] == torch.float64 else 1e-4
@@ -248,8 +260,6 @@ def check_loss(trainer: Any, batch: Mapping[str, Any]) -> LossCheck | None:
         for m, training in modes:
             m.training = training
         rng.restore()
-        if metrics is not None:
-            trainer.__dict__["_metrics"] = metrics
     return LossCheck(uses, own_items, counted, shifted, over_items, over_samples)
 
 
@@ -283,8 +293,7 @@ class _Correction:
     exactness: str
     shift_labels: bool = False
     wrap: bool = False
-    per_items: bool = False
-    count_items: bool = False
+    per_items: bool = False  # weight by items: the Trainer must then count each step's items too
 
 
 def _correction(trainer: Any, model: Any, check: LossCheck | None) -> _Correction:
@@ -326,7 +335,7 @@ def _correction(trainer: Any, model: Any, check: LossCheck | None) -> _Correctio
             f"exact: {ignored}{' (k times the true gradient under the Trainer alone, transformers #47688)' if told else ''}; "
             "autotune weights each micro-batch's mean by its items over the step's (n_i / N, the Trainer's count), "
             f"the big batch's loss for any split, logged loss included{across} (restore() puts the Trainer's rule back)",
-            wrap=True, per_items=True, count_items=True)
+            wrap=True, per_items=True)
     if check.mean_over_samples:
         if told:
             return _Correction(f"exact: {ignored} (k times the true gradient under the Trainer alone, transformers #47688); "
@@ -415,14 +424,12 @@ def prepare(
         # smoothing): a copy, so the trial's second micro-step has them too
         return trainer.compute_loss(model, dict(batch))
 
-    metrics = copy.deepcopy(trainer.__dict__.get("_metrics"))
-    plan = make_plan(
-        model, _loader(trainer, args.per_device_train_batch_size), target_batch=target, optimizer=optimizer, loss_fn=loss_fn,
-        device=args.device, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
-        base_batch=base_batch or described, precision=_precision(args), progress=progress,
-    )
-    if metrics is not None:
-        trainer.__dict__["_metrics"] = metrics
+    with _metrics_kept(trainer):
+        plan = make_plan(
+            model, _loader(trainer, args.per_device_train_batch_size), target_batch=target, optimizer=optimizer, loss_fn=loss_fn,
+            device=args.device, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
+            base_batch=base_batch or described, precision=_precision(args), progress=progress,
+        )
     check = check_loss(trainer, next(iter(_loader(trainer, 4))))
     fix = _correction(trainer, model, check)
     had_warmup = bool(getattr(args, "warmup_steps", 0)) or bool(getattr(args, "warmup_ratio", 0))
@@ -457,15 +464,16 @@ def _apply(trainer: Any, settings: TrainerSettings, fix: _Correction, check: Los
         changes["learning_rate"] = settings.learning_rate
     if settings.warmup_steps is not None:
         changes["warmup_steps"] = settings.warmup_steps
-    names = ("args", "_train_batch_size", "_loss_shifts_labels", "model_accepts_loss_kwargs", "loss_is_scaled_for_ga")
+    # Everything set on the Trainer below, as it was (an attribute it did not have is removed again).
+    names = ("args", "_train_batch_size", "_loss_shifts_labels", "model_accepts_loss_kwargs", "loss_is_scaled_for_ga",
+             "compute_loss", "_inner_training_loop")
     own = {name: trainer.__dict__[name] for name in names if name in trainer.__dict__}
-    own_methods = {name: trainer.__dict__[name] for name in ("compute_loss", "_inner_training_loop") if name in trainer.__dict__}
     if fix.shift_labels:
         trainer._loss_shifts_labels = True
     if fix.wrap:
         trainer.compute_loss = _weighted_loss(trainer, trainer.compute_loss, fix.per_items)
         trainer.loss_is_scaled_for_ga = True  # the wrapped loss is scaled for the step already
-        if fix.count_items:
+        if fix.per_items:
             trainer.model_accepts_loss_kwargs = True  # so that the Trainer counts each step's items
     # A shallow copy with the fields set (dataclasses.replace would run __post_init__ again, which
     # resets the process's accelerator state the Trainer already holds).
@@ -503,11 +511,6 @@ def _apply(trainer: Any, settings: TrainerSettings, fix: _Correction, check: Los
         for name in names:
             if name in own:
                 trainer.__dict__[name] = own[name]
-            else:
-                trainer.__dict__.pop(name, None)
-        for name in ("compute_loss", "_inner_training_loop"):
-            if name in own_methods:
-                trainer.__dict__[name] = own_methods[name]
             else:
                 trainer.__dict__.pop(name, None)
         trainer.__dict__.pop(_ACTIVE, None)

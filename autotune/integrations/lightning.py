@@ -38,6 +38,7 @@ of fewer batches is divided by the full accumulation too; the notes say by how m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -135,17 +136,18 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
         exactness = ("Lightning divides each micro-batch's loss by accumulate_grad_batches: exact for these equal micro-batches of a "
                      "loss that is the mean over samples, not for token losses with padding, nor for an epoch's shorter last step; "
                      "autotune.accumulate or autotune.fit weight each micro-batch by its items")
-        base_lrs = [g["lr"] for g in optimizer.param_groups]
-        settings = equal_settings(plan, lr_rule=self.lr_rule, learning_rate=base_lrs[0], warmup=False, exactness=exactness)
+        settings = equal_settings(plan, lr_rule=self.lr_rule, learning_rate=optimizer.param_groups[0]["lr"], warmup=False,
+                                  exactness=exactness)
         tail = _epoch_tail(loader, settings, trainer)
         if tail:
-            settings = TrainerSettings(**{**settings.__dict__, "notes": (*settings.notes, tail)})
+            settings = dataclasses.replace(settings, notes=(*settings.notes, tail))
         self._settings = settings
         accumulate = trainer.accumulate_grad_batches
         own = [(holder, _get(holder, self.batch_arg_name)) for holder in holders]
         for holder, _ in own:
             _set(holder, self.batch_arg_name, settings.micro_batch)
         trainer.accumulate_grad_batches = settings.accumulation_steps
+
         def undo() -> None:
             for holder, value in own:
                 _set(holder, self.batch_arg_name, value)
