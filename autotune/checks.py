@@ -25,6 +25,7 @@ __all__ = [
     "check_loader",
     "check_model",
     "check_optimizer",
+    "check_positive_int",
     "check_positive_number",
     "check_reiterable",
     "check_scheduler",
@@ -190,6 +191,17 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
             f"Invalid scheduler {type(scheduler).__name__}: it was built on another optimizer than the one "
             "fit steps, so it would never change the learning rate used; build it on this optimizer"
         )
+
+
+def check_positive_int(name: str, value: Any, what: str, *, optional: bool = False) -> Any:
+    """``value`` is a whole number >= 1 (not a bool), saying ``what`` it counts; with ``optional``, None
+    (the default) passes too, and 0 does not stand for it."""
+    if value is None and optional:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        tail = ", or leave it out for the default" if optional else ""
+        raise ValueError(f"Invalid {name} {value!r}: give a positive int ({what}){tail}")
+    return value
 
 
 def check_positive_number(name: str, value: Any) -> None:

@@ -10,7 +10,7 @@ from autotune.planning.plans import Plan
 from autotune.planning.report import equal_split
 from autotune.planning.scaling import cap_warmup
 
-__all__ = ["TrainerSettings", "check_batch_arg", "equal_settings", "missing"]
+__all__ = ["TrainerSettings", "equal_settings", "missing"]
 
 
 def missing(package: str, extra: str) -> ImportError:
@@ -75,12 +75,6 @@ def _base_momentum(plan: Plan) -> float:
     """The model's BatchNorm momentum, from the plan's adjusted one for its own accumulation."""
     assert plan.bn_momentum is not None
     return 1 - (1 - plan.bn_momentum) ** plan.accumulation_steps
-
-
-def check_batch_arg(name: str, value: Any, what: str) -> None:
-    """Refuse a batch argument that is given but is not a positive int (0 must not mean "the default")."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"Invalid {name} {value!r}: give a positive int ({what}), or leave it out for the default")
 
 
 def equal_settings(plan: Plan, *, lr_rule: str, learning_rate: Any = None, warmup: bool = True, exactness: str | None = None,

@@ -48,10 +48,10 @@ import torch
 
 from autotune.batches import batch_size as size_of
 from autotune.batches import slice_batch
+from autotune.checks import check_positive_int
 from autotune.errors import AutotuneError
 from autotune.integrations.common import (
     TrainerSettings,
-    check_batch_arg,
     equal_settings,
     missing,
 )
@@ -400,8 +400,8 @@ def prepare(
         raise missing("transformers", "hf") from None
     if not isinstance(trainer, Trainer):
         raise TypeError(f"Invalid trainer of type {type(trainer).__name__}: pass a transformers.Trainer")
-    check_batch_arg("target_batch", target_batch, "samples per optimizer step over all devices")
-    check_batch_arg("base_batch", base_batch, "the effective batch your learning rate was tuned at")
+    check_positive_int("target_batch", target_batch, "samples per optimizer step over all devices", optional=True)
+    check_positive_int("base_batch", base_batch, "the effective batch your learning rate was tuned at", optional=True)
     trainer = cast(Any, trainer)  # its private fields are read and set below, on purpose
     if trainer.__dict__.get(_ACTIVE) is not None:
         raise ValueError(

@@ -50,9 +50,9 @@ from typing import Any, cast
 import torch
 
 from autotune.batches import batch_size as size_of
+from autotune.checks import check_positive_int
 from autotune.integrations.common import (
     TrainerSettings,
-    check_batch_arg,
     equal_settings,
     missing,
 )
@@ -97,8 +97,8 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
                  lr_rule: str = "none", base_batch: int | None = None, batch_arg_name: str = "batch_size") -> None:
         if Callback is object:
             raise missing("lightning", "lightning")
-        check_batch_arg("target_batch", target_batch, "samples per optimizer step over all devices")
-        check_batch_arg("base_batch", base_batch, "the effective batch your learning rate was tuned at")
+        check_positive_int("target_batch", target_batch, "samples per optimizer step over all devices", optional=True)
+        check_positive_int("base_batch", base_batch, "the effective batch your learning rate was tuned at", optional=True)
         super().__init__()
         self.target_batch, self.memory_limit, self.headroom = target_batch, memory_limit, headroom
         self.lr_rule, self.base_batch, self.batch_arg_name = lr_rule, base_batch, batch_arg_name

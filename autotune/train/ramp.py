@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from autotune.checks import check_positive_int
 from autotune.planning.plans import (
     Plan,
     even_micro_batches,
@@ -61,12 +62,6 @@ class RampChange:
     reason: str
 
 
-def _positive_int(name: str, value: Any, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name} {value!r}: give a whole number >= 1 ({fix})")
-    return value
-
-
 class BatchRamp:
     """The target batch of a run that grows as it trains; make one with :meth:`fixed` or :meth:`adaptive`.
 
@@ -90,18 +85,18 @@ class BatchRamp:
             self.stages = _checked_stages(stages)
             start, maximum = self.stages[0][1], self.stages[-1][1]
         else:
-            start = _positive_int("start", start, "the target batch the ramp begins with")
-            maximum = _positive_int("maximum", maximum, "the largest target batch it may reach")
+            start = check_positive_int("start", start, "the target batch the ramp begins with")
+            maximum = check_positive_int("maximum", maximum, "the largest target batch it may reach")
             if maximum < start:
                 raise ValueError(f"Invalid maximum {maximum}: it is below start={start}; the ramp never lowers the batch; "
                                  f"give maximum >= {start}")
-            factor = _positive_int("factor", factor, "what the batch is multiplied by at a raise")
+            factor = check_positive_int("factor", factor, "what the batch is multiplied by at a raise")
             if factor < 2:
                 raise ValueError(f"Invalid factor {factor}: a raise must grow the batch; give factor >= 2")
             if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
                 raise ValueError(f"Invalid margin {margin!r}: give a number >= 1 (raise when the noise scale's lower end "
                                  "is at least margin times the batch)")
-            windows = _positive_int("windows", windows, "measured windows since the last change before the next may come")
+            windows = check_positive_int("windows", windows, "measured windows in a row that must agree before a raise")
         assert start is not None and maximum is not None
         self.start, self.maximum, self.factor, self.margin, self.windows = start, maximum, factor, float(margin), windows
         self.measured = 0  # measured windows in a row whose range lay at or above margin x the batch
@@ -263,7 +258,7 @@ def _checked_stages(stages: Any) -> tuple[tuple[int, int], ...]:
         at, target = pair
         if isinstance(at, bool) or not isinstance(at, int) or at < 0:
             raise ValueError(f"Invalid stage start {at!r}: give a whole number of samples (or items) >= 0")
-        _positive_int("stage target", target, "samples per optimizer step")
+        check_positive_int("stage target", target, "samples per optimizer step")
         out.append((at, target))
     if out[0][0] != 0:
         raise ValueError(f"Invalid stages: the first starts at {out[0][0]}, not 0; add a first stage (0, target)")
