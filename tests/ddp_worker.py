@@ -436,6 +436,51 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    """The identity, whose backward runs out of memory."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("injected: out of memory in a backward")
+
+
+def inject_out_of_memory(module: nn.Module, where: str, call: int, *, planning: bool = False) -> None:
+    """An out-of-memory error in ``module``'s forward (``where="forward"``) or in its backward, at its
+    ``call``-th forward while training (or while planning), as a CUDA allocation would raise it; or
+    (``where="all_gather"``) in FSDP2's own code, allocating its ``call``-th all-gather."""
+    calls: list[int] = []
+    if where == "all_gather":
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp
+
+        all_gather = fsdp.foreach_all_gather
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            if autotune.is_planning() == planning:
+                calls.append(1)
+                if len(calls) == call:
+                    raise torch.OutOfMemoryError("injected: out of memory allocating an all-gather")
+            return all_gather(*args, **kwargs)
+
+        fsdp.foreach_all_gather = failing
+        return
+
+    def hook(mod: nn.Module, args: Any, output: torch.Tensor) -> Any:
+        if autotune.is_planning() != planning:
+            return None
+        calls.append(1)
+        if len(calls) != call:
+            return None
+        if where == "forward":
+            raise torch.OutOfMemoryError("injected: out of memory in a forward")
+        return _RaiseInBackward.apply(output)
+
+    module.register_forward_hook(hook)
+
+
 def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     """Token data on a model sharded with fully_shard: per-rank limits, a limit lowered on one rank
     while training (its window goes over: every rank redoes it), the plan's peak against a ledger."""
@@ -473,6 +518,8 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                     raise ValueError("a failure inside the forward")
             return token_loss(model, batch)
 
+    if c.get("oom_rank") == rank:
+        inject_out_of_memory(model.mix, c["oom_in"], c["oom_call"], planning=bool(c.get("oom_in_plan")))
     plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=loss_fn,
                          memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False)
     limit = c.get("train_limits", c["limits"])[rank]

@@ -78,6 +78,54 @@ def test_an_out_of_memory_window_on_one_rank_is_redone_by_every_rank(tmp_path):
     assert_exact(outs, config, 2)
 
 
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path, where):
+    """Rank 1 raises torch.OutOfMemoryError (as a CUDA allocation does) in a block's forward, or in its
+    backward, at its second micro-batch of the first window, while rank 0 runs the same micro-batch
+    in lockstep: both abandon it at the same point, drop the window, and redo it, rank 1 with half
+    its micro-batch. The run then equals the big-batch replay of the samples each step saw."""
+    config = {"n": 45, "target": 7, "lengths": (4, 9), "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
+              "oom_rank": 1, "oom_in": where, "oom_call": 2}
+    outs = launch(tmp_path, config)
+    assert outs[0]["plan"]["accumulation_steps"] > 1  # the error came inside a window of several micro-batches
+    assert any(w.startswith("Out of memory at micro_batch=") and "OutOfMemoryError raised on this rank" in w
+               for w in outs[1]["warnings"]), outs[1]["warnings"]
+    assert not any("Out of memory" in w for w in outs[0]["warnings"])
+    assert outs[1]["final_plan"]["micro_batch"] < outs[1]["plan"]["micro_batch"]
+    assert outs[0]["final_plan"]["micro_batch"] == outs[0]["plan"]["micro_batch"]
+    assert_exact(outs, config, 2)
+
+
+def test_an_out_of_memory_error_inside_fsdp2s_own_collective_code_stops_every_rank(tmp_path):
+    """Out of memory allocating an all-gather's buffer: rank 0 is already inside that all-gather, so the
+    error cannot be shared; every rank stops within seconds, naming it, instead of hanging."""
+    config = {"n": 45, "target": 7, "lengths": (4, 9), "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
+              "oom_rank": 1, "oom_in": "all_gather", "oom_call": 3}
+    W.launch(2, str(tmp_path), "fsdp", config, timeout=60)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert outs[1]["error"] == "OutOfMemoryError: injected: out of memory allocating an all-gather"
+    assert outs[0]["error"].startswith("AutotuneError: rank 1 failed in this window, so every rank stops")
+    assert "allocating an all-gather" in outs[0]["error"]
+    assert abs(outs[0]["at"] - outs[1]["at"]) < 10
+
+
+def test_an_out_of_memory_error_in_a_planning_trial_gives_one_plan_on_every_rank(tmp_path):
+    """Rank 1 runs out of memory in the first trial (the whole share): every rank abandons it, the size
+    does not fit on either, and the search below it takes the same path on both."""
+    config = {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, BIG], "optimizer": "adamw",
+              "oom_rank": 1, "oom_in": "forward", "oom_call": 1, "oom_in_plan": True}
+    outs = launch(tmp_path, config)
+    plans = [o["plan"] for o in outs]
+    first = [p["trials"][0] for p in plans]
+    assert first[0]["batch_size"] == first[1]["batch_size"] == 6 and not first[0]["fits"] and not first[1]["fits"]
+    for key in ("micro_batch", "accumulation_steps", "micro_batches"):
+        assert plans[0][key] == plans[1][key], key
+    assert [t["batch_size"] for t in plans[0]["trials"]] == [t["batch_size"] for t in plans[1]["trials"]]
+    assert plans[0]["micro_batch"] < 6
+    assert all(any("every rank abandoned that trial" in n for n in p["notes"]) for p in plans)
+    assert_exact(outs, config, 2)
+
+
 @pytest.mark.parametrize("lengths, limits", [((48, 48), ["150KiB", "100KiB"]), ((32, 32), ["150KiB", "100KiB"])],
                          ids=["48-tokens", "32-tokens"])
 def test_the_plans_peak_is_the_ledgers_peak_per_rank(tmp_path, lengths, limits):

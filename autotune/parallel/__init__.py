@@ -1,5 +1,6 @@
 """Ranks: the agreements planning makes (:mod:`.ranks`: gathers, wrappers, failures that stop every
-rank) and the one gradient exchange per optimizer step of data-parallel training (:mod:`.exchange`).
+rank), the one gradient exchange per optimizer step of data-parallel training (:mod:`.exchange`), and
+the agreements that let FSDP2's ranks survive an out-of-memory error together (:mod:`.lockstep`).
 
 May use: the base modules and :mod:`autotune.memory`.
 """

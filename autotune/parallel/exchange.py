@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from autotune.parallel.ranks import _where, is_distributed, world
+from autotune.parallel.ranks import collective_device, is_distributed, world
 
 __all__ = [
     "Agreement",
@@ -104,7 +104,7 @@ class GradientSync:
         self.params = list(params)
         self.group = group
         self.distributed = is_distributed()
-        self.where = _where(device, group) if self.distributed else torch.device("cpu")
+        self.where = collective_device(device, group) if self.distributed else torch.device("cpu")
         self.world_size = world(group)[1]
         self.buckets = list(_buckets_of(self.params, bucket_bytes))
         self._buffers: dict[int, torch.Tensor] = {}

@@ -25,6 +25,7 @@ __all__ = [
     "bypass_nested",
     "check_distinct_samples",
     "check_mesh",
+    "collective_device",
     "failure_watch",
     "gather",
     "gather_numbers",
@@ -55,7 +56,7 @@ def world(group: Any = None) -> tuple[int, int]:
     return 0, 1
 
 
-def _where(device: torch.device | None, group: Any = None) -> torch.device:
+def collective_device(device: torch.device | None, group: Any = None) -> torch.device:
     """Where a collective's tensors live: the rank's GPU with NCCL, else the CPU."""
     if torch.distributed.get_backend(group) == "nccl":
         return device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
@@ -66,7 +67,7 @@ def sum_over_ranks(values: list[float], device: torch.device | None = None, grou
     """Element-wise sum of ``values`` over all ranks (float64)."""
     if not is_distributed():
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=_where(device, group))
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(device, group))
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
     return t.tolist()
 
@@ -81,7 +82,7 @@ def gather_numbers(values: Sequence[float], device: torch.device | None = None, 
         return [list(values)]
     t = torch.zeros(size, len(values), dtype=torch.float64)
     t[rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    t = t.to(_where(device, group))
+    t = t.to(collective_device(device, group))
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
     return t.tolist()
 
@@ -258,10 +259,10 @@ def broadcast_model(model: nn.Module, group: Any = None, device: torch.device | 
     src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            if _where(device, group).type == t.device.type:
+            if collective_device(device, group).type == t.device.type:
                 torch.distributed.broadcast(t.data, src=src, group=group)
             else:
-                moved = t.detach().to(_where(device, group))
+                moved = t.detach().to(collective_device(device, group))
                 torch.distributed.broadcast(moved, src=src, group=group)
                 t.data.copy_(moved)
 

@@ -30,6 +30,7 @@ from autotune.memory.device import (
     synchronize,
 )
 from autotune.memory.ledger import ResidentPeak, TensorLedger, is_out_of_memory
+from autotune.parallel.lockstep import in_lockstep, recoverable
 from autotune.parallel.ranks import (
     announce,
     failure_watch,
@@ -229,7 +230,12 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whol
     if work.on_start is not None:
         work.on_start(b)
     fits, peak, seconds, oom = _attempt(work, b, budget, snapshot, whole=whole)
-    if oom and peak <= budget:
+    if oom and work.fsdp:
+        work.notes.append(
+            f"an out-of-memory error at micro-batch {b} on some rank: every rank abandoned that trial at the same point, "
+            "and the size does not fit"
+        )
+    elif oom and peak <= budget:
         release_cached(device, collect=True)
         first = peak
         fits, peak, more, oom = _attempt(work, b, budget, snapshot, whole=whole)
@@ -249,8 +255,8 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
     release_cached(device)
     # A compact copy: a slice of a larger tensor would count the whole of its storage.
     batch = B.map_tensors(B.to_device(B.repeat_to(work.batch, b), device), _compact)
-    # Under FSDP2 the budget is checked after the trial: raising inside one rank's forward would
-    # leave the others waiting in a collective.
+    # Under FSDP2 the budget is checked after the trial (raising inside one rank's forward would
+    # leave the others waiting in a collective); an out-of-memory error is shared by every rank.
     ledger = TensorLedger(device.type, limit=None if work.fsdp else budget, block=CUDA_BLOCK if device.type == "cuda" else 1)
     ledger.track(work.held_tensors())
     ledger.track(B.tensors(batch))
@@ -262,13 +268,17 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
     start = time.perf_counter()
     oom = False
     snapshot.prepare_trial()
-    step: Callable[..., None] = trial_step
-    if work.fsdp:
-        step = functools.partial(sharded_trial_step, accumulating=not whole)
+    step: Callable[[], None] = functools.partial(
+        sharded_trial_step if work.fsdp else trial_step, work.model, work.optimizer, work.loss_fn, batch, device.type,
+        work.precision, finite=snapshot.zero_lr, **({"accumulating": not whole} if work.fsdp else {}),
+    )
     try:
         # Your optimizer's step hooks never see a trial's step (at learning rate 0, not a training step).
         with planning(), without_step_hooks(work.optimizer), ledger, (resident if resident is not None else contextlib.nullcontext()):
-            step(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision, finite=snapshot.zero_lr)
+            if work.fsdp and recoverable(work.model):
+                oom = in_lockstep(work.model, step, device=device).anywhere
+            else:
+                step()
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
         if not is_out_of_memory(exc) or work.fsdp:  # under FSDP2 the others wait in a collective: see _in_lockstep
@@ -277,7 +287,7 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
         exc.__traceback__ = None  # drop the frames that hold the step's tensors
     finally:
         seconds = time.perf_counter() - start
-        del batch
+        del batch, step
         snapshot.restore()
         release_cached(device, collect=device.type == "cuda" or oom)
     peak = ledger.peak

@@ -101,8 +101,9 @@ class Run:
         self.steps = 0  # optimizer steps taken in this run
         self.stepped = False  # the first optimizer step (which creates the optimizer state) has run
         self.agreed: Any = None
-        # Window shapes already run under the CPU ledger: later windows of the same shapes need no
-        # counting (the count is the same), which keeps its dispatch overhead off the common path.
+        # Window shapes already run (under the CPU ledger, or under FSDP2 guarded against out-of-memory
+        # errors): later windows of the same shapes need neither (the count is the same, and an
+        # out-of-memory error is not expected), which keeps their cost off the common path.
         self.counted: OrderedDict[Any, None] = OrderedDict()  # the most recent COUNTED_SHAPES, least recent dropped
         self.last_ledger: TensorLedger | None = None
         self.checked_samples = False
@@ -180,17 +181,22 @@ class Run:
         """Tensors held between steps: parameters, buffers, gradients, optimizer state."""
         return held_tensors(self.model, self.optimizer)
 
-    def window_ledger(self, window: Window) -> Any:
-        """A tensor count for windows of new shapes on a CPU with a limit (else nothing)."""
-        if self.limit is None or self.device.type == "cuda":
-            return nullcontext()
+    def first_of_shape(self, window: Window) -> bool:
+        """Whether no window of ``window``'s shapes (its micro-batches' sizes and sample shapes) has run
+        yet; remembered from now on (the most recent ``COUNTED_SHAPES``: bounded on long variable-length runs)."""
         key = tuple(sorted({(m.samples, B.sample_shapes(m.batch)) for m in window}, key=repr))
         if key in self.counted:
             self.counted.move_to_end(key)
-            return nullcontext()
+            return False
         self.counted[key] = None
-        if len(self.counted) > COUNTED_SHAPES:  # bounded on long variable-length runs
+        if len(self.counted) > COUNTED_SHAPES:
             self.counted.popitem(last=False)
+        return True
+
+    def window_ledger(self, window: Window) -> Any:
+        """A tensor count for windows of new shapes on a CPU with a limit (else nothing)."""
+        if self.limit is None or self.device.type == "cuda" or not self.first_of_shape(window):
+            return nullcontext()
         ledger = TensorLedger(self.device.type, limit=self.limit)
         ledger.track(held_tensors(self.model, self.optimizer))
         self.last_ledger = ledger

@@ -8,9 +8,10 @@ cannot run on their own, so everything happens in lockstep:
 - **Trials.** Every rank runs the same trial sizes. A trial is FSDP2's steady state: a micro-batch
   without gradient sync (the unsharded gradients accumulate: FSDP2 keeps them whole until the
   sync), one with it (the reduce-scatter), the optimizer step, the two again. Memory is counted,
-  never enforced mid-trial (an out-of-memory error raised inside one rank's forward would leave
-  the others waiting in a collective); after each trial the ranks agree whether it fitted on all
-  of them, so the search takes the same path everywhere.
+  never enforced mid-trial; after each trial the ranks agree whether it fitted on all of them, so
+  the search takes the same path everywhere. A trial in which a rank raised an out-of-memory error
+  is abandoned by every rank at the same point and does not fit
+  (:func:`autotune.parallel.lockstep.in_lockstep`).
 - **Windows.** Before a window the ranks agree on their micro-batch counts and item counts; every
   rank runs as many micro-batches as the busiest one (a rank with fewer runs zero-weight
   micro-batches), with gradient sync on the last only, and weights ``n_i * W / N`` (``W`` ranks,
@@ -18,11 +19,18 @@ cannot run on their own, so everything happens in lockstep:
   batch's. After the window the ranks agree again: if one rank's count went over its memory
   limit, every rank drops the window's gradients and redoes it, that rank with half its
   micro-batch.
+- **Out-of-memory errors.** A window of shapes not yet run on some rank (where an out-of-memory
+  error can happen) runs with the ranks agreeing before each of FSDP2's collectives
+  (:func:`autotune.parallel.lockstep.in_lockstep`): an out-of-memory error raised on any rank, in a
+  forward or a backward, makes every rank abandon that micro-batch at the same point, drop the
+  window's gradients and BatchNorm updates, and redo the window, the rank that ran out with half its
+  micro-batch. Windows of shapes already run skip the agreements (one flag more in the window's
+  first gather).
 
-The limit is counted, not enforced, for the same reason as in trials: on the CPU by the tensor
-ledger, on CUDA by the allocator's peak (the allocator is not capped). An error raised inside one
-rank's forward or backward (its own code, or a real CUDA out-of-memory error, which lockstep cannot
-recover from) stops every rank within seconds: that rank writes its error to the process group's
+The limit is counted, not enforced (the allocator is not capped): on the CPU by the tensor ledger,
+on CUDA by the allocator's peak. Any other error raised inside one rank's forward or backward (its
+own code, an out-of-memory error in a window of a shape already run, or one inside FSDP2's own
+collective code) stops every rank within seconds: that rank writes its error to the process group's
 store and aborts the group, so the others' pending collectives fail at once and they raise, naming
 it (:func:`autotune.parallel.ranks.stop_every_rank`).
 """
@@ -40,6 +48,7 @@ from autotune.errors import AutotuneError, AutotuneWarning, NothingFits
 from autotune.memory.device import allocator_peak, release_cached, reset_peak
 from autotune.memory.ledger import TensorLedger
 from autotune.parallel.exchange import FINE, Agreement
+from autotune.parallel.lockstep import Outcome, in_lockstep, recoverable
 from autotune.parallel.ranks import (
     announce,
     check_distinct_samples,
@@ -81,6 +90,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         rows = gather_numbers([
             float(failure is not None), float(len(window) if has else 0), float(window.items if has else 0),
             float(window.samples if has else 0), float(has), float(has or run.spare is not None),
+            float(has and run.first_of_shape(window)),  # new shapes somewhere: the window runs guarded
         ], device, group)
         if any(r[0] for r in rows):
             run.raise_failure(failure)
@@ -100,23 +110,26 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
             )
         count = max(int(r[1]) for r in rows)
         scale = world_size * (window.items if has else 0) / total_items
+        guarded = any(r[6] for r in rows)
         try:
             with failure_watch(group):
-                peak, loss_sum = _run_micro_batches(run, window if has else None, count, scale)
+                peak, loss_sum, outcome = _run_micro_batches(run, window if has else None, count, scale, guarded=guarded)
         except Exception as exc:  # inside collective forwards: every rank stops within seconds, naming the cause
             stop_every_rank(exc, group, what="in this window")
         over = run.limit is not None and peak > run.limit
-        rows = gather_numbers([float(over), loss_sum, float(peak)], device, group)
-        if not any(r[0] for r in rows):
-            break
-        # Some rank went over its limit: every rank drops the window's gradients and redoes it.
+        if not outcome.anywhere:  # else some rank ran out of memory: every rank abandoned the window at the same point
+            rows = gather_numbers([float(over), loss_sum, float(peak)], device, group)
+            if not any(r[0] for r in rows):
+                break
+        # Some rank went over its limit or ran out of memory: every rank drops the window's gradients
+        # and redoes it, that rank with a smaller micro-batch.
         run.optimizer.zero_grad(set_to_none=True)
         for p in run.outside:
             p.grad = None
         run.restore_bn(bn_saved)
         release_cached(device, collect=True)
-        if over:
-            failure = _lowered(run, window, peak)
+        if over or outcome.own is not None:
+            failure = _lowered(run, window, peak, outcome.own)
             if failure is None:
                 window = window.with_micro_batch(run.plan.micro_batch)
     loss = sum(r[1] for r in rows) / total_items
@@ -132,22 +145,25 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
     return loss, window, agreed
 
 
-def _lowered(run: Any, window: Any, peak: int) -> BaseException | None:
-    """Halve this rank's micro-batch after its window went over the limit; the error when it cannot."""
+def _lowered(run: Any, window: Any, peak: int, error: BaseException | None) -> BaseException | None:
+    """Halve this rank's micro-batch after its window went over the limit or raised an out-of-memory
+    ``error``; the error to raise when it cannot."""
     from autotune.units import format_bytes
 
     failed = max((m.samples for m in window), default=0) if window is not None else 0
     floor = run.plan.min_micro_batch
+    what = (f"{type(error).__name__} raised on this rank" if error is not None
+            else f"{format_bytes(peak)} counted on this rank, the limit is {format_bytes(run.limit)}")
     if failed <= floor:
         return NothingFits(
-            f"Out of memory while training at micro_batch={failed} under FSDP2 ({format_bytes(peak)} counted on this rank, "
-            f"the limit is {format_bytes(run.limit)}): shard over more ranks, use precision='bf16', or raise memory_limit",
+            f"Out of memory while training at micro_batch={failed} under FSDP2 ({what}): shard over more ranks, "
+            "use precision='bf16', or raise memory_limit",
             needed=peak, budget=run.plan.budget, limit=run.plan.memory_limit, micro_batch=failed,
         )
     smaller = max(floor, failed // 2)
     warnings.warn(
-        f"Out of memory at micro_batch={failed} ({format_bytes(peak)} counted, limit {format_bytes(run.limit)}); every rank "
-        f"redoes the window, this one with micro_batch={smaller}",
+        f"Out of memory at micro_batch={failed} ({what}); every rank redoes the window, this one with "
+        f"micro_batch={smaller}",
         AutotuneWarning,
         stacklevel=4,
     )
@@ -155,10 +171,11 @@ def _lowered(run: Any, window: Any, peak: int) -> BaseException | None:
     return None
 
 
-def _run_micro_batches(run: Any, window: Any, count: int, scale: float) -> tuple[int, float]:
-    """``count`` micro-batches on this rank, its own then zero-weight ones, sync on the last.
+def _run_micro_batches(run: Any, window: Any, count: int, scale: float, *, guarded: bool) -> tuple[int, float, Outcome]:
+    """``count`` micro-batches on this rank, its own then zero-weight ones, sync on the last;
+    ``guarded``: with the ranks agreeing before each collective (:func:`autotune.parallel.lockstep.in_lockstep`).
 
-    Returns ``(peak bytes counted, sum of the loss over this rank's items)``.
+    Returns ``(peak bytes counted, sum of the loss over this rank's items, the lockstep outcome)``.
     """
     device, model, bnc = run.device, run.model, run.bnc
     own = list(window) if window is not None else []
@@ -172,27 +189,36 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float) -> tuple
     total = 0.0
     if window is not None:
         bnc.start_window(window.samples)
+
+    def micro_batches() -> None:
+        nonlocal total
+        for i in range(count):
+            set_gradient_sync(model, i == count - 1)
+            if i < len(own):
+                micro = own[i]
+                bnc.before_micro(micro.samples)
+                loss = forward_backward(
+                    model, run.loss_fn, B.to_device(micro.batch, device), weight=micro.weight * scale,
+                    device_type=device.type, precision=run.precision, scaler=run.scaler,
+                )
+                total += float(loss) * micro.items
+            else:
+                _idle_micro(run)
+
+    outcome = Outcome(None, False)
     try:
         with ledger:
-            for i in range(count):
-                set_gradient_sync(model, i == count - 1)
-                if i < len(own):
-                    micro = own[i]
-                    bnc.before_micro(micro.samples)
-                    loss = forward_backward(
-                        model, run.loss_fn, B.to_device(micro.batch, device), weight=micro.weight * scale,
-                        device_type=device.type, precision=run.precision, scaler=run.scaler,
-                    )
-                    total += float(loss) * micro.items
-                else:
-                    _idle_micro(run)
+            if guarded and recoverable(model):
+                outcome = in_lockstep(model, micro_batches, device=device, group=run.par.group)
+            else:
+                micro_batches()
     finally:
         set_gradient_sync(model, True)
     if not measure:
-        return 0, total
+        return 0, total, outcome
     if device.type == "cuda":
-        return allocator_peak(device)[0], total
-    return ledger.peak, total
+        return allocator_peak(device)[0], total, outcome
+    return ledger.peak, total, outcome
 
 
 def _idle_micro(run: Any) -> None:
