@@ -309,8 +309,8 @@ def pad_to_longest(batches: Sequence[Batch], *, values: Mapping[Any, float] | Se
         >>> a = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
         >>> b = {"input_ids": torch.ones(1, 5, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long)}
         >>> joined = pad_to_longest([a, b])
-        >>> joined["labels"].tolist()[0]
-        [1, 1, 1, -100, -100]
+        >>> joined["labels"].tolist()[0] == [1, 1, 1, -100, -100]
+        True
     """
     first = batches[0]
     if len(batches) == 1:

@@ -22,7 +22,6 @@ time, as mean and spread (min to max) over the seeds, and the ramp's stages.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from dataclasses import dataclass

@@ -269,6 +269,7 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         calls.append(batch[0].shape[0])
         if rank == c.get("oom_rank") and len(calls) == c.get("oom_at"):
             raise torch.OutOfMemoryError("injected: out of memory on this rank")
+        exit_if_asked(rank, c)
         return token_loss(model, batch)
 
     plan = None
@@ -436,6 +437,19 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
 
 
+_TRAINING_FORWARDS: list[int] = []
+
+
+def exit_if_asked(rank: int, c: dict[str, Any]) -> None:
+    """Leave the process at once (``os._exit``: no error, no teardown) at this rank's ``exit_at``-th
+    forward while training, when ``exit_rank`` is this rank: a process killed or crashed mid-step."""
+    if rank != c.get("exit_rank") or autotune.is_planning():
+        return
+    _TRAINING_FORWARDS.append(1)
+    if len(_TRAINING_FORWARDS) == c["exit_at"]:
+        os._exit(0)
+
+
 class _RaiseInBackward(torch.autograd.Function):
     """The identity, whose backward runs out of memory."""
 
@@ -517,6 +531,13 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                 if len(calls) == c["fail_call"]:
                     raise ValueError("a failure inside the forward")
             return token_loss(model, batch)
+
+    if c.get("exit_rank") == rank:
+        fsdp_loss = loss_fn
+
+        def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:  # noqa: F811
+            exit_if_asked(rank, c)
+            return fsdp_loss(model, batch)
 
     if c.get("oom_rank") == rank:
         inject_out_of_memory(model.mix, c["oom_in"], c["oom_call"], planning=bool(c.get("oom_in_plan")))

@@ -280,6 +280,18 @@ def assert_stopped_together(tmp_path, scenario, config, bad, when):
     assert seconds < 40
 
 
+def test_a_rank_that_exits_mid_run_is_named_by_the_others(tmp_path):
+    """Rank 1's process leaves at its 3rd training forward (os._exit: no error of its own, as a process
+    killed or crashed): rank 0, waiting in the step's exchange, says that rank 1 exited, not the
+    transport's "connection closed by peer", within seconds."""
+    config = {**BASE, "n": 96, "target": 24, "limits": ["64MiB", "64MiB"], "exit_rank": 1, "exit_at": 3}
+    seconds = W.launch(2, str(tmp_path), "tokens", config, timeout=40)
+    out = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert not (tmp_path / "rank1.pt").exists()
+    assert out["error"].startswith("AutotuneError: rank 1 exited in this step's exchange (its process is gone)"), out["error"]
+    assert seconds < 40
+
+
 @pytest.mark.parametrize("wrap", ["compiled", "nested", "plain-perturbed"])
 def test_compiled_nested_and_plain_models_are_recognised(tmp_path, wrap):
     config = {**BASE, "n": 64, "target": 25, "wrap": wrap, "limits": ["64MiB", "64MiB"]}

@@ -229,6 +229,17 @@ def test_an_error_inside_one_ranks_forward_stops_every_rank_within_seconds(tmp_p
     assert outs[0]["at"] - outs[1]["at"] < 10
 
 
+def test_a_rank_that_exits_inside_a_forward_is_named_by_the_others(tmp_path):
+    """Rank 1's process leaves inside a forward of a window (os._exit), while rank 0 waits in that
+    forward's all-gather: rank 0 says that rank 1 exited, within seconds."""
+    config = {"n": 96, "target": 24, "lengths": (6, 6), "limits": [BIG, BIG], "exit_rank": 1, "exit_at": 3}
+    seconds = W.launch(2, str(tmp_path), "fsdp", config, timeout=60)
+    out = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert not (tmp_path / "rank1.pt").exists()
+    assert out["error"].startswith("AutotuneError: rank 1 exited in this window (its process is gone)"), out["error"]
+    assert seconds < 40
+
+
 def test_an_error_inside_a_planning_forward_is_named_on_every_rank(tmp_path):
     """The same failure during plan()'s lockstep trials: each rank raises the cause (rank 1 its own
     error, rank 0 naming rank 1 and it), not the transport's "connection closed" from a last gather on

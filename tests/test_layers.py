@@ -16,7 +16,7 @@ WINGS = {
     # what a step holds and would hold
     "memory": ["memory", "memory.curve", "memory.shapes", "memory.ledger", "memory.device", "memory.checkpointing"],
     # ranks: agreements for planning, the exchange of training
-    "parallel": ["parallel", "parallel.ranks", "parallel.exchange", "parallel.lockstep"],
+    "parallel": ["parallel", "parallel.ranks", "parallel.stops", "parallel.exchange", "parallel.lockstep"],
     # trials that change nothing, real and on fake tensors, and the search
     "probe": ["probe", "probe.search", "probe.trial", "probe.estimate", "probe.largest"],
     # the plan (pure) and the verbs that make plans

@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from autotune.parallel.ranks import collective_device, is_distributed, world
+from autotune.parallel.ranks import (
+    collective_device,
+    is_distributed,
+    naming_lost_peers,
+    world,
+)
 
 __all__ = [
     "Agreement",
@@ -170,7 +175,8 @@ class GradientSync:
         return t.cpu()
 
     def _all_reduce(self, t: torch.Tensor) -> None:
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        with naming_lost_peers(self.group, what="in this step's exchange"):
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=self.group)
         self.collectives += 1
 
     def _flat(self, b: int, head: list[float], scale: float) -> torch.Tensor:

@@ -25,7 +25,7 @@ planning for its trials; anything else runs with no hook at all.
 One case cannot be shared: an out-of-memory error inside FSDP2's own code (the buffers of an
 all-gather or a reduce-scatter, after the agreement and before the collective), when the others are
 already inside the collective. It is raised as any other error is, and the caller stops every rank
-naming it (:func:`autotune.parallel.ranks.stop_every_rank`).
+naming it (:func:`autotune.parallel.stops.stop_every_rank`).
 """
 
 from __future__ import annotations

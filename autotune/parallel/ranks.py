@@ -1,9 +1,10 @@
-"""Ranks: who they are, what they gather and agree on, and how one rank's failure stops them all.
+"""Ranks: who they are, what they gather, how a model is wrapped, and which rank went away.
 
-Planning gathers each rank's figures (:func:`gather_numbers`, :func:`gather`, :func:`on_every_rank`),
-a model's wrappers are read (:func:`parallel`: DDP, FSDP2), and a rank that fails writes its error to
-the store and breaks its communication so that every other rank raises naming it within seconds
-(:func:`stop_every_rank`, :class:`failure_watch`). Everything here is a no-op in a single process.
+Planning gathers each rank's figures (:func:`gather_numbers`, :func:`gather`), a model's wrappers
+are read (:func:`parallel`: DDP, FSDP2), and a collective that fails because another rank's process
+exited says which (:func:`lost_peer`, from what each rank announced in the store: :func:`announce`).
+How one rank's failure stops them all is :mod:`autotune.parallel.stops`. Everything here is a no-op
+in a single process.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
-    "ACK_SECONDS",
+    "FAILED_KEY",
     "Parallel",
     "announce",
     "broadcast_model",
@@ -26,20 +27,25 @@ __all__ = [
     "check_distinct_samples",
     "check_mesh",
     "collective_device",
-    "failure_watch",
     "gather",
     "gather_numbers",
+    "exited_ranks",
+    "group_broken",
     "is_distributed",
-    "on_every_rank",
+    "lost_peer",
+    "naming_lost_peers",
     "parallel",
+    "process_store",
     "sampler_epoch",
     "set_epoch",
     "set_gradient_sync",
-    "stop_every_rank",
     "sum_over_ranks",
     "unwrap",
     "world",
 ]
+
+
+_AGREEING = "while the ranks agreed on what happened"
 
 
 def is_distributed() -> bool:
@@ -68,7 +74,8 @@ def sum_over_ranks(values: list[float], device: torch.device | None = None, grou
     if not is_distributed():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=collective_device(device, group))
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
+    with naming_lost_peers(group, what=_AGREEING):
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
     return t.tolist()
 
 
@@ -83,7 +90,8 @@ def gather_numbers(values: Sequence[float], device: torch.device | None = None, 
     t = torch.zeros(size, len(values), dtype=torch.float64)
     t[rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
     t = t.to(collective_device(device, group))
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
+    with naming_lost_peers(group, what=_AGREEING):
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
     return t.tolist()
 
 
@@ -97,11 +105,12 @@ def gather(obj: Any, device: torch.device | None = None, group: Any = None) -> l
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * torch.distributed.get_world_size(group)
-    if torch.distributed.get_backend(group) == "nccl" and device is not None and device.type == "cuda":
-        with torch.cuda.device(device):
+    with naming_lost_peers(group, what=_AGREEING):
+        if torch.distributed.get_backend(group) == "nccl" and device is not None and device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.distributed.all_gather_object(out, obj, group=group)
+        else:
             torch.distributed.all_gather_object(out, obj, group=group)
-    else:
-        torch.distributed.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -283,49 +292,10 @@ def sampler_epoch(loader: Any) -> int:
     return 0
 
 
-def on_every_rank(fn: Any, *args: Any, device: torch.device | None = None, group: Any = None, what: str = "",
-                  agree: Sequence[tuple[str, float, Any]] = ()) -> Any:
-    """Run ``fn(*args)`` on every rank; if it raised on any rank, raise on every rank.
-
-    The rank that failed raises its own error; the others an AutotuneError naming it. For steps that
-    touch the data before training (a dataset that raises on one rank must not leave the others
-    waiting in the next collective). ``agree``: ``(name, number, shown)`` settings every rank must
-    share, carried in the same all-reduce; a difference raises ValueError on every rank, naming the
-    ranks and their values (``shown(number)``).
-    """
-    error: BaseException | None = None
-    result = None
-    try:
-        result = fn(*args)
-    except Exception as exc:
-        error = exc
-    if not is_distributed():
-        if error is not None:
-            raise error
-        return result
-    # One small all-reduce says whether any rank failed (and carries what must agree); only then do the
-    # messages travel.
-    rows = gather_numbers([error is not None, *(number for _, number, _ in agree)], device, group)
-    if not any(row[0] for row in rows):
-        for i, (name, _, shown) in enumerate(agree, start=1):
-            values = [row[i] for row in rows]
-            if len(set(values)) > 1:
-                ranks = ", ".join(f"rank {r}: {shown(v)}" for r, v in enumerate(values))
-                raise ValueError(f"Invalid {name}: the ranks disagree ({ranks}); every rank must train with the same {name}")
-        return result
-    messages = gather(None if error is None else f"{type(error).__name__}: {error}", device, group)
-    if error is not None:
-        raise error
-    from autotune.errors import AutotuneError
-
-    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
-    raise AutotuneError(f"rank {rank} failed {what}, so every rank stops: {message}")
+FAILED_KEY = "autotune/failed"  # the store key a failing rank writes its error under (and, below it, where each rank runs)
 
 
-_FAILED = "autotune/failed"  # the store key the failing rank writes its error under
-
-
-def _store() -> Any:
+def process_store() -> Any:
     """The default process group's key-value store (None when there is none to reach)."""
     try:
         return torch.distributed.distributed_c10d._get_default_store()
@@ -334,186 +304,99 @@ def _store() -> Any:
 
 
 def group_broken(error: BaseException | None) -> bool:
-    """Whether ``error`` came from :func:`stop_every_rank`: the process group is aborted, and a
+    """Whether ``error`` came from :func:`autotune.parallel.stops.stop_every_rank`: the process group is aborted, and a
     collective would only replace the named cause with the transport's "connection closed"."""
     return bool(getattr(error, "autotune_group_broken", False))
 
 
-def stop_every_rank(own: BaseException, group: Any = None, *, what: str) -> NoReturn:
-    """A rank's step raised inside a lockstep step (FSDP2: every forward and backward is collective):
-    make every rank stop within seconds, each naming the cause, instead of leaving the others waiting
-    in a collective until the process group's timeout.
+# What gloo and NCCL say when a peer's process went away in the middle of a collective.
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited", "ProcessGroupNCCL is aborted")
 
-    On the rank whose own code failed: its error is written to the process group's store, the
-    process group is aborted (its peers' pending collectives then fail at once), and it raises its own
-    error after the others have read it (at most ``ACK_SECONDS``). On a rank whose collective failed
-    because a peer aborted: an :class:`AutotuneError` naming that rank and its error. The process
-    group cannot be used afterwards: the run is over.
-    """
+
+def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseException | None:
+    """When a collective failed because another rank's process went away (``error``: the transport's
+    "connection closed by peer" and the like): an :class:`AutotuneError` that says which rank exited,
+    when its process ran on this host and announced itself (:func:`announce`), else that a peer was
+    lost. None for any other error."""
+    if not any(m in str(error) for m in _LOST):
+        return None
     from autotune.errors import AutotuneError
 
-    store = _store()
-    rank, size = world(group)
-    told = _read_failure(store)
-    if told is not None and told[0] != rank:
-        _ack(store, rank)
-        stopped = AutotuneError(f"rank {told[0]} failed {what}, so every rank stops: {told[1]}")
-        stopped.autotune_group_broken = True  # type: ignore[attr-defined]
-        raise stopped from own
-    if store is not None:
-        try:
-            store.set(_FAILED, f"{rank}\n{type(own).__name__}: {own}")
-        except Exception:
-            store = None
-    _abort(group)
-    if store is not None:
-        _wait_for_acks(store, [r for r in range(size) if r != rank])
-    own.autotune_group_broken = True  # type: ignore[attr-defined]  # no collective may follow: the group is aborted
-    raise own
+    gone = exited_ranks(group)
+    if gone:
+        ranks = ", ".join(str(r) for r in gone)
+        return AutotuneError(
+            f"rank {ranks} exited {what} (its process is gone), so this rank stops too: the output of rank {ranks} says why"
+        )
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return AutotuneError(
+        f"lost the connection to another rank {what} ({first}), so this rank stops: a rank exited or crashed; its output says why"
+    )
 
 
-ACK_SECONDS = 10.0  # how long a failing rank waits for the others to read its error
+def exited_ranks(group: Any = None) -> list[int]:
+    """The ranks whose process (announced in the store by :func:`announce`, on this host) has exited."""
+    import socket
 
-
-def _read_failure(store: Any) -> tuple[int, str] | None:
+    store = process_store()
     if store is None:
-        return None
+        return []
     try:
-        if not store.check([_FAILED]):
-            return None
-        text = store.get(_FAILED).decode()
-    except Exception:
-        return None
-    rank, _, message = text.partition("\n")
-    return int(rank), message
+        import psutil
+    except ImportError:  # pragma: no cover - a dependency
+        return []
+    rank, size = world(group)
+    gone = []
+    for r in range(size):
+        if r == rank:
+            continue
+        try:
+            key = f"{FAILED_KEY}/process/{r}"
+            text = store.get(key).decode() if store.check([key]) else ""
+        except Exception:  # the store itself went with a rank: nothing to tell
+            return []
+        host, _, pid = text.partition(" ")
+        if host != socket.gethostname() or not pid.isdigit():
+            continue
+        try:
+            if psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            pass
+        gone.append(r)
+    return gone
 
 
-def _ack(store: Any, rank: int) -> None:
-    try:
-        store.set(f"{_FAILED}/read/{rank}", "1")
-    except Exception:
-        pass
+class naming_lost_peers:
+    """Around collectives: a failure because another rank's process went away is raised as
+    :func:`lost_peer` says (which rank exited), instead of the transport's message."""
 
+    def __init__(self, group: Any = None, *, what: str) -> None:
+        self.group, self.what = group, what
 
-def _wait_for_acks(store: Any, ranks: Sequence[int]) -> None:
-    import datetime
+    def __enter__(self) -> naming_lost_peers:
+        return self
 
-    try:
-        store.wait([f"{_FAILED}/read/{r}" for r in ranks], datetime.timedelta(seconds=ACK_SECONDS))
-    except Exception:  # a peer that never reads it: its own collective has failed anyway
-        pass
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        if error is None or not isinstance(error, Exception) or group_broken(error):
+            return
+        lost = lost_peer(error, self.group, what=self.what)
+        if lost is not None:
+            raise lost from error
 
 
 def announce(group: Any = None) -> None:
-    """Before a lockstep step: this rank's host and process id in the store, so that a failing peer
-    can close its connections to this process (see :func:`_abort`)."""
-    store = _store()
+    """This rank's host and process id in the store: a failing peer can then close its connections to
+    this process (see :func:`_abort`), and a peer can tell that this process exited (:func:`exited_ranks`)."""
+    store = process_store()
     if store is None or not is_distributed():
         return
     import socket
 
     try:
-        store.set(f"{_FAILED}/process/{world(group)[0]}", f"{socket.gethostname()} {os.getpid()}")
+        store.set(f"{FAILED_KEY}/process/{world(group)[0]}", f"{socket.gethostname()} {os.getpid()}")
     except Exception:
         pass
-
-
-def _abort(group: Any) -> None:
-    """Make the peers' pending collectives fail now.
-
-    NCCL: the communicator is aborted (and the peers' :class:`failure_watch` aborts theirs). gloo
-    has no abort that reaches a peer waiting in a receive: its connections close only when the
-    process group is freed, which FSDP2's own references prevent. So this rank's TCP connections to
-    its peers' processes (announced in the store; never the store's own) are shut down: each peer's
-    pending receive fails at once with "connection closed by peer".
-    """
-    dist = torch.distributed
-    try:
-        backend = dist.get_backend(group)
-    except Exception:
-        backend = None
-    if backend == "nccl":
-        try:
-            dist.distributed_c10d._abort_process_group(group)
-        except Exception:
-            pass
-        return
-    _close_peer_connections(group)
-
-
-def _close_peer_connections(group: Any) -> None:
-    import socket
-
-    store = _store()
-    if store is None:
-        return
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - a dependency
-        return
-    rank, size = world(group)
-    host = socket.gethostname()
-    peers: set[int] = set()
-    for r in range(size):
-        if r == rank:
-            continue
-        try:
-            text = store.get(f"{_FAILED}/process/{r}").decode() if store.check([f"{_FAILED}/process/{r}"]) else ""
-        except Exception:
-            continue
-        name, _, pid = text.partition(" ")
-        if name == host and pid.isdigit():
-            peers.add(int(pid))
-    store_port = getattr(store, "port", None) or int(os.environ.get("MASTER_PORT", "0") or 0)
-    try:
-        everyone = psutil.net_connections(kind="tcp")
-        mine = psutil.Process().net_connections(kind="tcp")
-    except Exception:
-        return
-    owner = {(c.laddr.ip, c.laddr.port): c.pid for c in everyone if c.laddr}
-    for c in mine:
-        if not c.raddr or c.fd is None or c.fd < 0 or store_port in (c.laddr.port, c.raddr.port):
-            continue
-        if owner.get((c.raddr.ip, c.raddr.port)) in peers:
-            try:
-                with socket.socket(fileno=os.dup(c.fd)) as s:
-                    s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-
-class failure_watch:
-    """While a lockstep step runs with NCCL, a thread watches the store for another rank's failure and
-    aborts this rank's process group, so that a collective this rank is blocked in fails at once
-    (gloo's blocked collectives fail by themselves when the failing rank destroys its group)."""
-
-    def __init__(self, group: Any = None, *, interval: float = 0.2) -> None:
-        self.group, self.interval = group, interval
-        self._stop: Any = None
-
-    def __enter__(self) -> failure_watch:
-        import threading
-
-        dist = torch.distributed
-        store = _store()
-        if store is None or not is_distributed() or dist.get_backend(self.group) != "nccl":
-            return self
-        rank = world(self.group)[0]
-        self._stop = threading.Event()
-
-        def watch() -> None:
-            while not self._stop.wait(self.interval):
-                told = _read_failure(store)
-                if told is not None and told[0] != rank:
-                    _abort(self.group)
-                    return
-
-        threading.Thread(target=watch, name="autotune-failure-watch", daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._stop is not None:
-            self._stop.set()
 
 
 def check_distinct_samples(batch: Any, device: torch.device | None = None, group: Any = None) -> None:

@@ -36,10 +36,10 @@ from autotune.parallel.ranks import (
     bypass_nested,
     gather,
     group_broken,
-    on_every_rank,
     parallel,
     world,
 )
+from autotune.parallel.stops import on_every_rank
 from autotune.planning.plans import Plan, budget_of, largest_share, window_layout
 from autotune.planning.scaling import (
     LR_RULES,

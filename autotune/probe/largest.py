@@ -33,10 +33,9 @@ from autotune.memory.ledger import ResidentPeak, TensorLedger, is_out_of_memory
 from autotune.parallel.lockstep import in_lockstep, recoverable
 from autotune.parallel.ranks import (
     announce,
-    failure_watch,
     gather_numbers,
-    stop_every_rank,
 )
+from autotune.parallel.stops import failure_watch, stop_every_rank
 from autotune.probe.estimate import estimator_for
 from autotune.probe.search import Measurement, SearchResult, Trial, largest_fitting
 from autotune.probe.trial import (
@@ -202,7 +201,7 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
     min_r(budget_r)``. A size then fits when it fits on every rank, and every rank's search takes
     the same path (a different path would pair different collectives). A trial that raises on one
     rank (its own error, or a real out-of-memory error inside a forward, which lockstep cannot
-    recover from) stops every rank within seconds (:func:`autotune.parallel.ranks.stop_every_rank`).
+    recover from) stops every rank within seconds (:func:`autotune.parallel.stops.stop_every_rank`).
     """
     announce()  # where a failing peer finds this process
     common = int(min(r[0] for r in gather_numbers([float(budget)], work.device)))

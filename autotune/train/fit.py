@@ -58,12 +58,12 @@ from autotune.errors import AutotuneWarning
 from autotune.parallel.ranks import (
     broadcast_model,
     is_distributed,
-    on_every_rank,
     parallel,
     sampler_epoch,
     set_epoch,
     world,
 )
+from autotune.parallel.stops import on_every_rank
 from autotune.planning.planner import plan as make_plan
 from autotune.planning.plans import Plan
 from autotune.planning.scaling import LR_RULES, auto_lr_rule

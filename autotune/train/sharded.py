@@ -32,7 +32,7 @@ on CUDA by the allocator's peak. Any other error raised inside one rank's forwar
 own code, an out-of-memory error in a window of a shape already run, or one inside FSDP2's own
 collective code) stops every rank within seconds: that rank writes its error to the process group's
 store and aborts the group, so the others' pending collectives fail at once and they raise, naming
-it (:func:`autotune.parallel.ranks.stop_every_rank`).
+it (:func:`autotune.parallel.stops.stop_every_rank`).
 """
 
 from __future__ import annotations
@@ -52,11 +52,10 @@ from autotune.parallel.lockstep import Outcome, in_lockstep, recoverable
 from autotune.parallel.ranks import (
     announce,
     check_distinct_samples,
-    failure_watch,
     gather_numbers,
     set_gradient_sync,
-    stop_every_rank,
 )
+from autotune.parallel.stops import failure_watch, stop_every_rank
 from autotune.step import forward_backward
 from autotune.train.retry import lower
 
