@@ -126,7 +126,8 @@ class Run:
 
         stack = self.stack
         stack.enter_context(self.bnc)
-        # Under FSDP2 the limit is counted, not enforced: an OOM inside a forward would strand the other ranks.
+        # Under FSDP2 the limit is counted, not enforced: a capped allocator would raise inside FSDP2's own
+        # collective code too, where the error cannot be shared (see autotune.parallel.lockstep).
         cap = allocator_cap(self.limit, self.plan.set_aside) if (self.limit is not None and not self.par.fsdp) else None
         stack.enter_context(cuda_memory_fraction(self.device, cap))
         stack.enter_context(bypass_nested(self.par.nested))
