@@ -13,7 +13,7 @@ from autotune.planning.plans import Plan
 from autotune.planning.sharding import ShardEstimate, shard_plan
 from autotune.planning.whatif import WhatIf, WhatIfRow
 from autotune.probe.search import Trial
-from autotune.probe.trial import is_planning
+from autotune.step import is_planning
 from autotune.train.accumulate import Micro, Window, accumulate
 from autotune.train.bn import AdjustBN, PooledBN, PreciseBN
 from autotune.train.fit import fit

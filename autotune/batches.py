@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "batch_size",
+    "checked_batch",
     "concat",
     "length_dims",
     "longest_length",
@@ -367,3 +368,19 @@ def _tensor_keys(batch: Batch) -> list[Any]:
 def to_device(batch: Batch, device: torch.device | str) -> Batch:
     """``batch`` with every tensor moved to ``device``."""
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def checked_batch(batch: Any, index: int) -> tuple[int, Any]:
+    """``(samples, per-sample shapes)`` of the loader's batch number ``index``; an error naming the
+    loader and the batch when it is not a batch autotune can cut (no tensor, a scalar, tensors that
+    disagree on the batch size, no sample)."""
+    try:
+        size, shapes = size_and_shapes(batch)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"Invalid loader: its batch {index} is not a batch ({exc})") from None
+    if size == 0:
+        raise ValueError(
+            f"Invalid loader: its batch {index} holds no sample (dim 0 of size 0); drop empty batches from the "
+            "loader (a sampler or collate_fn that yields them)"
+        )
+    return size, shapes

@@ -1,4 +1,6 @@
-"""The training step that probes measure and training runs: forward, loss, weighted backward.
+"""The training step that probes measure and training runs: forward, loss, weighted backward; what a
+step changes, copied and put back bitwise (:class:`Snapshot`); and the check, before training, that
+your step runs at all (:func:`check_step`).
 
 The default loss, used when ``loss_fn`` is None:
 
@@ -13,14 +15,33 @@ The default loss, used when ``loss_fn`` is None:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import copy
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LossFn", "Precision", "autocast", "batchnorms", "default_loss", "forward_backward", "normalize_precision"]
+from autotune import batches as B
+from autotune.rng import RNGState
+
+__all__ = [
+    "EXACT_AT_ZERO_LR",
+    "LossFn",
+    "Precision",
+    "Snapshot",
+    "autocast",
+    "batchnorms",
+    "check_step",
+    "default_loss",
+    "forward_backward",
+    "is_planning",
+    "min_micro_batch",
+    "normalize_precision",
+    "planning",
+]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -149,3 +170,216 @@ def forward_backward(
 def batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     """The model's BatchNorm modules that keep running statistics (updated by every training forward)."""
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
+# --- a step undone, and a step checked ------------------------------------------------------------
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _exact_at_zero_lr() -> tuple[type, ...]:
+    """``torch.optim`` optimizers whose step leaves every parameter bitwise unchanged at ``lr=0``.
+
+    Each applies its update as ``p += -lr * ...`` and weight decay as ``p *= 1 - lr * wd`` or
+    through the update, and ``tests/test_no_copy.py`` checks them bitwise (single tensor, foreach
+    and fused). Not here: optimizers with LR-free updates (Rprop, LBFGS), ASGD (its ``eta`` state
+    carries the learning rate of earlier steps), and any subclass, whose step may differ.
+    """
+    o = torch.optim
+    names = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
+    return tuple(getattr(o, n) for n in names if hasattr(o, n))
+
+
+EXACT_AT_ZERO_LR = _exact_at_zero_lr()
+
+
+class Snapshot:
+    """Exactly what a trial can change, copied to CPU, and put back bitwise by :meth:`restore`.
+
+    Covers buffers, ``.grad`` that existed (None stays None; an existing gradient keeps its tensor
+    object), the optimizer's existing per-parameter state (same tensor objects, values restored;
+    entries the trial added are removed), its param-group settings, the modules' train/eval flags,
+    and the random number generators (torch CPU and CUDA, Python, numpy, and the loader's own
+    generators: see :class:`autotune.rng.RNGState`).
+
+    Parameter values are copied only when the trial could change them: a trial of an optimizer in
+    :data:`EXACT_AT_ZERO_LR` steps with a learning rate of exactly 0 (``zero_lr``), which leaves
+    every parameter bitwise as it was, so a model whose weights fill the host memory is never
+    copied there. Other optimizers (their own LR-free updates, schedule-free or D-Adaptation
+    variants, subclasses) keep the full copy.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.zero_lr = type(optimizer) in EXACT_AT_ZERO_LR
+        self.params = _unique(
+            [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+        )
+        with torch.no_grad():
+            self.values = None if self.zero_lr else [p.detach().to("cpu", copy=True) for p in self.params]
+            self.grads = [
+                None if p.grad is None else (p.grad, p.grad.detach().to("cpu", copy=True))
+                for p in self.params
+            ]
+            self.buffers = [(b, b.detach().to("cpu", copy=True)) for b in _unique(model.buffers())]
+            self.state = {
+                p: {k: self._save(v) for k, v in s.items()} for p, s in optimizer.state.items()
+            }
+        self.groups = [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ]
+        self.opt_called = optimizer.__dict__.get("_opt_called", _MISSING)
+        self.training = [(m, m.training) for m in model.modules()]
+        self.rng = RNGState(loader)
+
+    def prepare_trial(self) -> None:
+        """Before a real trial: every param group's learning rate to exactly 0 (zero_lr only)."""
+        if not self.zero_lr:
+            return
+        for g in self.optimizer.param_groups:
+            lr = g.get("lr")
+            g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+
+    @staticmethod
+    def _save(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return _SavedTensor(value, value.detach().to("cpu", copy=True))
+        return copy.deepcopy(value)
+
+    def restore(self) -> None:
+        """Put everything back as it was when the snapshot was taken."""
+        opt = self.optimizer
+        with torch.no_grad():
+            for p, v in zip(self.params, self.values or ()):
+                p.copy_(v)
+            for p, g in zip(self.params, self.grads):
+                if g is None:
+                    p.grad = None
+                else:
+                    original, value = g
+                    original.copy_(value)
+                    p.grad = original
+            for b, v in self.buffers:
+                b.copy_(v)
+            for p in [p for p in opt.state if p not in self.state]:
+                del opt.state[p]
+            for p, saved in self.state.items():
+                restored = {}
+                for k, v in saved.items():
+                    if isinstance(v, _SavedTensor):
+                        restored[k] = v.original.copy_(v.value)
+                    else:
+                        restored[k] = copy.deepcopy(v)
+                opt.state[p] = restored
+        for group, saved_group in zip(opt.param_groups, self.groups):
+            params = group["params"]
+            group.clear()
+            group.update(copy.deepcopy(saved_group))
+            group["params"] = params
+        # LR schedulers mark the optimizer when it steps; the trial's steps must not count.
+        if self.opt_called is _MISSING:
+            opt.__dict__.pop("_opt_called", None)
+        else:
+            opt.__dict__["_opt_called"] = self.opt_called
+        for m, training in self.training:
+            m.training = training
+        self.rng.restore()
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _SavedTensor:
+    """An optimizer state tensor and a CPU copy of its values (restored into the same object)."""
+
+    original: torch.Tensor
+    value: torch.Tensor
+
+
+def min_micro_batch(model: nn.Module) -> int:
+    """The smallest micro-batch that can train: 2 when the model has BatchNorm, else 1.
+
+    BatchNorm in training mode cannot normalise a single value per channel (``BatchNorm1d`` on a
+    ``(1, C)`` input raises ``ValueError``), so models with it start at two samples.
+    """
+    return 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) else 1
+
+
+def check_step(model: nn.Module, loss_fn: LossFn, loader: Any, *, device: torch.device, precision: Precision) -> None:
+    """Refuse a loader or a loss that cannot train, before training changes anything.
+
+    Looks at the loader's first batch (its generators put back) and runs one forward and backward of
+    the loss on a sample of it, between a :class:`Snapshot` and its restore: a malformed batch, a
+    loss that is not a scalar tensor with a gradient, or an error in your code is raised here, with
+    the model, its gradients, the RNGs and the loader exactly as they were.
+    """
+    rng = RNGState(loader)
+    try:
+        batch = next(iter(loader), _NONE)
+    finally:
+        rng.restore()
+    if batch is _NONE:
+        raise ValueError(
+            "Invalid loader: it yielded no batches; check the dataset is not empty and, with drop_last=True, that it "
+            "holds at least one full batch"
+        )
+    size, _ = B.checked_batch(batch, 0)
+    sample = B.to_device(B.slice_batch(batch, 0, min(size, min_micro_batch(model))), device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    snapshot = Snapshot(model, torch.optim.SGD(params, lr=0.0), loader)
+    try:
+        with planning():
+            model.train()
+            forward_backward(model, loss_fn, sample, device_type=device.type, precision=precision)
+    finally:
+        snapshot.restore()
+
+
+_NONE = object()
+_PLANNING = [0]  # how many trials or estimates are running (see planning)
+
+
+def is_planning() -> bool:
+    """Whether autotune is running a trial or an estimate of your step right now.
+
+    Planning runs your model's forward and backward (and so its module hooks): once per trace on fake
+    tensors (two or three per plan) and twice per real trial (usually one per plan), and never your
+    optimizer's step hooks (a trial steps at a learning rate of 0; it is not a training step). A hook
+    that counts what it sees or keeps tensors can skip those calls::
+
+        def hook(module, inputs, output):
+            if not autotune.is_planning():
+                activations.append(output.detach())
+    """
+    return _PLANNING[0] > 0
+
+
+@contextlib.contextmanager
+def planning() -> Iterator[None]:
+    """While it runs, :func:`is_planning` is True and the optimizers' step hooks (every optimizer's
+    own and torch's global ones) are set aside, then put back."""
+    from torch.optim import optimizer as opt_module
+
+    saved = []
+    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        hooks = getattr(opt_module, name, None)
+        if hooks is not None:
+            saved.append((hooks, dict(hooks)))
+            hooks.clear()
+    _PLANNING[0] += 1
+    try:
+        yield
+    finally:
+        _PLANNING[0] -= 1
+        for hooks, values in saved:
+            hooks.update(values)

@@ -103,7 +103,8 @@ def test_out_of_memory_messages_of_every_backend_are_recognised(message):
 
 def test_allocator_retries_alone_do_not_reject_a_trial(monkeypatch):
     import autotune.probe.largest as probe
-    from autotune.probe.trial import Snapshot, Workload
+    from autotune.probe.trial import Workload
+    from autotune.step import Snapshot
 
     retries = iter([3, 5])  # the allocator retried twice during the step (cuDNN workspace sizing)
     monkeypatch.setattr(probe, "reset_peak", lambda device: next(retries))

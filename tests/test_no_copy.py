@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotune
-from autotune.probe.trial import EXACT_AT_ZERO_LR, Snapshot
+from autotune.step import EXACT_AT_ZERO_LR, Snapshot
 
 OPTIMIZERS = {
     "SGD": lambda p: torch.optim.SGD(p, lr=0.1),

@@ -57,8 +57,8 @@ from autotune.integrations.common import (
 )
 from autotune.planning.planner import plan as make_plan
 from autotune.planning.report import largest_divisor
-from autotune.probe.trial import planning
 from autotune.rng import RNGState
+from autotune.step import planning
 
 __all__ = ["LossCheck", "Prepared", "prepare"]
 

@@ -54,15 +54,16 @@ from autotune.planning.sharding import estimated, shard_estimates
 from autotune.planning.whatif import WhatIf, estimate_rows
 from autotune.probe.largest import Progress, probe
 from autotune.probe.search import Trial
-from autotune.probe.trial import (
-    Looked,
-    Snapshot,
-    Workload,
-    min_micro_batch,
-    sample_batch,
-)
+from autotune.probe.trial import Looked, Workload, sample_batch
 from autotune.rng import RNGState
-from autotune.step import LossFn, batchnorms, default_loss, normalize_precision
+from autotune.step import (
+    LossFn,
+    Snapshot,
+    batchnorms,
+    default_loss,
+    min_micro_batch,
+    normalize_precision,
+)
 from autotune.units import format_bytes, parse_bytes
 
 __all__ = ["plan", "what_if"]

@@ -43,9 +43,9 @@ from autotune.memory.ledger import storage_bytes
 from autotune.planning.plans import budget_of, split_evenly
 from autotune.probe.estimate import estimator_for
 from autotune.probe.search import estimated_max
-from autotune.probe.trial import Workload, min_micro_batch, sample_batch
+from autotune.probe.trial import Workload, sample_batch
 from autotune.rng import RNGState
-from autotune.step import default_loss, normalize_precision
+from autotune.step import default_loss, min_micro_batch, normalize_precision
 from autotune.units import format_bytes, parse_bytes
 
 __all__ = ["ShardEstimate", "ShardParts", "shard_estimates", "shard_parts", "shard_plan"]

@@ -78,8 +78,8 @@ from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
 from autotune.memory.ledger import TensorLedger, held_tensors, storage_bytes
 from autotune.probe.search import estimated_max
-from autotune.probe.trial import Workload, min_micro_batch, planning
-from autotune.step import forward_backward
+from autotune.probe.trial import Workload
+from autotune.step import forward_backward, min_micro_batch, planning
 
 __all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "forget", "optimizer_for_device"]
 

@@ -39,14 +39,12 @@ from autotune.parallel.stops import failure_watch, stop_every_rank
 from autotune.probe.estimate import estimator_for
 from autotune.probe.search import Measurement, SearchResult, Trial, largest_fitting
 from autotune.probe.trial import (
-    Snapshot,
     Workload,
-    min_micro_batch,
-    planning,
     sharded_trial_step,
     trial_step,
     without_step_hooks,
 )
+from autotune.step import Snapshot, min_micro_batch, planning
 from autotune.units import format_bytes
 
 __all__ = ["Progress", "probe"]

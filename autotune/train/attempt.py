@@ -58,7 +58,8 @@ def run_micro_batches(run: Any, window: Window) -> float:
                 exc.autotune_micro_size = B.per_sample_numel(micro.batch)  # type: ignore[attr-defined]
             raise
         losses.append(loss)
-        run.noise.first(run.synced, micro.weight * share, micro.items)
+        if run.noise.due:  # a measured window keeps its first micro-batch's gradient norm
+            run.noise.first(run.synced, micro.weight * share, micro.items)
     return weighted_sum(losses, [micro.weight for micro in window])
 
 

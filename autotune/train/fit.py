@@ -67,14 +67,15 @@ from autotune.parallel.stops import on_every_rank
 from autotune.planning.planner import plan as make_plan
 from autotune.planning.plans import Plan
 from autotune.planning.scaling import LR_RULES, auto_lr_rule
-from autotune.probe.trial import check_step, min_micro_batch
 from autotune.rng import RNGState
 from autotune.step import (
     LossFn,
     Precision,
     autocast,
     batchnorms,
+    check_step,
     default_loss,
+    min_micro_batch,
     normalize_precision,
 )
 from autotune.train import data_parallel, sharded, single
@@ -434,7 +435,7 @@ def fit(
             run.noise.fixed = run.noise.fixed or 1
             run.noise.every = run.noise.fixed
     # One window module per mode: one process, data-parallel ranks (one exchange per window), FSDP2 (lockstep).
-    run_window = sharded.run_window if par.fsdp else data_parallel.run_window if run.sync.distributed else single.run_window
+    run_window = sharded.run_window if par.fsdp else data_parallel.run_window if run.sync is not None else single.run_window
     first_epoch = sampler_epoch(loader)  # continue where an earlier fit left the sampler
     # In a single process the short last window is dropped before it runs; with several ranks
     # only the agreement can tell that the global window is short.

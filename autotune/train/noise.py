@@ -146,7 +146,7 @@ class NoisePacer:
 
     def first(self, params: list[torch.Tensor], weight: float, items: int) -> None:
         """After a window's first micro-batch the gradient is its own (weighted): keep ``|G_b|^2`` of
-        ``params``' gradients, when this window is measured (else nothing: called after every micro-batch)."""
+        ``params``' gradients (called after each micro-batch of a measured window; once per window it keeps one)."""
         if not self.due or self.small is not None:
             return
         started = time.perf_counter()
@@ -292,8 +292,12 @@ def noise_scale(
 
     from autotune.checks import check_grad_mode, check_reiterable, check_trainable
     from autotune.parallel.ranks import parallel
-    from autotune.probe.trial import Snapshot
-    from autotune.step import default_loss, forward_backward, normalize_precision
+    from autotune.step import (
+        Snapshot,
+        default_loss,
+        forward_backward,
+        normalize_precision,
+    )
     from autotune.train.accumulate import accumulate
 
     check_grad_mode("noise_scale")

@@ -25,7 +25,13 @@ from autotune.errors import AutotuneError
 from autotune.memory.device import allocator_cap, cuda_memory_fraction
 from autotune.memory.ledger import TensorLedger, held_tensors
 from autotune.parallel.exchange import GradientSync
-from autotune.parallel.ranks import Parallel, bypass_nested, gather, world
+from autotune.parallel.ranks import (
+    Parallel,
+    bypass_nested,
+    gather,
+    is_distributed,
+    world,
+)
 from autotune.planning.plans import Plan, rotated_share
 from autotune.step import LossFn, Precision
 from autotune.train.accumulate import Window
@@ -83,7 +89,8 @@ class Run:
             # FSDP2 reduce-scatters the gradients itself; the sync only sums BatchNorm statistics.
             self.synced = []
             self.noise.meter = None
-        self.sync = GradientSync(self.synced, device=device, group=par.group)
+        # The exchange of data-parallel ranks; in one process there is nothing to exchange.
+        self.sync = GradientSync(self.synced, device=device, group=par.group) if is_distributed() else None
         # With several ranks the loss weights carry each rank's share of the global count ahead of
         # the exchange: n_i / unit instead of n_i / N_r, ``unit`` being the global count of the last
         # step (the same on every rank; 0 before the first, when the weights are the local ones).
@@ -209,7 +216,7 @@ class Run:
         if not self.bnc.modules:
             return
         payload = self.bnc.payload(had_data) if (self.world_size > 1 or self.bnc.mode == "pooled") else None
-        summed = self.sync.sum(payload) if payload is not None else None
+        summed = payload if (payload is None or self.sync is None) else self.sync.sum(payload)
         self.bnc.finish_window(summed, ranks_with_data, distributed=self.world_size > 1)
 
     def raise_failure(self, own: BaseException | None) -> None:
