@@ -1,4 +1,5 @@
-"""Ranks of the multi-process tests (gloo, CPU, float64), started by ``launch`` with a hard timeout.
+"""Ranks of the multi-process tests (gloo, CPU, float64), started by ``launch`` with a hard timeout (or
+by torchrun, running this file: see the end).
 
 Each scenario builds its model and data on every rank, trains with ``autotune.fit`` and saves what
 the test compares: the parameters, the plan, the history, BatchNorm buffers, the collectives made.
@@ -613,3 +614,11 @@ def train_fsdp_gpt2(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
 
 SCENARIOS = {"exchange": exchange, "tokens": train_tokens, "bn": train_bn, "epochs": train_epochs, "comm_hook": comm_hook, "fsdp": train_fsdp,
              "fsdp_gpt2": train_fsdp_gpt2}
+
+
+if __name__ == "__main__":
+    # Under torchrun: `torchrun --standalone --nproc_per_node=N ddp_worker.py SCENARIO OUTDIR CONFIG_JSON`.
+    import json
+
+    run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), sys.argv[2], sys.argv[1],
+        json.loads(sys.argv[3]))

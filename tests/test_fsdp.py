@@ -96,6 +96,28 @@ def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path
     assert_exact(outs, config, 2)
 
 
+def test_the_same_under_torchrun(tmp_path):
+    """The out-of-memory error in a backward, with the ranks started by torchrun (its environment, its
+    rendezvous) instead of the test's own launcher."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    launcher = shutil.which("torchrun")
+    if launcher is None:
+        pytest.skip("torchrun is not on PATH")
+    config = {"n": 45, "target": 7, "lengths": [4, 9], "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
+              "oom_rank": 1, "oom_in": "backward", "oom_call": 2}
+    done = subprocess.run([launcher, "--standalone", "--nproc_per_node=2", W.__file__, "fsdp", str(tmp_path), json.dumps(config)],
+                          capture_output=True, text=True, timeout=90, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(W.__file__), os.environ.get("PYTHONPATH")]))})
+    assert done.returncode == 0, done.stderr[-2000:]
+    outs = results(tmp_path, 2)
+    assert any("OutOfMemoryError raised on this rank" in w for w in outs[1]["warnings"])
+    assert outs[1]["final_plan"]["micro_batch"] < outs[1]["plan"]["micro_batch"]
+    assert_exact(outs, config, 2)
+
+
 def test_an_out_of_memory_error_inside_fsdp2s_own_collective_code_stops_every_rank(tmp_path):
     """Out of memory allocating an all-gather's buffer: rank 0 is already inside that all-gather, so the
     error cannot be shared; every rank stops within seconds, naming it, instead of hanging."""
