@@ -102,7 +102,6 @@ def test_the_same_under_torchrun(tmp_path):
     import json
     import shutil
     import subprocess
-    import sys
 
     launcher = shutil.which("torchrun")
     if launcher is None:
