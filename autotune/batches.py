@@ -216,6 +216,8 @@ def concat(batches: Sequence[Batch]) -> Batch:
         ValueError: the batches differ in structure or in per-sample shapes (e.g. sequences padded to
             different lengths).
     """
+    if not batches:
+        raise ValueError("Invalid batches []: give at least one batch to join")
     first = batches[0]
     if len(batches) == 1:
         return first
@@ -313,6 +315,8 @@ def pad_to_longest(batches: Sequence[Batch], *, values: Mapping[Any, float] | Se
         >>> joined["labels"].tolist()[0] == [1, 1, 1, -100, -100]
         True
     """
+    if not batches:
+        raise ValueError("Invalid batches []: give at least one batch to join")
     first = batches[0]
     if len(batches) == 1:
         return first

@@ -146,6 +146,16 @@ def check_flag(name: str, value: Any) -> None:
         raise TypeError(f"Invalid {name} {value!r} ({type(value).__name__}): give True or False")
 
 
+def check_progress(value: Any, *, seconds: bool = False) -> None:
+    """``value`` is a bool; with ``seconds``, also a number of seconds >= 0 (after how long to show it)."""
+    if isinstance(value, bool):
+        return
+    if seconds and isinstance(value, numbers.Real) and math.isfinite(value) and float(value) >= 0:
+        return
+    more = ", or after how many seconds to show it (a number >= 0)" if seconds else ""
+    raise TypeError(f"Invalid progress {value!r} ({type(value).__name__}): give True or False{more}")
+
+
 def check_optimizer(model: nn.Module, optimizer: Any) -> None:
     """The optimizer is a torch optimizer over (some of) the model's trainable parameters."""
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 __all__ = ["format_bytes", "parse_bytes"]
@@ -78,6 +79,8 @@ def format_bytes(n: float) -> str:
         >>> format_bytes(3 * 2**20)
         '3.00 MiB'
     """
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise TypeError(f"Invalid byte count {n!r} ({type(n).__name__}): give a number of bytes")
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -76,7 +76,8 @@ def plan_for(s: Setup, **kw: Any) -> autotune.Plan:
 def fit(s: Setup, **kw: Any) -> Any:
     kw.setdefault("target_batch", 16)
     kw.setdefault("memory_limit", "1GiB")
-    return autotune.fit(s.model, s.loader, optimizer=s.opt, progress=False, **kw)
+    kw.setdefault("progress", False)
+    return autotune.fit(s.model, s.loader, optimizer=s.opt, **kw)
 
 
 def manual_plan(**changes: Any) -> autotune.Plan:
@@ -292,6 +293,21 @@ API: list[Case] = [
     Case("`precision='bf16'` for a plan made in fp32", lambda s: with_plan(s, precision="bf16"), ValueError, "the plan given was made for 'fp32'"),
     Case("`accumulate(loader, 0)`", lambda s: list(autotune.accumulate(s.loader, 0, target_batch=8)), ValueError, "Invalid plan 0"),
     Case("`accumulate(loader, 4)` without `target_batch`", lambda s: list(autotune.accumulate(s.loader, 4)), ValueError, "give target_batch >= 1"),
+    Case("`progress='yes'`", lambda s: plan_for(s, progress="yes"), TypeError, "Invalid progress 'yes'"),
+    Case("`progress=-1` (seconds)", lambda s: plan_for(s, progress=-1), TypeError, "Invalid progress -1"),
+    Case("`fit(progress=2)`", lambda s: fit(s, progress=2), TypeError, "Invalid progress 2"),
+    Case("`on_trial=5`", lambda s: plan_for(s, on_trial=5), TypeError, "Invalid on_trial 5"),
+    Case("`lengths=[]`", lambda s: plan_for(s, lengths=[]), ValueError, r"Invalid lengths \[\]"),
+    Case("`accumulate(5, 4)` (not a loader)", lambda s: list(autotune.accumulate(5, 4, target_batch=8)), TypeError, "Invalid loader of type int"),
+    Case("`accumulate(..., count=5)`", lambda s: list(autotune.accumulate(s.loader, 4, target_batch=8, count=5)), TypeError, "Invalid count 5"),
+    Case("`accumulate(..., cap=5)`", lambda s: list(autotune.accumulate(s.loader, 4, target_batch=8, cap=5)), TypeError, "Invalid cap 5"),
+    Case("`accumulate(..., shares=5)`", lambda s: list(autotune.accumulate(s.loader, 4, target_batch=8, shares=5)), TypeError, "Invalid shares 5"),
+    Case("`accumulate(..., min_micro_batch=0)`", lambda s: list(autotune.accumulate(s.loader, 4, target_batch=8, min_micro_batch=0)), ValueError, "Invalid min_micro_batch 0"),
+    Case("`accumulate(..., distributed='x')`", lambda s: list(autotune.accumulate(s.loader, 4, target_batch=8, distributed="x")), TypeError, "Invalid distributed 'x'"),
+    Case("`accumulate(..., skip_empty='x')`", lambda s: list(autotune.accumulate(s.loader, 4, target_batch=8, skip_empty="x")), TypeError, "Invalid skip_empty 'x'"),
+    Case("`shard_plan(..., ranks=0)`", lambda s: autotune.shard_plan(s.model, s.loader, target_batch=16, ranks=0, memory_limit="1GiB"), ValueError, "Invalid ranks 0"),
+    Case("`pad_to_longest([])`", lambda s: autotune.pad_to_longest([]), ValueError, r"Invalid batches \[\]"),
+    Case("`format_bytes('x')`", lambda s: autotune.format_bytes("x"), TypeError, "Invalid byte count 'x'"),
 ]
 
 

@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from autotune import batches as B
-from autotune.checks import check_flag, check_grad_mode, check_optimizer, resolve_device
+from autotune.checks import (
+    check_callable,
+    check_flag,
+    check_grad_mode,
+    check_optimizer,
+    check_progress,
+    resolve_device,
+)
 from autotune.errors import AutotuneError, NothingFits
 from autotune.memory.device import (
     CUDA_CONTEXT_ALLOWANCE,
@@ -235,9 +242,13 @@ def plan(
     for name, flag in (("verify", verify), ("estimate", estimate), ("by_shape", by_shape), ("checkpointing", checkpointing),
                        ("follow_batch", follow_batch)):
         check_flag(name, flag)
+    check_progress(progress, seconds=True)
+    check_callable("on_trial", on_trial, "on_trial(trial) called with each trial as it is made")
     if lengths is not None:
         if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
             raise ValueError(f"Invalid lengths {lengths!r}: give a list of sequence lengths, e.g. [128, 512, 2048]")
+        if not list(lengths):
+            raise ValueError("Invalid lengths []: give at least one sequence length, e.g. [128, 512, 2048], or None")
         bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, int) or n < 1]
         if bad:
             raise ValueError(f"Invalid lengths {list(lengths)!r}: {bad[0]!r} is not a length; give whole numbers >= 1, e.g. [128, 512, 2048]")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.checks import check_positive_int
 from autotune.memory.checkpointing import blocks
 from autotune.memory.device import (
     CUDA_CONTEXT_ALLOWANCE,
@@ -264,6 +265,9 @@ def shard_plan(
         ...     print(row)
     """
     counts = [ranks] if isinstance(ranks, int) else list(ranks)
+    if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise ValueError(f"Invalid ranks {ranks!r}: give how many devices to shard over, e.g. 8 or (2, 4, 8)")
+    check_positive_int("target_batch", target_batch, "samples per optimizer step")
     device = torch.device(device)
     if memory_limit is None:
         if device.type == "cuda" and not torch.cuda.is_available():

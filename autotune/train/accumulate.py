@@ -49,7 +49,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune import batches as B
-from autotune.checks import check_count_value
+from autotune.checks import (
+    check_callable,
+    check_count_value,
+    check_flag,
+    check_loader,
+    check_positive_int,
+)
 from autotune.errors import AutotuneWarning
 from autotune.parallel.ranks import is_distributed, sum_over_ranks, world
 from autotune.planning.plans import Plan, split_evenly
@@ -340,6 +346,16 @@ def accumulate(
         ...         (loss_fn(model, micro.batch) * micro.weight).backward()
         ...     optimizer.step(); optimizer.zero_grad()
     """
+    check_loader(loader)
+    check_callable("count", count, "count(batch) -> the batch's loss items")
+    check_callable("pad", pad, "pad(batches) -> batch, such as autotune.pad_to_longest")
+    check_callable("cap", cap, "cap(per-sample size) -> the largest micro-batch of that size")
+    check_callable("shares", shares, "shares(window) -> this rank's samples in that window")
+    check_flag("drop_last", drop_last)
+    check_flag("skip_empty", skip_empty)
+    if distributed is not None:
+        check_flag("distributed", distributed)
+    check_positive_int("min_micro_batch", min_micro_batch, "the smallest micro-batch to cut", optional=True)
     if isinstance(plan, Plan):
         micro_batch = plan.micro_batch
         sizes: tuple[int, ...] | None = plan.micro_batches if plan.shape_model is None else None
@@ -356,7 +372,7 @@ def accumulate(
     else:
         raise ValueError(f"Invalid plan {plan!r}: pass a Plan, or a micro-batch size >= 1 with target_batch=")
     if min_micro_batch is not None:
-        min_size = max(1, min_micro_batch)
+        min_size = min_micro_batch
     micro_batch = max(micro_batch, min_size)
     if distributed is None:
         distributed = is_distributed()

@@ -48,6 +48,7 @@ from autotune.checks import (
     check_model,
     check_optimizer,
     check_positive_number,
+    check_progress,
     check_reiterable,
     check_scheduler,
     check_trainable,
@@ -316,6 +317,7 @@ def fit(
     check_callable("pad", pad, "pad(batches) -> batch, such as autotune.pad_to_longest")
     check_flag("drop_last", drop_last)
     check_flag("checkpointing", checkpointing)
+    check_progress(progress)
     if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "unscale_", "step", "update", "get_scale")):
         raise TypeError(f"Invalid scaler {scaler!r} ({type(scaler).__name__}): pass a torch.amp.GradScaler, or None (fp16 makes one)")
     if not (isinstance(noise_scale, bool) or (isinstance(noise_scale, int) and noise_scale >= 1)):
