@@ -341,6 +341,13 @@ def check_step(model: nn.Module, loss_fn: LossFn, loader: Any, *, device: torch.
         with planning():
             model.train()
             forward_backward(model, loss_fn, sample, device_type=device.type, precision=precision)
+    except Exception as exc:
+        exc.add_note(
+            f"autotune: raised by the model or the loss in the check before training (one forward and backward on "
+            f"{B.batch_size(sample)} sample(s) of the loader's first batch, per-sample shapes "
+            f"{[tuple(t.shape[1:]) for t in B.tensors(sample)]}); nothing has changed"
+        )
+        raise
     finally:
         snapshot.restore()
 

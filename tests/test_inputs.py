@@ -8,6 +8,7 @@ import pytest
 import torch
 from bad_inputs import API, CLI, MODELS_FILE, Setup
 
+import autotune
 from autotune.cli.main import main
 
 
@@ -55,3 +56,25 @@ def test_the_docs_table_lists_every_case():
         assert what in text, what
     assert len(API) + len(CLI) >= 40
     assert len(re.findall(r"^\| \d+ \|", text, flags=re.M)) >= len(API) + len(CLI)
+
+
+def test_an_error_raised_by_your_model_keeps_its_type_and_says_where_it_came_from():
+    """A model that cannot take the loader's inputs: the model's own error (its type and message
+    untouched), with a note saying which of autotune's steps ran it and that nothing changed."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    good = [(torch.randn(8, 8), torch.randint(0, 3, (8,)))] * 4
+    bad = [(torch.randn(8, 5), torch.randint(0, 3, (8,)))] * 4
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as planned:
+        autotune.plan(model, bad, target_batch=16, optimizer=opt, progress=False, memory_limit="64MiB")
+    assert any(n.startswith("autotune: raised by the model or the loss in a planning trial") for n in planned.value.__notes__)
+    plan = autotune.plan(model, good, target_batch=16, optimizer=opt, progress=False, memory_limit="64MiB")
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as fitted:
+        autotune.fit(model, bad, plan=plan, optimizer=opt, progress=False, memory_limit="64MiB")
+    assert any(n.startswith("autotune: raised by the model or the loss in the check before training") and "per-sample shapes [(5,), ()]" in n
+               for n in fitted.value.__notes__), fitted.value.__notes__
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

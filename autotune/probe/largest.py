@@ -279,6 +279,11 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
         if not is_out_of_memory(exc) or work.fsdp:  # under FSDP2 the others wait in a collective: see _in_lockstep
+            if not is_out_of_memory(exc):
+                exc.add_note(
+                    f"autotune: raised by the model or the loss in a planning trial at micro-batch {b}; the model, the "
+                    "optimizer and the RNGs are as they were"
+                )
             raise
         oom = True
         exc.__traceback__ = None  # drop the frames that hold the step's tensors
