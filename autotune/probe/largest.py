@@ -197,9 +197,10 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
     The ranks' budgets may differ (per-rank limits), so the search runs against the smallest and
     each trial reports the tightest rank's peak shifted onto it: ``max_r(peak_r - budget_r) +
     min_r(budget_r)``. A size then fits when it fits on every rank, and every rank's search takes
-    the same path (a different path would pair different collectives). A trial that raises on one
-    rank (its own error, or a real out-of-memory error inside a forward, which lockstep cannot
-    recover from) stops every rank within seconds (:func:`autotune.parallel.stops.stop_every_rank`).
+    the same path (a different path would pair different collectives). A trial in which a rank runs
+    out of memory is abandoned by every rank at the same point and does not fit anywhere
+    (:func:`autotune.parallel.lockstep.in_lockstep`, in :func:`_attempt`); any other error raised on
+    one rank stops every rank within seconds (:func:`autotune.parallel.stops.stop_every_rank`).
     """
     announce()  # where a failing peer finds this process
     common = int(min(r[0] for r in gather_numbers([float(budget)], work.device)))
