@@ -10,6 +10,7 @@ accumulation and BatchNorm: its training (``plan=`` given) and, apart, the plan 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import autotune
 PACKAGE = Path(autotune.__file__).resolve().parent
 
 
+@functools.lru_cache(maxsize=None)
 def module_of(filename: str) -> str | None:
     path = Path(filename).resolve()
     if PACKAGE not in path.parents:
@@ -41,13 +43,13 @@ def layer_order() -> list[str]:
     return list(layers.LAYERS)
 
 
-def main() -> None:
+def measure() -> dict[str, list[str]]:
+    """The modules the model passes through, in order: ``{"training": [...], "planning": [...]}``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 1))
     x = torch.randn(96, 8)
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
     parts = {id(model)} | {id(m) for m in model.modules()} | {id(p) for p in model.parameters()}
-    print(f"plan: {autotune.plan(model, loader, target_batch=48, memory_limit='40KiB', headroom=0, progress=False).micro_batches}")
 
     def holds(value: object) -> bool:
         if id(value) in parts:
@@ -82,14 +84,23 @@ def main() -> None:
             sys.setprofile(None)
         return path
 
-    order = {name: i for i, name in enumerate(layer_order())}
     settings = dict(memory_limit="40KiB", headroom=0, progress=False)
     planned: list = []
     planning = follow(lambda: planned.append(autotune.plan(model, loader, target_batch=48, **settings)))
     training = follow(lambda: autotune.fit(model, loader, epochs=2, plan=planned[0], noise_scale=False, **settings))
-    for name, path in (("fit's training (plan= given)", training), ("the plan fit makes first", planning)):
-        ups = sum(1 for a, b in zip(path, path[1:]) if order.get(b, -1) > order.get(a, -1))
-        print(f"{name}: {len(set(path))} modules, {ups} moves back up a layer")
+    return {"training": training, "planning": planning}
+
+
+def moves_up(path: list[str]) -> int:
+    """How often ``path`` moves into a module above the one it was in (the layer order of tests/test_layers.py)."""
+    order = {name: i for i, name in enumerate(layer_order())}
+    return sum(1 for a, b in zip(path, path[1:]) if order.get(b, -1) > order.get(a, -1))
+
+
+def main() -> None:
+    paths = measure()
+    for name, path in (("fit's training (plan= given)", paths["training"]), ("the plan fit makes first", paths["planning"])):
+        print(f"{name}: {len(set(path))} modules, {moves_up(path)} moves back up a layer")
         print("  " + " > ".join(path))
 
 

@@ -129,3 +129,18 @@ def test_no_module_or_class_is_too_long_to_read_without_a_reason():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > LONG_CLASS and not reason:
                 long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, f"over {LONG_MODULE} lines a module or {LONG_CLASS} a class, with no '{WHY_LONG}' line in its docstring: {long}"
+
+
+def test_the_model_passes_through_few_modules_on_its_way_through_fit():
+    """The reader's path (``benchmarks/model_path.py``): every autotune function that receives the model
+    or a part of it, in the order of the code, for one process's fit and the plan it makes first. The
+    loop calls down into a few helpers, each doing a whole job: at most 7 modules, at most 8 moves back
+    up a layer."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("model_path", Path(__file__).resolve().parents[1] / "benchmarks" / "model_path.py")
+    model_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model_path)
+    for name, path in model_path.measure().items():
+        assert len(set(path)) <= 7, (name, path)
+        assert model_path.moves_up(path) <= 8, (name, path)
