@@ -84,3 +84,16 @@ def test_dict_batches_join_by_key_and_different_keys_are_refused():
                                          r"\(missing \['attention_mask'\], extra \['labels'\]\)"):
         concat([a, {"input_ids": torch.tensor([[1, 2]]), "labels": torch.tensor([[1, 1]])}])
     assert copy.deepcopy(a).keys() == a.keys()
+
+
+def test_only_the_transports_own_errors_read_as_a_lost_rank():
+    """A collective that failed because a peer went away is told apart from an error of your own code
+    that happens to mention a broken pipe (one process: no store to name the rank from)."""
+    from autotune.parallel.ranks import lost_peer
+
+    assert lost_peer(RuntimeError("Broken pipe while reading shard 3"), what="in this window") is None
+    assert lost_peer(ValueError("a bad sample at index 4"), what="in this window") is None
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9868")
+    lost = lost_peer(gloo, what="in this step's exchange")
+    assert str(lost).startswith("lost the connection to another rank in this step's exchange")
+    assert "a rank exited or crashed" in str(lost)

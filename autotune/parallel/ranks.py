@@ -317,8 +317,11 @@ def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseExce
     """When a collective failed because another rank's process went away (``error``: the transport's
     "connection closed by peer" and the like): an :class:`AutotuneError` that says which rank exited,
     when its process ran on this host and announced itself (:func:`announce`), else that a peer was
-    lost. None for any other error."""
-    if not any(m in str(error) for m in _LOST):
+    lost. None for any other error (one of your own code that mentions a broken pipe included: only
+    the transport's own errors count)."""
+    text = str(error)
+    from_transport = isinstance(error, getattr(torch.distributed, "DistError", ())) or "gloo" in text or "NCCL" in text
+    if not from_transport or not any(m in text for m in _LOST):
         return None
     from autotune.errors import AutotuneError
 
