@@ -78,14 +78,16 @@ def test_an_out_of_memory_window_on_one_rank_is_redone_by_every_rank(tmp_path):
     assert_exact(outs, config, 2)
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path, where):
+@pytest.mark.parametrize("where, call", [("forward", 2), ("backward", 2), ("backward", 1)],
+                         ids=["forward-synced", "backward-synced", "backward-unsynced"])
+def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path, where, call):
     """Rank 1 raises torch.OutOfMemoryError (as a CUDA allocation does) in a block's forward, or in its
-    backward, at its second micro-batch of the first window, while rank 0 runs the same micro-batch
-    in lockstep: both abandon it at the same point, drop the window, and redo it, rank 1 with half
-    its micro-batch. The run then equals the big-batch replay of the samples each step saw."""
+    backward, at its second micro-batch of the first window (the one whose gradients sync) or its
+    first (no sync: no agreement before the post-backward there), while rank 0 runs the same
+    micro-batch in lockstep: both abandon it at the same point, drop the window, and redo it, rank 1
+    with half its micro-batch. The run then equals the big-batch replay of the samples each step saw."""
     config = {"n": 45, "target": 7, "lengths": (4, 9), "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
-              "oom_rank": 1, "oom_in": where, "oom_call": 2}
+              "oom_rank": 1, "oom_in": where, "oom_call": call}
     outs = launch(tmp_path, config)
     assert outs[0]["plan"]["accumulation_steps"] > 1  # the error came inside a window of several micro-batches
     assert any(w.startswith("Out of memory at micro_batch=") and "OutOfMemoryError raised on this rank" in w

@@ -9,8 +9,9 @@ has run out of memory: one all-reduce of two numbers (out of memory somewhere, s
 
 - every sharded module's forward, before FSDP2's pre-forward (the all-gather);
 - its backward, before FSDP2's pre-backward (the all-gather again, the next module's prefetch);
-- its inputs' gradients, before FSDP2's post-backward (the reduce-scatter, when gradients sync);
-- the end of the backward, before FSDP2's last callback (the root's reduce-scatter).
+- its inputs' gradients, before FSDP2's post-backward (the reduce-scatter), and the end of the
+  backward, before FSDP2's last callback (the root's reduce-scatter): on a micro-batch whose
+  gradients sync only, since without the sync neither makes a collective.
 
 A rank that ran out of memory stops there and answers the others' agreements until every rank has
 stopped; each of the others raises :class:`OutOfMemoryElsewhere` at its next agreement, so every rank
@@ -100,6 +101,7 @@ class _Guard:
         from torch.distributed.fsdp import FSDPModule
 
         self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.groups = [g for m in self.modules for g in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ())]
         self.group, self.where = group, collective_device(device, group)
         self.handles: list[Any] = []
         # Between an agreement and the end of FSDP2's own hook: an out-of-memory error there may have
@@ -174,12 +176,18 @@ class _Guard:
         self.inside_fsdp = False
 
     def _before_post_backward(self) -> None:
-        self.agree()
+        if self.syncing():
+            self.agree()
 
     def _before_last_callback(self) -> None:
         self.callback_queued = False
-        self.agree()
-        torch.autograd.Variable._execution_engine.queue_callback(self.left_fsdp)  # after FSDP2's
+        if self.syncing():
+            self.agree()
+            torch.autograd.Variable._execution_engine.queue_callback(self.left_fsdp)  # after FSDP2's
+
+    def syncing(self) -> bool:
+        """Whether this backward reduce-scatters (``set_requires_gradient_sync``, the same on every module)."""
+        return any(group.reduce_grads for group in self.groups)
 
 
 class _Then(torch.autograd.Function):
