@@ -55,7 +55,6 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     import autotune
     from autotune.parallel import lockstep
     from autotune.train import run as run_module
-    from autotune.train import sharded
 
     net = model(args.width)
     for block in net:
@@ -66,7 +65,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     loss_fn = lambda m, b: F.cross_entropy(m(b[0]), b[1])  # noqa: E731
     plan = autotune.plan(net, loader, target_batch=args.target, optimizer=opt, loss_fn=loss_fn, memory_limit=args.limit,
                          headroom=0, lr_rule="none", progress=False)
-    first_of_shape = run_module.Run.first_of_shape
+    first_of_shape, recoverable = run_module.Run.first_of_shape, lockstep.recoverable
     agreements = [0]
     agree = lockstep._Guard.agree
 
@@ -80,7 +79,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     micro_batches = 0
     for r in range(args.runs):
         for mode in MODES[r % 3:] + MODES[: r % 3]:
-            sharded.recoverable = (lambda m: False) if mode == "without" else lockstep.recoverable  # type: ignore[assignment]
+            lockstep.recoverable = (lambda m: False) if mode == "without" else recoverable  # type: ignore[assignment]
             run_module.Run.first_of_shape = (lambda self, w: True) if mode == "every window" else first_of_shape  # type: ignore[method-assign]
             before = agreements[0]
             result = autotune.fit(net, loader, plan=plan, optimizer=opt, loss_fn=loss_fn, lr_rule="none", progress=False)

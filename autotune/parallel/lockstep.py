@@ -74,8 +74,12 @@ def in_lockstep(model: nn.Module, work: Callable[[], Any], *, device: torch.devi
     every rank (see the module docstring).
 
     Every rank calls this together. Any other error raised by ``work`` (or an out-of-memory error
-    inside FSDP2's own collective code) is raised as it is: the caller stops every rank.
+    inside FSDP2's own collective code) is raised as it is: the caller stops every rank. Where the
+    error cannot be shared (:func:`recoverable` is False), ``work()`` runs as it is.
     """
+    if not recoverable(model):
+        work()
+        return Outcome(None, False)
     guard = _Guard(model, device, group)
     own: BaseException | None = None
     with guard:
@@ -90,7 +94,7 @@ def in_lockstep(model: nn.Module, work: Callable[[], Any], *, device: torch.devi
             exc.__traceback__ = None  # drop the frames that hold the micro-batch's tensors
         anywhere = guard.finish(own is not None)
     if anywhere:
-        _reset(model)
+        _reset(model, guard.groups)
     return Outcome(own, anywhere)
 
 
@@ -135,11 +139,13 @@ class _Guard:
         self.inside_fsdp = True
 
     def finish(self, out_of_memory: bool) -> bool:
-        """Answer the other ranks' agreements until every rank is done; whether any ran out of memory."""
+        """Answer the other ranks' agreements until every rank is done; whether any ran out of memory.
+
+        A rank that ran out says so in every answer, so the last sums, the same on every rank, say it.
+        """
         while True:
             flags = torch.tensor([float(out_of_memory), 0.0], dtype=torch.float64, device=self.where)
             torch.distributed.all_reduce(flags, group=self.group)
-            out_of_memory = out_of_memory or flags[0].item() > 0
             if flags[1].item() == 0:  # nobody still running: every rank read the same sums
                 return flags[0].item() > 0
 
@@ -224,17 +230,13 @@ def _wrap_inputs(args: Any, kwargs: Any, wrap: Callable[..., Any]) -> tuple[Any,
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
-def _reset(model: nn.Module) -> None:
+def _reset(model: nn.Module, groups: list[Any]) -> None:
     """After an abandoned forward or backward: FSDP2's iteration state reset, and the unsharded
-    gradients it accumulated without syncing dropped (``reset_iter_state`` leaves them)."""
+    gradients its parameter ``groups`` accumulated without syncing dropped (``reset_iter_state``
+    leaves them)."""
     model.reset_iter_state()  # type: ignore[operator]
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
-            for param in group.fsdp_params:
-                if hasattr(param, "_unsharded_param"):
-                    param._unsharded_param.grad = None
-                param.unsharded_accumulated_grad = None
+    for group in groups:
+        for param in group.fsdp_params:
+            if hasattr(param, "_unsharded_param"):
+                param._unsharded_param.grad = None
+            param.unsharded_accumulated_grad = None

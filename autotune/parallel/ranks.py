@@ -35,6 +35,7 @@ __all__ = [
     "lost_peer",
     "naming_lost_peers",
     "parallel",
+    "peers_here",
     "process_store",
     "sampler_epoch",
     "set_epoch",
@@ -337,32 +338,39 @@ def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseExce
     )
 
 
-def exited_ranks(group: Any = None) -> list[int]:
-    """The ranks whose process (announced in the store by :func:`announce`, on this host) has exited."""
+def peers_here(group: Any = None) -> dict[int, int]:
+    """``{rank: process id}`` of the other ranks that announced a process on this host (:func:`announce`);
+    empty when the store cannot be read (it may have gone with a rank)."""
     import socket
 
     store = process_store()
     if store is None:
-        return []
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - a dependency
-        return []
+        return {}
     rank, size = world(group)
-    gone = []
+    host = socket.gethostname()
+    peers = {}
     for r in range(size):
         if r == rank:
             continue
+        key = f"{FAILED_KEY}/process/{r}"
         try:
-            key = f"{FAILED_KEY}/process/{r}"
             text = store.get(key).decode() if store.check([key]) else ""
-        except Exception:  # the store itself went with a rank: nothing to tell
-            return []
-        host, _, pid = text.partition(" ")
-        if host != socket.gethostname() or not pid.isdigit():
+        except Exception:
             continue
+        name, _, pid = text.partition(" ")
+        if name == host and pid.isdigit():
+            peers[r] = int(pid)
+    return peers
+
+
+def exited_ranks(group: Any = None) -> list[int]:
+    """The ranks whose process (announced in the store by :func:`announce`, on this host) has exited."""
+    import psutil
+
+    gone = []
+    for r, pid in peers_here(group).items():
         try:
-            if psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
                 continue
         except psutil.NoSuchProcess:
             pass

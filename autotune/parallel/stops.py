@@ -23,6 +23,7 @@ from autotune.parallel.ranks import (
     gather_numbers,
     is_distributed,
     lost_peer,
+    peers_here,
     process_store,
     world,
 )
@@ -166,26 +167,12 @@ def _abort(group: Any) -> None:
 def _close_peer_connections(group: Any) -> None:
     import socket
 
+    import psutil
+
     store = process_store()
     if store is None:
         return
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - a dependency
-        return
-    rank, size = world(group)
-    host = socket.gethostname()
-    peers: set[int] = set()
-    for r in range(size):
-        if r == rank:
-            continue
-        try:
-            text = store.get(f"{FAILED_KEY}/process/{r}").decode() if store.check([f"{FAILED_KEY}/process/{r}"]) else ""
-        except Exception:
-            continue
-        name, _, pid = text.partition(" ")
-        if name == host and pid.isdigit():
-            peers.add(int(pid))
+    peers = set(peers_here(group).values())
     store_port = getattr(store, "port", None) or int(os.environ.get("MASTER_PORT", "0") or 0)
     try:
         everyone = psutil.net_connections(kind="tcp")

@@ -30,7 +30,7 @@ from autotune.memory.device import (
     synchronize,
 )
 from autotune.memory.ledger import ResidentPeak, TensorLedger, is_out_of_memory
-from autotune.parallel.lockstep import in_lockstep, recoverable
+from autotune.parallel.lockstep import in_lockstep
 from autotune.parallel.ranks import (
     announce,
     gather_numbers,
@@ -273,7 +273,7 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
     try:
         # Your optimizer's step hooks never see a trial's step (at learning rate 0, not a training step).
         with planning(), without_step_hooks(work.optimizer), ledger, (resident if resident is not None else contextlib.nullcontext()):
-            if work.fsdp and recoverable(work.model):
+            if work.fsdp:
                 oom = in_lockstep(work.model, step, device=device).anywhere
             else:
                 step()

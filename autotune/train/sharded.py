@@ -48,9 +48,8 @@ from autotune.errors import AutotuneError, AutotuneWarning, NothingFits
 from autotune.memory.device import allocator_peak, release_cached, reset_peak
 from autotune.memory.ledger import TensorLedger
 from autotune.parallel.exchange import FINE, Agreement
-from autotune.parallel.lockstep import Outcome, in_lockstep, recoverable
+from autotune.parallel.lockstep import Outcome, in_lockstep
 from autotune.parallel.ranks import (
-    announce,
     check_distinct_samples,
     gather_numbers,
     set_gradient_sync,
@@ -81,8 +80,6 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         run.spare = B.slice_batch(window[0].batch, 0, min(run.plan.min_micro_batch, window[0].samples))
     bn_saved = run.window_start()
     device, group = run.device, run.par.group
-    if not run.checked_samples:  # once per run: where a failing peer finds this process
-        announce(group)
     world_size = run.world_size
     while True:
         has = window is not None and failure is None
@@ -207,7 +204,7 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float, *, guard
     outcome = Outcome(None, False)
     try:
         with ledger:
-            if guarded and recoverable(model):
+            if guarded:
                 outcome = in_lockstep(model, micro_batches, device=device, group=run.par.group)
             else:
                 micro_batches()
