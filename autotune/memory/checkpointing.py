@@ -15,7 +15,7 @@ backward: activation memory drops to about one block's worth, for roughly a thir
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -36,22 +36,28 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def activation_checkpointing(model: nn.Module) -> Iterator[None]:
+def activation_checkpointing(model: nn.Module, *, recompute: Callable[[], Any] | None = None) -> Iterator[None]:
     """Checkpoint the model's blocks while the block runs; put the model back afterwards.
+
+    ``recompute`` makes a context manager that each recomputation in the backward runs inside
+    (torch's ``context_fn``): an estimate's modes, which the backward does not carry into it.
 
     Raises:
         ValueError: the model has no blocks autotune can find (wrap yours with
             ``torch.utils.checkpoint.checkpoint`` yourself).
     """
+    options: dict[str, Any] = {"use_reentrant": False}
+    if recompute is not None:
+        options["context_fn"] = lambda: (contextlib.nullcontext(), recompute())
     if getattr(model, "supports_gradient_checkpointing", False) and callable(getattr(model, "gradient_checkpointing_enable", None)):
         # transformers 5 renamed it activation_checkpointing_* (the old names warn); older ones have only those.
         new = callable(getattr(model, "activation_checkpointing_enable", None))
         was_on = bool(getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False))
         if not was_on:
             if new:
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)  # type: ignore[operator]
             else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)  # type: ignore[operator]
         try:
             yield
         finally:
@@ -69,7 +75,7 @@ def activation_checkpointing(model: nn.Module) -> Iterator[None]:
     def checkpointed(forward: Any) -> Any:
         # Marked, so that a copy of the model (autotune.probe.estimate's) knows to drop it: it runs ``forward``.
         def run(*args: Any, **kwargs: Any) -> Any:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(forward, *args, **options, **kwargs)
 
         run.autotune_checkpointed = True  # type: ignore[attr-defined]
         return run

@@ -63,12 +63,13 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 class _Entry:
-    __slots__ = ("ignored", "nbytes", "ref")
+    __slots__ = ("ignored", "nbytes", "ref", "serial")
 
     def __init__(self, nbytes: int, *, ignored: bool = False) -> None:
         self.nbytes = nbytes
         self.ignored = ignored
         self.ref: Any = None
+        self.serial = -1  # its number among the recorded events
 
 
 def _released(key: int, ledger: Any) -> Any:
@@ -81,6 +82,8 @@ def _released(key: int, ledger: Any) -> Any:
         entry = owner._entries.pop(key, None)
         if entry is not None and not entry.ignored:
             owner.live -= entry.nbytes
+            if owner.events is not None and entry.serial >= 0:
+                owner.events.append((entry.serial, 0))
 
     return release
 
@@ -115,16 +118,22 @@ class TensorLedger(TorchDispatchMode):
         trace: also record the live bytes after every operation (``trace``) and the operations
             (``ops``): two traces of the same step at two micro-batch sizes give memory as a
             function of the size (see :class:`autotune.memory.curve.MemoryCurve`).
+        events: also record each storage's allocation and release, in order (``events``), for the
+            caching allocator's replay (:mod:`autotune.memory.allocator`).
 
     Attributes:
         live: bytes counted now.
         peak: the most bytes counted at once.
         trace: with ``trace=True``, the live bytes when counting started, then after each operation.
         ops: with ``trace=True``, the operation of each entry of ``trace`` after the first.
+        events: with ``events=True``, ``(serial, nbytes)`` for each storage counted (its bytes as
+            allocated, unrounded) and ``(serial, 0)`` when it is released; serials number the storages
+            in the order they were first counted.
     """
 
     def __init__(
-        self, device_type: str | tuple[str, ...], *, limit: int | None = None, block: int = 1, trace: bool = False
+        self, device_type: str | tuple[str, ...], *, limit: int | None = None, block: int = 1, trace: bool = False,
+        events: bool = False,
     ) -> None:
         super().__init__()
         self.device_types = (device_type,) if isinstance(device_type, str) else tuple(device_type)
@@ -138,6 +147,7 @@ class TensorLedger(TorchDispatchMode):
         self._self_ref = weakref.ref(self)
         self.trace: list[int] | None = [] if trace else None
         self.ops: list[Any] | None = [] if trace else None
+        self.events: list[tuple[int, int]] | None = [] if events else None
 
     def _size(self, nbytes: int) -> int:
         return -(-nbytes // self.block) * self.block
@@ -157,6 +167,9 @@ class TensorLedger(TorchDispatchMode):
         if entry is None:
             size = self._size(storage.nbytes())
             entry = _Entry(size)
+            if self.events is not None and storage.nbytes():  # an empty storage allocates nothing
+                entry.serial = len(self.events)
+                self.events.append((entry.serial, storage.nbytes()))
             # Keep the weakref alive with the entry: its callback fires when the storage dies.
             entry.ref = weakref.ref(storage, _released(key, self._self_ref))
             self._entries[key] = entry

@@ -60,7 +60,6 @@ import copy
 import hashlib
 import inspect
 import logging
-import math
 import time
 import weakref
 from collections import OrderedDict, defaultdict
@@ -69,14 +68,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from autotune import batches as B
+from autotune.memory.allocator import (
+    AllocatorPeaks,
+    cublas_workspace,
+    expandable_segments,
+    replay,
+    scale_events,
+    steady_state,
+)
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
 from autotune.memory.ledger import TensorLedger, held_tensors, storage_bytes
+from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend
 from autotune.probe.search import estimated_max
 from autotune.probe.trial import Workload
 from autotune.step import forward_backward, min_micro_batch, planning
@@ -147,84 +153,28 @@ def optimizer_for_device(optimizer: torch.optim.Optimizer, device_type: str) -> 
     return groups
 
 
-def cuda_attention_backend(
-    dtype: torch.dtype, head_dim: int, value_dim: int, *, has_mask: bool, enable_gqa: bool = False
-) -> str:
-    """The kernel CUDA's ``scaled_dot_product_attention`` picks (Ampere and newer): a pure rule.
-
-    - ``"flash"``: fp16/bf16, head size at most 256, no explicit mask;
-    - ``"efficient"`` (memory-efficient attention): fp32/fp16/bf16, head size at most 512 for the
-      query and key (any mask is taken as an additive bias);
-    - ``"math"`` otherwise (fp64, larger heads): materialises the B x H x L x L scores.
-
-    Both fused kernels keep the output and a per-row log-sum-exp for the backward pass.
-
-    Example:
-        >>> cuda_attention_backend(torch.bfloat16, 64, 64, has_mask=False)
-        'flash'
-        >>> cuda_attention_backend(torch.float32, 64, 64, has_mask=True)
-        'efficient'
-        >>> cuda_attention_backend(torch.float64, 64, 64, has_mask=False)
-        'math'
-    """
-    if dtype in (torch.float16, torch.bfloat16) and max(head_dim, value_dim) <= 256 and not has_mask:
-        return "flash"
-    if dtype in (torch.float32, torch.float16, torch.bfloat16) and max(head_dim, value_dim) <= 512:
-        return "efficient"
-    return "math"
-
-
-class _CudaAttention(TorchFunctionMode):
-    """Attention as CUDA would run it, on fake CPU tensors (see :func:`cuda_attention_backend`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.backends: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self.attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-    def attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
-        dtype = query.dtype
-        backend = cuda_attention_backend(dtype, query.shape[-1], value.shape[-1], has_mask=attn_mask is not None)
-        self.backends.append(backend)
-        if enable_gqa and key.shape[-3] != query.shape[-3]:  # grouped-query: the kernels see repeated heads
-            repeat = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
-        if backend == "math":
-            return torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale
-            )[0]
-        bias = attn_mask
-        if bias is not None and bias.dtype == torch.bool:  # as torch does before a fused kernel
-            bias = torch.zeros_like(bias, dtype=dtype).masked_fill_(~bias, -math.inf)
-        if bias is not None:
-            bias = bias.expand(*query.shape[:-2], query.shape[-2], key.shape[-2])
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, query.requires_grad or key.requires_grad or value.requires_grad,
-            dropout_p, is_causal, scale=scale,
-        )[0]
-
-
 class _Counter(TensorLedger):
     """The ledger of an estimate: fake tensors counted as the device would hold them, and
-    operations on real integer tensors alone run for real (see the module docstring)."""
+    operations on real integer tensors alone run for real (see the module docstring). Tracing, it
+    also keeps each operation's output dtypes (``dtypes``), which tests compare with CUDA's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dtypes: list[tuple[torch.dtype, ...]] = []
 
     def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not _real_values_only(args, kwargs):
+        out = self._run_values(func, args, kwargs)
+        if self.ops is not None:
+            items = out if isinstance(out, (tuple, list)) else (out,)
+            self.dtypes.append(tuple(t.dtype for t in items if isinstance(t, torch.Tensor)))
+        return out
+
+    def _run_values(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        inputs = _real_values(args, kwargs)
+        # Factories (no tensor inputs) of positions and masks run for real too, when their result is
+        # integer or boolean (``torch.arange`` of cache positions, which Hugging Face models read to
+        # decide on a causal kernel); seeded ones never (an estimate draws no random numbers).
+        if inputs is None or (inputs == 0 and torch.Tag.nondeterministic_seeded in func.tags):
             return func(*args, **kwargs)
         from torch.utils._python_dispatch import _disable_current_modes
 
@@ -232,27 +182,36 @@ class _Counter(TensorLedger):
             try:
                 fake = func(*args, **kwargs)  # the result's shapes, to keep a large one fake
             except Exception:  # a result whose shape depends on the values (nonzero): run it
+                if inputs == 0:
+                    raise
                 fake = None
-            if _elements(fake) > VALUE_ELEMENTS:
+            if _elements(fake) > VALUE_ELEMENTS or (inputs == 0 and not _all_values(fake)):
                 return fake
             del fake
         with _disable_current_modes():
             return func(*args, **kwargs)
 
 
-def _real_values_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the tensors among the arguments are all real integer or boolean ones (and one at least)."""
+def _real_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """How many real integer or boolean tensors are among the arguments, or None if any tensor is
+    fake, floating-point or not on the CPU."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    seen = False
+    seen = 0
     for value in (*args, *kwargs.values()):
         items = value if isinstance(value, (tuple, list)) else (value,)
         for t in items:
             if isinstance(t, torch.Tensor):
                 if isinstance(t, FakeTensor) or not _is_value(t) or t.device.type != "cpu":
-                    return False
-                seen = True
+                    return None
+                seen += 1
     return seen
+
+
+def _all_values(out: Any) -> bool:
+    """Whether ``out`` is integer or boolean tensors on the CPU (one at least), nothing else."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return bool(items) and all(isinstance(t, torch.Tensor) and _is_value(t) and t.device.type == "cpu" for t in items)
 
 
 def _elements(out: Any) -> int:
@@ -382,6 +341,11 @@ class Trace:
             optimizer step's peak at this size (what the step leaves plus its transient bytes).
         ops: the operations, for matching two traces (the last is ``"step"``).
         seconds: the wall time of the trace.
+        held: for a CUDA target, the bytes of each tensor the steady state holds (parameters,
+            buffers, gradients, optimizer state), in the order they were counted.
+        events: for a CUDA target, the allocations and frees of the micro-step, its batch first
+            (see :func:`autotune.memory.allocator.steady_state`).
+        dtypes: the output dtypes of each operation in ``ops`` (without the last, ``"step"``).
     """
 
     size: int
@@ -389,6 +353,9 @@ class Trace:
     live: tuple[int, ...]
     ops: tuple[Any, ...]
     seconds: float
+    held: tuple[int, ...] = ()
+    events: tuple[tuple[int, int], ...] = ()
+    dtypes: tuple[tuple[torch.dtype, ...], ...] = ()
 
     @property
     def backward_peak(self) -> int:
@@ -451,9 +418,13 @@ class Estimator:
         self._receiving: set[int] | None = None  # ids of the parameters that receive a gradient
         self.block = CUDA_BLOCK if self.target == "cuda" else 1
         self.backends: list[str] = []
+        self.unlearned: dict[str, str] = {}  # operations whose CUDA autocast rule could not be learned
+        self._autocast: CudaAutocast | None = None
         self.on_trace: Callable[[Trace, bool], Any] | None = None
         self._grads: list[Any] | None = None  # the steady state's gradients, after the first step
         self._transient = 0  # bytes the optimizer step holds above what it leaves
+        self._step_events: list[tuple[int, int]] = []  # the optimizer step's temporaries (CUDA)
+        self._held = 0  # how many of a ledger's first events are the held tensors
         self._traces: dict[tuple[Any, int], Trace] = {}
         self._curves: dict[Any, MemoryCurve] = {}
 
@@ -499,31 +470,54 @@ class Estimator:
 
     @contextlib.contextmanager
     def _running(self, ledger: TensorLedger) -> Iterator[None]:
-        attention = _CudaAttention() if self.target == "cuda" else None
+        cuda = self.target == "cuda"
+        autocast = CudaAutocast() if cuda and self.precision != "fp32" else None
+        kernels = CudaKernels(autocast) if cuda else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(_quiet_torch())
             stack.enter_context(planning())
             if self.checkpointing:
                 from autotune.memory.checkpointing import activation_checkpointing
 
-                stack.enter_context(activation_checkpointing(self.model))
+                # The backward's recomputations run outside this stack's modes: they get CUDA's kernels
+                # again, each its own autocast region (as torch's checkpoint opens one).
+                again = (lambda: _recomputing(autocast)) if cuda else None
+                stack.enter_context(activation_checkpointing(self.model, recompute=again))
+            if autocast is not None:
+                stack.enter_context(autocast)
+                self._autocast = autocast
             stack.enter_context(self.mode)
-            if attention is not None:
-                stack.enter_context(attention)
+            if kernels is not None:
+                stack.enter_context(kernels)
             stack.enter_context(ledger)
-            yield
-        self.backends = attention.backends if attention is not None else []
+            try:
+                yield
+            finally:
+                self._autocast = None
+        self.backends = kernels.backends if kernels is not None else []
+        if autocast is not None:
+            self.unlearned.update(autocast.failed)
 
     def _ledger(self, batch: Any, *, trace: bool) -> TensorLedger:
-        ledger = _Counter("cpu", block=self.block, trace=trace)
+        """A ledger counting what the steady state holds, then ``batch``; for a CUDA target it records
+        the allocations in order too, the held tensors' first (``self._held``: how many)."""
+        ledger = _Counter("cpu", block=self.block, trace=trace, events=self.target == "cuda")
         ledger.track(held_tensors(self.model, self.optimizer))
+        self._held = len(ledger.events or ())
         if batch is not None:
             ledger.track(B.tensors(batch))
         return ledger
 
     def _micro_step(self, batch: Any) -> None:
         self.model.train()
-        forward_backward(self.model, self.loss_fn, batch, device_type="cpu", precision=self.precision)  # type: ignore[arg-type]
+        loss_fn, autocast = self.loss_fn, self._autocast
+        if autocast is not None:  # CUDA's autocast: its cast cache ends with the autocast region, as torch's does
+
+            def loss_fn(model: nn.Module, batch: Any) -> Any:
+                with autocast.region():
+                    return self.loss_fn(model, batch)  # type: ignore[misc]
+
+        forward_backward(self.model, loss_fn, batch, device_type="cpu", precision=self.precision)  # type: ignore[arg-type]
 
     def _setup(self, receiving: set[int] | None = None) -> None:
         """The steady state: a gradient for each parameter that receives one (``receiving``: their ids;
@@ -543,6 +537,7 @@ class Estimator:
             with self._running(ledger):
                 self._micro_step(batch)
                 ledger.peak = ledger.live
+                start = len(ledger.events or ())
                 self.optimizer.step()
             self._receiving = {id(p) for p in self.params if p.grad is not None}
         else:
@@ -551,12 +546,17 @@ class Estimator:
                     wanted = p.requires_grad and (receiving is None or id(p) in receiving)
                     p.grad = torch.zeros_like(p) if wanted else None
             ledger = self._ledger(None, trace=False)
+            start = len(ledger.events or ())
             with self._running(ledger):
                 ledger.peak = ledger.live
                 self.optimizer.step()
             self._receiving = receiving
         self._transient = ledger.peak - ledger.live
         self._grads = [p.grad for p in self.params]
+        # The optimizer step's temporaries (what it allocates and frees; what it keeps is state, held).
+        step = (ledger.events or [])[start:]
+        freed = {serial for serial, n in step if n == 0}
+        self._step_events = [(serial, n) for serial, n in step if serial in freed]
 
     def trace(self, b: int, template: Any = None) -> Trace:
         """The steady-state forward and backward of ``b`` samples shaped like ``template`` (default:
@@ -598,7 +598,10 @@ class Estimator:
         # The optimizer step holds its transient bytes above what the step leaves, which is what a
         # micro-step leaves: the optimizer step's peak at this size.
         peak = max(ledger.peak, end + self._transient)
-        made = Trace(b, peak, (*live, end + self._transient), (*(ledger.ops or ()), "step"), time.perf_counter() - start)
+        events = ledger.events or []
+        made = Trace(b, peak, (*live, end + self._transient), (*(ledger.ops or ()), "step"), time.perf_counter() - start,
+                     held=tuple(n for _, n in events[:self._held]), events=tuple(events[self._held:]),
+                     dtypes=tuple(ledger.dtypes))
         self._traces[key] = made
         if self.on_trace is not None:
             self.on_trace(made, False)
@@ -635,7 +638,28 @@ class Estimator:
         size must agree with the curve to the byte, which then holds at the next size too; when it
         does not (an allocation that is not affine in the batch, a kernel that switches between the
         sizes), the search goes on with traces alone (:func:`autotune.probe.search.estimated_max`).
+
+        For a CUDA target the peak is what the caching allocator reserves (:meth:`allocator`), and a
+        size fits when the allocator's replay under a cap of ``budget`` serves every request.
         """
+        size, peak = self._largest_allocated(budget, upper, confirm=confirm, template=template)
+        if self.target != "cuda":
+            return size, peak
+        lower = min(self.lower, upper)
+
+        def fits(b: int) -> bool:
+            return not self.allocator(b, cap=budget, template=template).out_of_memory
+
+        if size and not fits(size):  # the allocator's rounding and segments take more: search below
+            size, _ = estimated_max(lambda b: 0 if fits(b) else budget + 1, budget, size - 1, lower=lower)
+
+        def reserved(b: int) -> int:
+            capped = self.allocator(b, cap=budget, template=template)
+            return capped.reserved if not capped.out_of_memory else max(budget + 1, self.allocator(b, template=template).reserved)
+
+        return size, reserved
+
+    def _largest_allocated(self, budget: int, upper: int, *, confirm: bool, template: Any) -> tuple[int, Callable[[int], int]]:
         lower = min(self.lower, upper)
 
         def traced(b: int) -> int:
@@ -653,6 +677,21 @@ class Estimator:
             return size, curve
         size, _ = estimated_max(traced, budget, upper, lower=lower, start=at)
         return size, traced
+
+    def allocator(self, b: int, *, cap: int | None = None, template: Any = None) -> AllocatorPeaks:
+        """What CUDA's caching allocator would read for the steady state at ``b`` samples (a CUDA
+        target): the held tensors, the cuBLAS workspace, a micro-step, the optimizer step and a
+        second micro-step replayed (:func:`autotune.memory.allocator.steady_state`) under ``cap``.
+        The micro-step's allocations at ``b`` come from the curve's two traces where they pair up,
+        else from a trace at ``b``."""
+        template = self.batch if template is None else template
+        b1, b2 = self.sizes
+        t1, t2 = self.trace(b1, template), self.trace(b2, template)
+        events = scale_events((b1, list(t1.events)), (b2, list(t2.events)), b) if t1.held == t2.held else None
+        if events is None:
+            events = list(self.trace(b, template).events)
+        replayed = steady_state(t1.held, events, self._step_events, workspace=cublas_workspace())
+        return replay(replayed, cap=cap, expandable=expandable_segments())
 
     def resident(self) -> int:
         """Bytes of parameters, buffers, gradients and optimizer state in the steady state."""
@@ -676,6 +715,14 @@ class Estimator:
         if self._grads is None:
             self._setup()
         return self._transient
+
+
+@contextlib.contextmanager
+def _recomputing(autocast: CudaAutocast | None) -> Iterator[None]:
+    """A checkpoint's recomputation for a CUDA target: CUDA's attention and dropout, and a region of
+    CUDA's autocast cache of its own."""
+    with CudaKernels(autocast), (autocast.region() if autocast is not None else contextlib.nullcontext()):
+        yield
 
 
 def _weak(fn: Any) -> Callable[[], Any]:

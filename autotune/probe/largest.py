@@ -178,8 +178,29 @@ def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tup
         size, peak = estimator.largest(budget, upper, confirm=confirm)
     finally:
         estimator.on_trace = None
-    work.curve = peak if isinstance(peak, MemoryCurve) else None
+    work.curve = peak if isinstance(peak, MemoryCurve) else (estimator.curve() if work.device.type == "cuda" else None)
+    if work.device.type == "cuda":
+        work.notes.append(_allocator_note(estimator, size or min(work.estimator.lower, upper), budget))
+    if estimator.unlearned:
+        work.notes.append(
+            "CUDA's autocast decision could not be learned for " + ", ".join(sorted(estimator.unlearned))
+            + " (estimated as the CPU runs them)"
+        )
     return size, peak
+
+
+def _allocator_note(estimator: Any, size: int, budget: int) -> str:
+    """What the CUDA estimate budgets: the caching allocator's reserved bytes, beside the allocated ones."""
+    from autotune.memory.allocator import cublas_workspace, expandable_segments
+
+    capped = estimator.allocator(size, cap=budget)
+    ws = cublas_workspace()
+    return (
+        f"the CUDA estimate budgets what the caching allocator reserves: {format_bytes(capped.reserved)} reserved at "
+        f"micro-batch {size}, {format_bytes(capped.allocated)} allocated (cuBLAS's workspace of {format_bytes(ws)} "
+        f"included; {'expandable segments' if expandable_segments() else 'fixed segments'})"
+        + (f"; the allocator releases its cached segments {capped.retries} time(s) a window at this size" if capped.retries else "")
+    )
 
 
 def _recorder(work: Workload, budget: int) -> Callable[[Any, bool], None]:
