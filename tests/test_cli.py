@@ -52,6 +52,29 @@ def test_json_report_is_the_plan_plus_device_and_memory(capsys):
     assert data["cached"] is False
 
 
+def test_per_sample_is_the_slope_of_the_plans_memory_line_in_text_json_and_plot(capsys, tmp_path, monkeypatch):
+    from autotune.units import format_bytes
+
+    code, out, _ = run(capsys, "report", "--demo", "--json")
+    data = json.loads(out)
+    plan = Plan.from_dict(data["plan"])
+    # The slope of the memory line the plan chose its micro-batch by, at that micro-batch: its two
+    # traces at 2 and 3 samples lie where the optimizer step's line is the peak, nearly flat.
+    fixed, slope = plan.memory_curve.line_at(plan.micro_batch)
+    assert plan.memory_curve(plan.micro_batch) - plan.memory_curve(plan.micro_batch - 1) == pytest.approx(slope, abs=1)
+    assert 600 * 1024 < slope < 640 * 1024
+    assert data["memory"]["per_sample"] == pytest.approx(slope)
+    code, text, _ = run(capsys, "report", "--demo")
+    assert re.search(r"per sample\s+(.+)", text).group(1).strip() == format_bytes(slope)
+    import matplotlib.axes
+
+    labels = []
+    original = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **k: labels.append(k.get("label")) or original(ax, *a, **k))
+    assert main(["report", "--demo", "--plot", str(tmp_path / "memory.png")]) == 0
+    assert f"estimated peak: {slope / 1024:.1f} KiB per sample at micro-batch {plan.micro_batch}" in labels
+
+
 @pytest.mark.parametrize(
     "fmt, pattern",
     [

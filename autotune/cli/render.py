@@ -65,10 +65,15 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
         if pts:
             ax.scatter([t.batch_size for t in pts], [t.peak_memory / mib for t in pts], marker=marker, label=label, alpha=0.8, facecolors="none" if estimate else None, edgecolors="C0" if estimate else None, color=None if estimate else "C1")
     line = fitted_line(plan)
-    top = max(t.batch_size for t in plan.trials)
+    top = max(max(t.batch_size for t in plan.trials), plan.micro_batch)
     if line:
         fixed, slope = line
-        ax.plot([0, top * 1.1], [fixed / mib, (fixed + slope * top * 1.1) / mib], "--", color="gray", label=f"line: {slope / 1024:.1f} KiB per sample")
+        label = f"estimated peak: {slope / 1024:.1f} KiB per sample at micro-batch {plan.micro_batch}"
+        if plan.memory_curve is not None:  # the whole curve: each trace lies on it
+            xs = list(range(1, int(top * 1.1) + 2))
+            ax.plot(xs, [plan.memory_curve(x) / mib for x in xs], "--", color="gray", label=label)
+        else:
+            ax.plot([0, top * 1.1], [fixed / mib, (fixed + slope * top * 1.1) / mib], "--", color="gray", label=label)
     ax.axhline(plan.memory_limit / mib, color="C3", label="limit")
     ax.axhline(plan.budget / mib, color="C3", linestyle=":", label=f"budget ({plan.headroom:.0%} headroom)")
     ax.axvline(plan.micro_batch, color="C2", label=f"micro-batch {plan.micro_batch}")

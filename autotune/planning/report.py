@@ -46,14 +46,11 @@ class MemoryBreakdown:
 
 
 def per_sample_bytes(plan: Plan) -> float | None:
-    """Bytes each extra sample adds to the peak: the slope between the two largest fitting trials
-    of one kind (estimates first, as they are exact tensor counts)."""
-    for estimate in (True, False):
-        fits = sorted({t.batch_size: t.peak_memory for t in plan.trials if t.fits and t.estimate is estimate}.items())
-        if len(fits) >= 2:
-            (b1, p1), (b2, p2) = fits[-2], fits[-1]
-            return (p2 - p1) / (b2 - b1)
-    return None
+    """Bytes each extra sample adds to the peak at the plan's micro-batch: the slope of the plan's
+    memory line there (:attr:`Plan.memory_curve`, the exact tensor count from the estimates), else the
+    slope between the two largest fitting trials of one kind."""
+    line = fitted_line(plan)
+    return None if line is None else line[1]
 
 
 @dataclass(frozen=True)
@@ -306,10 +303,16 @@ def render_json(
 
 
 def fitted_line(plan: Plan) -> tuple[float, float] | None:
-    """``(fixed, per_sample)`` of the peak-memory line through the plan's fitting trials."""
-    slope = per_sample_bytes(plan)
-    if slope is None:
-        return None
-    top = max((t for t in plan.trials if t.fits), key=lambda t: (t.estimate, t.batch_size))
-    return top.peak_memory - slope * top.batch_size, slope
+    """``(fixed, per_sample)`` of the peak-memory line at the plan's micro-batch: the line of the plan's
+    memory curve that is the peak there, else the line through the two largest fitting trials of one
+    kind (estimates first, as they are exact tensor counts)."""
+    if plan.memory_curve is not None:
+        return plan.memory_curve.line_at(plan.micro_batch)
+    for estimate in (True, False):
+        fits = sorted({t.batch_size: t.peak_memory for t in plan.trials if t.fits and t.estimate is estimate}.items())
+        if len(fits) >= 2:
+            (b1, p1), (b2, p2) = fits[-2], fits[-1]
+            slope = (p2 - p1) / (b2 - b1)
+            return p2 - slope * b2, slope
+    return None
 
