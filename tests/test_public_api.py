@@ -28,3 +28,14 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_import_loads_the_planning_machinery_when_planning_starts():
+    # `import autotune` loads none of its wings; the first public name used loads what it needs.
+    code = (
+        "import sys, autotune; print(sorted(m for m in sys.modules if m.startswith('autotune.'))); "
+        "autotune.format_bytes(1); print('autotune.probe.estimate' in sys.modules); "
+        "autotune.plan; print('autotune.probe.estimate' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:3] == ["[]", "False", "True"]
