@@ -1,27 +1,28 @@
-"""Does the plan hold on a real GPU? One script, under six minutes on one GPU, with pass/fail per case.
+"""Does the CUDA estimate hold on a real GPU? One run of at most 10 minutes on one H200, pass/fail per case.
 
-For each case (an MLP in fp32, a CNN with cuDNN's benchmark mode off and on, a causal LM with
-``scaled_dot_product_attention`` in fp32 and bf16, and a wide model whose optimizer step is the
-peak), under a memory limit well below the card's memory:
+Each case runs under its own time limit and reports its figures and its pass criteria:
 
-- the plan: micro-batch ``m``, budget, peak, trials, seconds;
-- one steady-state step (micro-step, optimizer step, micro-step) under the allocator cap at ``m``,
-  ``floor(0.95 m)``, ``m + 1`` and ``ceil(1.05 m)``: allocated, reserved and counted (ledger) peaks,
-  allocator retries, out-of-memory errors; the ratios estimate/allocated, estimate/reserved and
-  reserved/budget;
-- the estimate-only plan (``verify=False``) and whether its size fits;
-- ``fit`` under the cap for 200 steps or 20 s, with an uneven last window: out-of-memory warnings,
-  micro-batch changes, samples per second;
-- on two cases, Lightning's binsearch under the same cap (size, seconds, and whether that size trains
-  with accumulation), when Lightning is installed;
+1. ``estimate-only: gpt2`` / ``llama`` / ``cnn``: Hugging Face GPT-2 (dropout 0.1) and a Llama-style
+   model, both bf16 and built from configs, and a CNN: the estimate-only plan's micro-batch runs a
+   steady-state step (micro-step, optimizer step, micro-step) under the plan's allocator cap without an
+   out-of-memory error; the estimate / ``max_memory_allocated`` lies in [0.95, 1.05]; the predicted
+   reserved bytes (the caching allocator's replay) lie within 5% of ``max_memory_reserved``.
+2. ``activations per layer``: GPT-2's bytes live when the backward starts, 2 layers less 1, with
+   dropout 0 and 0.1, measured and estimated (within 5%; dropout adds one byte a mask).
+3. ``optimizer step``: the peak of AdamW's step above what it leaves, foreach, single-tensor and fused,
+   measured and estimated (within 5% or 2 MiB).
+4. ``allocator``: at the planned micro-batch, fixed and cycling sequence lengths, with and without
+   expandable segments: reserved/allocated, ``num_alloc_retries`` and out-of-memory errors (none).
+5. ``outside the allocator``: the memory the CUDA context and libraries hold outside torch's allocator,
+   against the 512 MiB an estimate-only plan sets aside.
+6. ``fit``: 50 optimizer steps of GPT-2 under the plan's cap without an out-of-memory error or a change
+   of micro-batch.
 
-and once: the GPU, torch/CUDA/cuDNN versions, and the memory outside torch's allocator against the
-allowance estimate-only plans set aside. Pass criteria per case: plan peak <= budget; ``ceil(1.05 m)``
-does not fit and ``floor(0.95 m)`` does; no OOM and no micro-batch change in ``fit``; memory back to
-near zero between cases. Writes JSON (``--json``) and prints a table.
+It writes every figure to one JSON file (``--json``) and prints a table; the figures go into
+``docs/benchmarks.md`` ("GPU validation").
 
-    python benchmarks/gpu_validate.py                       # one GPU, a few minutes
-    python benchmarks/gpu_validate.py --json results.json --cases mlp,lm-bf16
+    python benchmarks/gpu_validate.py --json gpu.json          # one GPU, under 10 minutes
+    python benchmarks/gpu_validate.py --cases fit,allocator    # some cases
 
 Without CUDA it says so and exits 0.
 """
@@ -29,14 +30,16 @@ Without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
-import math
+import os
+import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,330 +47,414 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotune
-from autotune.memory.device import (
-    CUDA_CONTEXT_ALLOWANCE,
-    cuda_memory_fraction,
-    outside_allocator,
-)
-from autotune.memory.ledger import TensorLedger
-from autotune.probe.trial import trial_step as _trial_step
+from autotune.memory.device import CUDA_CONTEXT_ALLOWANCE, allocator_cap, cuda_memory_fraction, outside_allocator
+from autotune.probe.estimate import Estimator
+from autotune.probe.trial import Workload, trial_step
 
-GiB = 2**30
-MiB = 2**20
+GiB, MiB = 2**30, 2**20
 
 
-# --- the cases -------------------------------------------------------------------------------
-
-
-class CausalLM(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int, vocab: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict({"norm": nn.LayerNorm(dim), "qkv": nn.Linear(dim, 3 * dim), "out": nn.Linear(dim, dim),
-                           "norm2": nn.LayerNorm(dim), "mlp": nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))})
-            for _ in range(layers)
-        )
-        self.heads = heads
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        b, length, dim = x.shape
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["norm"](x)).view(b, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, length, dim)
-            x = x + blk["out"](y)
-            x = x + blk["mlp"](blk["norm2"](x))
-        return self.head(x)
-
-
-def cnn(width: int = 64) -> nn.Module:
-    def block(i: int, o: int) -> list[nn.Module]:
-        return [nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.Conv2d(o, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.MaxPool2d(2)]
-
-    w = width
-    return nn.Sequential(*block(3, w), *block(w, 2 * w), *block(2 * w, 4 * w), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, 100))
+# --- the models ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Case:
-    name: str
-    make: Callable[[], nn.Module]
-    batch: Callable[[int], Any]  # samples -> a batch on the CPU
+class Model:
+    """A model to validate with: how to build it (``scale`` shrinks it for the CPU test), a batch of
+    ``n`` samples at a sequence ``length``, and its loss."""
+
+    make: Callable[[float, float], nn.Module]  # (scale, dropout) -> model
+    batch: Callable[[int, int, float], Any]  # (samples, length, scale) -> batch on the CPU
     loss: Callable[[nn.Module, Any], torch.Tensor]
-    target: int
-    limit: int
-    precision: str = "fp32"
-    cudnn_benchmark: bool = False
-    optimizer: str = "adamw"
+    precision: str
+    length: int
 
 
-def classification(shape: tuple[int, ...], classes: int) -> Callable[[int], Any]:
-    return lambda n: (torch.randn(n, *shape), torch.randint(0, classes, (n,)))
+def _dim(n: int, scale: float) -> int:
+    return max(16, int(n * scale) // 16 * 16)
 
 
-def tokens(length: int, vocab: int) -> Callable[[int], Any]:
-    return lambda n: (torch.randint(0, vocab, (n, length)), torch.randint(0, vocab, (n, length)))
+def gpt2(scale: float, dropout: float = 0.1, layers: int | None = None) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=layers or max(1, int(12 * scale)), n_embd=_dim(768, scale), n_head=12 if scale >= 1 else 2,
+                        vocab_size=_dim(50257, scale), n_positions=1024, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return GPT2LMHeadModel(config)
+
+
+def llama(scale: float, dropout: float = 0.0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    heads = 16 if scale >= 1 else 4
+    config = LlamaConfig(num_hidden_layers=max(1, int(8 * scale)), hidden_size=_dim(1024, scale), num_attention_heads=heads,
+                         num_key_value_heads=heads // 4, intermediate_size=_dim(2816, scale), vocab_size=_dim(32000, scale),
+                         max_position_embeddings=2048)
+    return LlamaForCausalLM(config)
+
+
+def cnn(scale: float, dropout: float = 0.0) -> nn.Module:
+    def block(i: int, o: int) -> list[nn.Module]:
+        return [nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.Conv2d(o, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(), nn.MaxPool2d(2)]
+
+    torch.manual_seed(0)
+    w = _dim(64, scale)
+    return nn.Sequential(*block(3, w), *block(w, 2 * w), *block(2 * w, 4 * w), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, 100))
+
+
+def tokens(n: int, length: int, scale: float) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, _dim(32000, scale), (n, length), generator=torch.Generator().manual_seed(n * 7919 + length))
+    return {"input_ids": ids, "labels": ids}
+
+
+def images(n: int, length: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    side = _dim(128, scale)
+    return torch.randn(n, 3, side, side), torch.randint(0, 100, (n,))
+
+
+def hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return model(**batch).loss
 
 
 def ce(model: nn.Module, batch: Any) -> torch.Tensor:
-    x, y = batch
-    out = model(x)
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def cases(scale: float) -> list[Case]:
-    """The cases; ``scale`` shrinks models and limits together (tests run them tiny on the CPU)."""
-    s = scale
-
-    def dim(n: int) -> int:
-        return max(8, int(n * s) // 8 * 8)
-
-    lm = lambda: CausalLM(layers=max(1, int(6 * s)), dim=dim(512), heads=8, vocab=dim(8000))  # noqa: E731
-    return [
-        Case("mlp", lambda: nn.Sequential(nn.Linear(dim(1024), dim(4096)), nn.ReLU(), nn.Linear(dim(4096), dim(4096)), nn.ReLU(), nn.Linear(dim(4096), 1000)),
-             classification((dim(1024),), 1000), ce, 8192, int(2 * GiB * s * s)),
-        Case("cnn", lambda: cnn(dim(64)), classification((3, dim(64), dim(64)), 100), ce, 1024, int(3 * GiB * s * s)),
-        Case("cnn-benchmark", lambda: cnn(dim(64)), classification((3, dim(64), dim(64)), 100), ce, 1024, int(3 * GiB * s * s), cudnn_benchmark=True),
-        Case("lm-fp32", lm, tokens(dim(1024), dim(8000)), ce, 256, int(6 * GiB * s * s)),
-        Case("lm-bf16", lm, tokens(dim(1024), dim(8000)), ce, 256, int(6 * GiB * s * s), precision="bf16"),
-        Case("wide", lambda: nn.Sequential(*[nn.Linear(dim(8192), dim(8192)) for _ in range(4)]),
-             classification((dim(8192),), dim(8192)), ce, 512, int(8 * GiB * s * s)),
-    ]
+MODELS = {
+    "gpt2": Model(gpt2, tokens, hf_loss, "bf16", 1024),
+    "llama": Model(llama, tokens, hf_loss, "bf16", 1024),
+    "cnn": Model(cnn, images, ce, "bf16", 0),
+}
 
 
-# --- measurements ----------------------------------------------------------------------------
+# --- measuring on the device ---------------------------------------------------------------------
 
 
-@dataclass
-class StepAt:
-    size: int
-    allocated: int = 0
-    reserved: int = 0
-    counted: int = 0
-    retries: int = 0
-    oom: bool = False
+def to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, dict):
+        return {k: v.to(device) for k, v in batch.items()}
+    return tuple(t.to(device) for t in batch)
+
+
+def fresh(model: Model, scale: float, device: torch.device, *, dropout: float = 0.1, optimizer: dict[str, Any] | None = None,
+          layers: int | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    net = (gpt2(scale, dropout, layers) if model.make is gpt2 else model.make(scale, dropout)).to(device)
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-5, **(optimizer or {}))
+
+
+def clean(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def retries(device: torch.device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def measured_step(model: Model, net: nn.Module, opt: torch.optim.Optimizer, batch: Any, device: torch.device, cap: int | None) -> dict[str, Any]:
+    """A steady-state step under the allocator cap: what the allocator's statistics read."""
+    batch = to(batch, device)
+    clean(device)
+    before = retries(device)
+    oom = False
+    try:
+        with cuda_memory_fraction(device, cap):
+            trial_step(net, opt, model.loss, batch, device.type, model.precision)  # type: ignore[arg-type]
+        torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError:
+        oom = True
+    out = {"allocated": int(torch.cuda.max_memory_allocated(device)), "reserved": int(torch.cuda.max_memory_reserved(device)),
+           "retries": retries(device) - before, "oom": oom}
+    opt.zero_grad(set_to_none=False)  # the steady state keeps its gradients
+    return out
+
+
+def estimator(model: Model, net: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> Estimator:
+    """The estimator of the step for a CUDA target (it needs no GPU), with ``batch`` as its template."""
+    work = Workload(model=net, optimizer=opt, loss_fn=model.loss, batch=batch, device=torch.device("cuda"), precision=model.precision)  # type: ignore[arg-type]
+    return Estimator(work)
+
+
+def within(value: float, low: float, high: float) -> bool:
+    return low <= value <= high
+
+
+# --- the cases ------------------------------------------------------------------------------------
 
 
 @dataclass
 class Result:
     case: str
-    micro_batch: int = 0
-    budget: int = 0
-    peak: int = 0
-    real_trials: int = 0
-    estimates: int = 0
-    plan_seconds: float = 0.0
-    steps: list[StepAt] = field(default_factory=list)
-    estimate_at_m: int = 0
-    estimate_only_micro_batch: int = 0
-    estimate_only_fits: bool | None = None
-    fit_steps: int = 0
-    fit_oom_warnings: int = 0
-    fit_micro_batch_changes: int = 0
-    fit_samples_per_s: float = 0.0
-    lightning: dict[str, Any] | None = None
-    left_allocated: int = 0
+    figures: dict[str, Any] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
+    seconds: float = 0.0
     error: str | None = None
 
     @property
     def passed(self) -> bool:
-        return self.error is None and all(self.checks.values())
+        return self.error is None and bool(self.checks) and all(self.checks.values())
 
 
-def fresh(case: Case, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = case.make().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if case.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    return model, opt
+@dataclass
+class Context:
+    device: torch.device
+    scale: float
+    limit: int
+    plans: dict[str, Any] = field(default_factory=dict)  # the estimate-only plans, by model
 
 
-def step_at(case: Case, model: nn.Module, opt: torch.optim.Optimizer, size: int, device: torch.device, limit: int) -> StepAt:
-    """One steady-state step at ``size`` under the allocator cap: what the device really used."""
-    out = StepAt(size)
-    batch = tuple(t.to(device) for t in case.batch(size))
-    gc.collect()
+def estimate_only(name: str) -> Callable[[Context, Result], None]:
+    def case(ctx: Context, res: Result) -> None:
+        model = MODELS[name]
+        net, opt = fresh(model, ctx.scale, ctx.device)
+        length = model.length if ctx.scale >= 1 else max(16, int(model.length * ctx.scale))
+        loader = [model.batch(4, length, ctx.scale) for _ in range(2)]
+        plan = autotune.plan(net, loader, target_batch=4096, optimizer=opt, loss_fn=model.loss, device="cuda",
+                             memory_limit=ctx.limit, precision=model.precision, verify=False, progress=False)
+        ctx.plans[name] = plan
+        m = plan.micro_batch
+        cap = allocator_cap(ctx.limit, plan.set_aside)
+        est = estimator(model, net, opt, model.batch(m, length, ctx.scale))
+        predicted = est.allocator(m, cap=plan.budget)
+        real = measured_step(model, net, opt, model.batch(m, length, ctx.scale), ctx.device, cap)
+        res.figures.update(micro_batch=m, budget=plan.budget, cap=cap, estimated_allocated=predicted.allocated,
+                           estimated_reserved=predicted.reserved, tensors=est.curve()(m), measured=real, notes=list(plan.notes))
+        res.figures["allocated_ratio"] = predicted.allocated / max(real["allocated"], 1)
+        res.figures["reserved_error"] = predicted.reserved / max(real["reserved"], 1) - 1
+        res.checks = {
+            "runs without OOM under the cap": not real["oom"],
+            "estimate / max_memory_allocated in [0.95, 1.05]": within(res.figures["allocated_ratio"], 0.95, 1.05),
+            "predicted reserved within 5% of max_memory_reserved": abs(res.figures["reserved_error"]) <= 0.05,
+        }
+
+    return case
+
+
+def before_backward(model: Model, net: nn.Module, batch: Any, device: torch.device) -> int:
+    """Bytes allocated when the backward starts, above what was allocated before the forward."""
+    batch = to(batch, device)
+    clean(device)
+    start = torch.cuda.memory_allocated(device)
+    from autotune.step import autocast
+
+    net.train()
+    with autocast(device.type, model.precision):  # type: ignore[arg-type]
+        loss = model.loss(net, batch)
+    live = torch.cuda.memory_allocated(device) - start
+    loss.backward()
+    net.zero_grad(set_to_none=True)
+    return int(live)
+
+
+def activations_per_layer(ctx: Context, res: Result) -> None:
+    model = MODELS["gpt2"]
+    length = 1024 if ctx.scale >= 1 else 32
+    b = 8 if ctx.scale >= 1 else 2
+    for dropout in (0.0, 0.1):
+        per: dict[str, int] = {}
+        for layers in (1, 2):
+            net, opt = fresh(model, ctx.scale, ctx.device, dropout=dropout, layers=layers)
+            batch = model.batch(b, length, ctx.scale)
+            per[f"measured_{layers}"] = before_backward(model, net, batch, ctx.device)
+            est = estimator(model, net, opt, batch)
+            trace = est.trace(b)
+            start = [str(op) for op in trace.ops].index("aten.ones_like.default")
+            per[f"estimated_{layers}"] = trace.live[start] - trace.live[0]
+            del net, opt
+        measured, estimated = per["measured_2"] - per["measured_1"], per["estimated_2"] - per["estimated_1"]
+        res.figures[f"dropout {dropout}"] = {**per, "measured_per_layer": measured, "estimated_per_layer": estimated,
+                                             "ratio": estimated / max(measured, 1)}
+        res.checks[f"dropout {dropout}: estimate / measured per layer in [0.95, 1.05]"] = within(estimated / max(measured, 1), 0.95, 1.05)
+    mask = res.figures["dropout 0.1"]["measured_per_layer"] - res.figures["dropout 0.0"]["measured_per_layer"]
+    res.figures["dropout_masks_bytes_per_layer"] = mask
+
+
+def optimizer_step(ctx: Context, res: Result) -> None:
+    model = MODELS["gpt2"]
+    for impl, kwargs in (("foreach", {"foreach": True}), ("single-tensor", {"foreach": False}), ("fused", {"fused": True})):
+        net, opt = fresh(model, ctx.scale, ctx.device, optimizer=kwargs)
+        batch = model.batch(2, 64, ctx.scale)
+        est = estimator(model, net, opt, batch)
+        estimated = est.step_transient()
+        trial_step(net, opt, model.loss, to(batch, ctx.device), ctx.device.type, model.precision)  # state and gradients exist
+        clean(ctx.device)
+        left = torch.cuda.memory_allocated(ctx.device)
+        opt.step()
+        torch.cuda.synchronize(ctx.device)
+        measured = int(torch.cuda.max_memory_allocated(ctx.device)) - left
+        res.figures[impl] = {"measured": measured, "estimated": estimated}
+        res.checks[f"{impl}: within 5% or 2 MiB"] = abs(estimated - measured) <= max(0.05 * measured, 2 * MiB)
+        del net, opt
+
+
+@contextlib.contextmanager
+def expandable(on: bool) -> Iterator[None]:
+    """``expandable_segments`` for the allocator and the estimate's replay alike."""
+    old = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"expandable_segments:{on}"
     torch.cuda.empty_cache()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
-    ledger = TensorLedger(device.type, block=512)
-    ledger.track([*model.parameters(), *model.buffers(), *batch])
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
     try:
-        with cuda_memory_fraction(device, limit), ledger:
-            _trial_step(model, opt, case.loss, batch, device.type, case.precision)  # type: ignore[arg-type]
-        torch.cuda.synchronize(device)
-    except torch.OutOfMemoryError:
-        out.oom = True
-    out.allocated = int(torch.cuda.max_memory_allocated(device))
-    out.reserved = int(torch.cuda.max_memory_reserved(device))
-    out.counted = ledger.peak
-    out.retries = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) - before
-    opt.zero_grad(set_to_none=True)
-    del batch
-    return out
+        yield
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        if old is None:
+            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        else:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = old
 
 
-def lightning_binsearch(case: Case, device: torch.device, limit: int) -> dict[str, Any] | None:
-    """Lightning's binsearch under the same cap: the size it finds, and whether that trains accumulating."""
-    try:
-        import lightning as L
-        from lightning.pytorch.tuner import Tuner
-    except ImportError:
-        return None
+def allocator(ctx: Context, res: Result) -> None:
+    model = MODELS["gpt2"]
+    plan = ctx.plans.get("gpt2")
+    length = model.length if ctx.scale >= 1 else 32
+    m = plan.micro_batch if plan is not None else 2
+    cap = allocator_cap(ctx.limit, plan.set_aside) if plan is not None else None
+    for segments in (False, True):
+        for lengths in ((length,) * 6, (length, length // 2, length // 4, length * 3 // 4, length, length // 2)):
+            kind = f"{'expandable' if segments else 'fixed'} segments, {'fixed' if len(set(lengths)) == 1 else 'cycling'} lengths"
+            with expandable(segments):
+                net, opt = fresh(model, ctx.scale, ctx.device)
+                est = estimator(model, net, opt, model.batch(m, length, ctx.scale))
+                predicted = est.allocator(m)
+                clean(ctx.device)
+                before = retries(ctx.device)
+                oom = False
+                try:
+                    with cuda_memory_fraction(ctx.device, cap):
+                        for n in lengths:
+                            trial_step(net, opt, model.loss, to(model.batch(m, n, ctx.scale), ctx.device), ctx.device.type, model.precision)
+                    torch.cuda.synchronize(ctx.device)
+                except torch.OutOfMemoryError:
+                    oom = True
+                allocated, reserved = int(torch.cuda.max_memory_allocated(ctx.device)), int(torch.cuda.max_memory_reserved(ctx.device))
+                res.figures[kind] = {"allocated": allocated, "reserved": reserved, "reserved/allocated": reserved / max(allocated, 1),
+                                     "retries": retries(ctx.device) - before, "oom": oom,
+                                     "predicted_reserved/allocated": predicted.reserved / max(predicted.allocated, 1)}
+                res.checks[f"{kind}: no OOM"] = not oom
+                del net, opt
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = case.make()
-            self.batch_size = 2
 
-        def training_step(self, batch: Any, _: int) -> torch.Tensor:
-            return case.loss(self.net, batch)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-        def train_dataloader(self) -> Any:
-            n = max(self.batch_size * 4, 64)
-            data = torch.utils.data.TensorDataset(*case.batch(n))
-            return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
-
-    module = Module()
-    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    start = time.perf_counter()
-    with cuda_memory_fraction(device, limit), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        size = Tuner(trainer).scale_batch_size(module, mode="binsearch", max_trials=25)
-    seconds = time.perf_counter() - start
-    model, opt = fresh(case, device)
-    trains = not step_at(case, model, opt, int(size or 1), device, limit).oom
-    del model, opt
-    return {"size": size, "seconds": round(seconds, 2), "trains_accumulating": trains}
+def outside(ctx: Context, res: Result) -> None:
+    x = torch.randn(256, 256, device=ctx.device)
+    (x @ x).sum().item()  # cuBLAS's handle and workspace exist
+    measured = outside_allocator(ctx.device)
+    res.figures.update(outside_allocator=measured, allowance=CUDA_CONTEXT_ALLOWANCE)
+    res.checks["within the 512 MiB allowance (None: NVML unavailable)"] = measured is None or measured <= CUDA_CONTEXT_ALLOWANCE
 
 
 class _Stop(Exception):
     pass
 
 
-def validate(case: Case, device: torch.device, *, fit_steps: int, fit_seconds: float, with_lightning: bool) -> Result:
-    res = Result(case.name)
-    torch.backends.cudnn.benchmark = case.cudnn_benchmark
+def fit(ctx: Context, res: Result) -> None:
+    model = MODELS["gpt2"]
+    length = model.length if ctx.scale >= 1 else 32
+    net, opt = fresh(model, ctx.scale, ctx.device)
+    target = 64 if ctx.scale >= 1 else 8
+    data = [model.batch(8, length, ctx.scale) for _ in range(target // 8 * 60)]
+    seen: list[Any] = []
+    steps = 50 if ctx.scale >= 1 else 3
+
+    def callback(record: Any) -> None:
+        seen.append(record)
+        if len(seen) >= steps:
+            raise _Stop
+
+    began = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            autotune.fit(net, data, target_batch=target, optimizer=opt, loss_fn=model.loss, memory_limit=ctx.limit,
+                         precision=model.precision, progress=False, callback=callback, device=ctx.device)
+        except _Stop:
+            pass
+    full = [r for r in seen if r.samples == target]
+    res.figures.update(steps=len(seen), samples_per_s=sum(r.samples for r in seen) / max(time.perf_counter() - began, 1e-9),
+                       micro_batches=sorted({r.micro_batch for r in full}),
+                       oom_warnings=sum("out of memory" in str(w.message).lower() for w in caught))
+    res.checks = {
+        f"{steps} steps": len(seen) >= steps,
+        "no out-of-memory error": res.figures["oom_warnings"] == 0,
+        "no micro-batch change": len(res.figures["micro_batches"]) <= 1,
+    }
+
+
+# Each case with its time limit in seconds; the sum stays under 10 minutes with the plans' estimates.
+CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
+    "estimate-only: gpt2": (estimate_only("gpt2"), 120),
+    "estimate-only: llama": (estimate_only("llama"), 90),
+    "estimate-only: cnn": (estimate_only("cnn"), 60),
+    "activations per layer": (activations_per_layer, 60),
+    "optimizer step": (optimizer_step, 45),
+    "allocator": (allocator, 90),
+    "outside the allocator": (outside, 15),
+    "fit": (fit, 90),
+}
+
+
+class _TimedOut(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int) -> Iterator[None]:
+    """Raise in the main thread once ``seconds`` have passed (a case that hangs fails; the rest run)."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise _TimedOut(f"over its time limit of {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        model, opt = fresh(case, device)
-        loader = [case.batch(64) for _ in range(2)]
-        start = time.perf_counter()
-        plan = autotune.plan(model, loader, target_batch=case.target, optimizer=opt, loss_fn=case.loss,
-                             memory_limit=case.limit, precision=case.precision, base_batch=case.target)
-        res.plan_seconds = time.perf_counter() - start
-        m = plan.micro_batch
-        res.micro_batch, res.budget, res.peak = m, plan.budget, plan.peak_memory
-        res.real_trials = sum(not t.estimate for t in plan.trials)
-        res.estimates = sum(t.estimate for t in plan.trials)
-        est = [t for t in plan.trials if t.estimate and t.batch_size == m]
-        res.estimate_at_m = est[0].peak_memory if est else 0
-        for size in sorted({max(1, math.floor(0.95 * m)), m, m + 1, math.ceil(1.05 * m)}):
-            res.steps.append(step_at(case, model, opt, size, device, case.limit))
-        guess = autotune.plan(model, loader, target_batch=case.target, optimizer=opt, loss_fn=case.loss,
-                              memory_limit=case.limit, precision=case.precision, base_batch=case.target, verify=False)
-        res.estimate_only_micro_batch = guess.micro_batch
-        res.estimate_only_fits = not step_at(case, model, opt, guess.micro_batch, device, case.limit).oom
-        del model, opt
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
-        # fit under the cap: an uneven last window, stopped after fit_steps or fit_seconds
-        model, opt = fresh(case, device)
-        windows = max(2, min(fit_steps, 40))
-        data = [case.batch(case.target) for _ in range(windows)] + [case.batch(max(1, case.target // 3))]
-        seen: list[autotune.StepRecord] = []
-        began = time.perf_counter()
 
-        def callback(record: autotune.StepRecord) -> None:
-            seen.append(record)
-            if len(seen) >= fit_steps or time.perf_counter() - began > fit_seconds:
-                raise _Stop
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                autotune.fit(model, data, plan=plan, optimizer=opt, loss_fn=case.loss, memory_limit=case.limit,
-                             precision=case.precision, progress=False, callback=callback, epochs=10**6, device=device)
-            except _Stop:
-                pass
-        elapsed = time.perf_counter() - began
-        res.fit_steps = len(seen)
-        res.fit_oom_warnings = sum("Out of memory" in str(w.message) for w in caught)
-        res.fit_micro_batch_changes = len({r.micro_batch for r in seen if r.samples == case.target}) - 1 if seen else 0
-        res.fit_samples_per_s = sum(r.samples for r in seen) / max(elapsed, 1e-9)
-        del model, opt, data
-        if with_lightning:
-            res.lightning = lightning_binsearch(case, device, case.limit)
+def run_case(name: str, ctx: Context) -> Result:
+    case, seconds = CASES[name]
+    res = Result(name)
+    start = time.perf_counter()
+    try:
+        with time_limit(seconds):
+            case(ctx, res)
     except Exception as exc:  # a case that breaks is a failed case, reported, not a crashed script
         res.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    gc.collect()
-    torch.cuda.empty_cache()
-    res.left_allocated = int(torch.cuda.memory_allocated(device))
-    by_size = {s.size: s for s in res.steps}
-    m = res.micro_batch
-    if res.error is None:
-        res.checks = {
-            "plan peak <= budget": res.peak <= res.budget,
-            "ceil(1.05 m) does not fit": m == case.target or by_size[math.ceil(1.05 * m)].oom or by_size[math.ceil(1.05 * m)].reserved > res.budget,
-            "floor(0.95 m) fits": not by_size[max(1, math.floor(0.95 * m))].oom,
-            "fit: no OOM": res.fit_oom_warnings == 0,
-            "fit: no micro-batch change": res.fit_micro_batch_changes == 0,
-            "memory back near zero": res.left_allocated <= 64 * MiB,
-        }
+    res.seconds = time.perf_counter() - start
+    clean(ctx.device)
     return res
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    outside = outside_allocator(device)
     return {
         "gpu": torch.cuda.get_device_name(device),
         "memory": torch.cuda.get_device_properties(device).total_memory,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
-        "outside_allocator": outside,
-        "allowance": CUDA_CONTEXT_ALLOWANCE,
-        "outside_within_allowance": None if outside is None else outside <= CUDA_CONTEXT_ALLOWANCE,
     }
 
 
 def table(results: list[Result]) -> str:
-    rows = [
-        "| case | m | budget | plan peak | real/est. trials | s | est/alloc at m | est/reserved at m | reserved/budget at m | 0.95m | 1.05m | estimate-only m (fits) | fit steps, OOM, changes, samples/s | Lightning | pass |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = ["| case | pass | seconds | checks that failed | error |", "|---|---|---|---|---|"]
     for r in results:
-        if r.error:
-            rows.append(f"| {r.case} | error: {r.error} |" + " |" * 13 + " no |")
-            continue
-        by = {s.size: s for s in r.steps}
-        at = by[r.micro_batch]
-        lo = by[max(1, math.floor(0.95 * r.micro_batch))]
-        hi = by[math.ceil(1.05 * r.micro_batch)]
-        light = "-" if r.lightning is None else f"{r.lightning['size']} ({r.lightning['seconds']} s, {'trains' if r.lightning['trains_accumulating'] else 'OOM accumulating'})"
-        rows.append(
-            f"| {r.case} | {r.micro_batch} | {r.budget / GiB:.2f} GiB | {r.peak / GiB:.2f} GiB | {r.real_trials}/{r.estimates} | {r.plan_seconds:.1f} "
-            f"| {r.estimate_at_m / max(at.allocated, 1):.3f} | {r.estimate_at_m / max(at.reserved, 1):.3f} | {at.reserved / max(r.budget, 1):.3f} "
-            f"| {'fits' if not lo.oom else 'OOM'} | {'OOM' if hi.oom else 'fits'} | {r.estimate_only_micro_batch} ({'yes' if r.estimate_only_fits else 'no'}) "
-            f"| {r.fit_steps}, {r.fit_oom_warnings}, {r.fit_micro_batch_changes}, {r.fit_samples_per_s:.0f} | {light} | {'yes' if r.passed else 'NO: ' + ', '.join(k for k, v in r.checks.items() if not v)} |"
-        )
+        failed = ", ".join(k for k, v in r.checks.items() if not v)
+        rows.append(f"| {r.case} | {'yes' if r.passed else 'NO'} | {r.seconds:.1f} | {failed or '-'} | {r.error or '-'} |")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", help="comma-separated case names (default: all)")
-    parser.add_argument("--json", help="write the results here as JSON")
-    parser.add_argument("--fit-steps", type=int, default=200)
-    parser.add_argument("--fit-seconds", type=float, default=20.0)
-    parser.add_argument("--scale", type=float, default=1.0, help="shrink models and limits together")
-    parser.add_argument("--no-lightning", action="store_true")
+    parser.add_argument("--cases", help="comma-separated case names or their first words (default: all)")
+    parser.add_argument("--json", help="write every figure here as JSON")
+    parser.add_argument("--limit", default="40GiB", help="the memory limit the plans and steps run under")
+    parser.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)  # tests shrink the models on the CPU
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests run the control flow on the CPU
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -376,21 +463,23 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    chosen = cases(args.scale)
+    names = list(CASES)
     if args.cases:
-        names = set(args.cases.split(","))
-        chosen = [c for c in chosen if c.name in names]
+        wanted = args.cases.split(",")
+        names = [n for n in names if any(n == w or n.startswith(w) for w in wanted)]
+    ctx = Context(device, args.scale, autotune.parse_bytes(args.limit))
     env = environment(device)
     print(json.dumps(env))
     results = []
-    for i, case in enumerate(chosen):
-        lightning = not args.no_lightning and case.name in ("mlp", "lm-bf16")
-        results.append(validate(case, device, fit_steps=args.fit_steps, fit_seconds=args.fit_seconds, with_lightning=lightning))
-        print(f"{case.name}: {'pass' if results[-1].passed else 'FAIL'}", file=sys.stderr)
+    for name in names:
+        results.append(run_case(name, ctx))
+        print(f"{name}: {'pass' if results[-1].passed else 'FAIL'} ({results[-1].seconds:.1f} s)", file=sys.stderr, flush=True)
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": env, "results": [asdict(r) | {"passed": r.passed} for r in results]}, f, indent=2)
+            json.dump({"environment": env, "limit": ctx.limit,
+                       "results": [{"case": r.case, "passed": r.passed, "seconds": r.seconds, "error": r.error,
+                                    "checks": r.checks, "figures": r.figures} for r in results]}, f, indent=2, default=str)
     return 0 if all(r.passed for r in results) else 1
 
 

@@ -1,13 +1,13 @@
 """The GPU validation script's control flow, on the CPU with the CUDA functions replaced by fakes.
 
-The numbers mean nothing here; what is checked is that every case runs through plan, the steps
-around the chosen size, the estimate-only plan and fit, and that the JSON and the table report them
-with their pass criteria. On a machine with CUDA, ``python benchmarks/gpu_validate.py`` is the real
-thing.
+The numbers mean nothing here; what is checked is that every case runs through to its figures and
+its pass criteria, under its time limit, and that the JSON and the table report them. On a machine
+with CUDA, ``python benchmarks/gpu_validate.py`` is the real thing.
 """
 
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -16,6 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_validate  # noqa: E402
+
+pytest.importorskip("transformers")
 
 
 def test_without_cuda_it_says_so_and_exits_0(capsys, monkeypatch):
@@ -44,24 +46,57 @@ def fake_cuda(monkeypatch):
     }
     for name, fn in fakes.items():
         monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda s: None)
     monkeypatch.setattr(gpu_validate, "outside_allocator", lambda device: 300 * 2**20)
     return peaks
 
 
+CHECKS = {
+    "estimate-only: gpt2": {"runs without OOM under the cap", "estimate / max_memory_allocated in [0.95, 1.05]",
+                            "predicted reserved within 5% of max_memory_reserved"},
+    "activations per layer": {"dropout 0.0: estimate / measured per layer in [0.95, 1.05]",
+                              "dropout 0.1: estimate / measured per layer in [0.95, 1.05]"},
+    "optimizer step": {"foreach: within 5% or 2 MiB", "single-tensor: within 5% or 2 MiB", "fused: within 5% or 2 MiB"},
+    "outside the allocator": {"within the 512 MiB allowance (None: NVML unavailable)"},
+    "fit": {"3 steps", "no out-of-memory error", "no micro-batch change"},
+}
+
+
 def test_every_case_runs_and_is_reported(tmp_path, capsys, fake_cuda):
     out = tmp_path / "gpu.json"
-    code = gpu_validate.main(["--device", "cpu", "--scale", "0.06", "--fit-steps", "3", "--fit-seconds", "10",
-                              "--no-lightning", "--json", str(out), "--cases", "mlp,cnn,lm-bf16,wide"])
+    code = gpu_validate.main(["--device", "cpu", "--scale", "0.06", "--limit", "1GiB", "--json", str(out)])
     assert code in (0, 1)
     data = json.loads(out.read_text())
-    assert data["environment"]["gpu"] == "Fake GPU" and data["environment"]["outside_within_allowance"] is True
-    names = [r["case"] for r in data["results"]]
-    assert names == ["mlp", "cnn", "lm-bf16", "wide"]
-    for r in data["results"]:
+    assert data["environment"]["gpu"] == "Fake GPU"
+    results = {r["case"]: r for r in data["results"]}
+    assert list(results) == list(gpu_validate.CASES)
+    for name, r in results.items():
         assert r["error"] is None, r
-        assert r["micro_batch"] >= 1 and r["budget"] > 0 and r["real_trials"] >= 1
-        assert len(r["steps"]) >= 3 and r["fit_steps"] >= 1
-        assert set(r["checks"]) == {"plan peak <= budget", "ceil(1.05 m) does not fit", "floor(0.95 m) fits",
-                                    "fit: no OOM", "fit: no micro-batch change", "memory back near zero"}
+        assert r["checks"] and r["figures"], name
+    for name, checks in CHECKS.items():
+        assert set(results[name]["checks"]) == checks
+    assert len(results["allocator"]["checks"]) == 4  # fixed and expandable segments, fixed and cycling lengths
+    gpt2 = results["estimate-only: gpt2"]["figures"]
+    assert gpt2["micro_batch"] >= 1 and gpt2["estimated_reserved"] >= gpt2["estimated_allocated"] > 0
+    assert results["fit"]["figures"]["steps"] == 3
     table = capsys.readouterr().out
-    assert table.count("\n| ") >= 5 and "| mlp |" in table and "| wide |" in table
+    assert table.count("\n| ") >= len(gpu_validate.CASES) + 1
+
+
+def test_a_case_past_its_time_limit_fails_and_the_rest_run(monkeypatch, fake_cuda):
+    def slow(ctx, res):
+        time.sleep(5)
+
+    monkeypatch.setitem(gpu_validate.CASES, "slow", (slow, 1))
+    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 2**30)
+    res = gpu_validate.run_case("slow", ctx)
+    assert not res.passed and "over its time limit of 1 s" in res.error and res.seconds < 3
+    assert gpu_validate.run_case("outside the allocator", ctx).passed
+
+
+def test_a_check_that_fails_fails_the_case(fake_cuda):
+    fake_cuda["allocated"] = 10 * 2**30  # far from any estimate
+    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 2**30)
+    res = gpu_validate.run_case("estimate-only: cnn", ctx)
+    assert res.error is None and not res.passed
+    assert res.checks["estimate / max_memory_allocated in [0.95, 1.05]"] is False
