@@ -47,7 +47,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotune
-from autotune.memory.device import CUDA_CONTEXT_ALLOWANCE, allocator_cap, cuda_memory_fraction, outside_allocator
+from autotune.memory.device import (
+    CUDA_CONTEXT_ALLOWANCE,
+    allocator_cap,
+    cuda_memory_fraction,
+    outside_allocator,
+)
 from autotune.probe.estimate import Estimator
 from autotune.probe.trial import Workload, trial_step
 

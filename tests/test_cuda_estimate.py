@@ -8,14 +8,14 @@ by hand from GPT-2's code and CUDA's autocast lists.
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
+from cuda_reference import cuda_forward, estimated_forward
 
 import autotune
 from autotune.probe.cuda import CudaAutocast, cuda_rule
 from autotune.probe.estimate import Estimator
 from autotune.probe.trial import Workload
-from cuda_reference import cuda_forward, estimated_forward
 
 transformers = pytest.importorskip("transformers")
 

@@ -498,7 +498,7 @@ class Estimator:
         if autocast is not None:
             self.unlearned.update(autocast.failed)
 
-    def _ledger(self, batch: Any, *, trace: bool) -> TensorLedger:
+    def _ledger(self, batch: Any, *, trace: bool) -> _Counter:
         """A ledger counting what the steady state holds, then ``batch``; for a CUDA target it records
         the allocations in order too, the held tensors' first (``self._held``: how many)."""
         ledger = _Counter("cpu", block=self.block, trace=trace, events=self.target == "cuda")
