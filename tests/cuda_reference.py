@@ -12,8 +12,9 @@ things need a stand-in here, neither of them an autocast decision:
   code that a CPU build does not contain, so it falls back to the math path, whose internal casts are
   not the fused kernels'.
 
-:func:`cuda_forward` lists the forward's operations with their output dtypes; :func:`estimated_forward`
-lists the same for the estimate's trace, for comparison.
+:func:`cuda_forward` lists the forward's operations with their outputs' dtypes and sizes;
+:func:`estimated_forward` lists the same for the estimate's trace, for comparison, and
+:func:`forward_bytes` adds up what such a list allocates.
 """
 
 from __future__ import annotations
@@ -41,19 +42,22 @@ ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficie
              "_scaled_dot_product_attention_math"}
 
 
-def keep(name: str, outputs: tuple[torch.dtype, ...], inputs: tuple[torch.dtype, ...] = ()) -> bool:
+Outputs = tuple[tuple[torch.dtype, int], ...]  # each output's dtype and elements
+
+
+def keep(name: str, outputs: Outputs, inputs: tuple[torch.dtype, ...] = ()) -> bool:
     """Whether an operation is a decision to compare: one with a floating-point output that is not a
     layout operation, nor a copy that keeps its dtype (a move between devices)."""
     base = name.split(".")[1] if name.count(".") else name
-    if name.startswith("prim.") or base in LAYOUT or not any(d.is_floating_point for d in outputs):
+    if name.startswith("prim.") or base in LAYOUT or not any(d.is_floating_point for d, _ in outputs):
         return False
-    return not (base == "_to_copy" and inputs and outputs == inputs[:1])
+    return not (base == "_to_copy" and inputs and outputs[0][0] == inputs[0])
 
 
 class _Record(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple[str, tuple[torch.dtype, ...]]] = []
+        self.ops: list[tuple[str, Outputs]] = []
         self.inside_attention = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -65,7 +69,7 @@ class _Record(TorchDispatchMode):
                 raise
             out = _on_meta(func, args, kwargs)
         if not self.inside_attention:
-            outs = tuple(o.dtype for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor))
+            outs = tuple((o.dtype, o.numel()) for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor))
             ins = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
             if keep(str(func), outs, ins):
                 self.ops.append((str(func), outs))
@@ -95,7 +99,7 @@ class _Stand(TorchFunctionMode):
                 out = func(*args, **kwargs)
             finally:
                 self.record.inside_attention -= 1
-            self.record.ops.append(("attention", (out.dtype,)))
+            self.record.ops.append(("attention", ((out.dtype, out.numel()),)))
             return out
         try:
             return func(*args, **kwargs)
@@ -117,9 +121,9 @@ def _cuda_autocast(dtype: torch.dtype):
         torch.set_autocast_dtype("cuda", was_dtype)
 
 
-def cuda_forward(model: nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> list[tuple[str, tuple[torch.dtype, ...]]]:
+def cuda_forward(model: nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> list[tuple[str, Outputs]]:
     """The forward of ``model`` on ``batch`` (a dict of keyword arguments) as CUDA runs it under
-    autocast to ``dtype``: each operation and its output dtypes (see the module docstring)."""
+    autocast to ``dtype``: each operation and its outputs' dtypes and elements (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -139,20 +143,25 @@ def cuda_forward(model: nn.Module, batch: dict[str, torch.Tensor], dtype: torch.
     return record.ops
 
 
-def estimated_forward(trace: Any, length: int) -> list[tuple[str, tuple[torch.dtype, ...]]]:
+def estimated_forward(trace: Any, length: int) -> list[tuple[str, Outputs]]:
     """The first ``length`` compared operations of an estimate's trace (its forward comes first),
     attention kernels as one entry."""
-    out: list[tuple[str, tuple[torch.dtype, ...]]] = []
+    out: list[tuple[str, Outputs]] = []
     casts = 0  # the casts just before an attention kernel are attention's own autocast (inside its entry)
-    for func, dtypes in zip(trace.ops, trace.dtypes):
+    for func, outputs in zip(trace.ops, trace.outputs):
         name = str(func)
         if name.split(".")[1] in ATTENTION:
             del out[len(out) - casts:]
-            out.append(("attention", dtypes[:1]))
+            out.append(("attention", outputs[:1]))
             casts = 0
-        elif keep(name, dtypes):
-            out.append((name, dtypes))
+        elif keep(name, outputs):
+            out.append((name, outputs))
             casts = casts + 1 if name == "aten._to_copy.default" else 0
         if len(out) >= length:
             break
     return out[:length]
+
+
+def forward_bytes(ops: list[tuple[str, Outputs]]) -> int:
+    """The bytes the listed operations' outputs take (their dtypes and elements)."""
+    return sum(dtype.itemsize * n for _, outputs in ops for dtype, n in outputs)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["CudaAutocast", "CudaKernels", "Rule", "cuda_attention_backend", "cuda_rule"]
@@ -90,7 +90,7 @@ class Rule:
         autocast: whether CUDA has an autocast kernel for the operation (else autocast passes it by,
             and the operations it is made of meet autocast one by one).
         casts: ``(k, dtype)`` for each input tensor the kernel casts, ``k`` counting the tensors
-            among the flattened ``(args, kwargs)``.
+            among the flattened ``(args, kwargs)``, in the order the kernel casts them.
         args: ``(position, value)`` for each positional argument the kernel sets: a ``dtype`` it
             fills in (``softmax``, ``log_softmax`` in fp32) or appends.
         kwargs: keyword arguments the kernel adds (``sum(..., dtype=torch.float32)``).
@@ -215,10 +215,10 @@ def _learn(op: torch._ops.OpOverload, leaves: list[Any], spec: Any, dtype: torch
                 if isinstance(t, torch.Tensor) else t for t in leaves]
         args, kwargs = tree_unflatten(cuda, spec)
         try:
-            with _cuda_autocast_state(True, dtype), _receiving(op):
+            with _cuda_autocast_state(True, dtype), _receiving(op), _CastOrder() as order:
                 op(*args, **kwargs)
         except _Passed as passed:
-            return _rule_from(args, kwargs, passed.args_passed, passed.kwargs_passed)
+            return _rule_from(args, kwargs, passed.args_passed, passed.kwargs_passed, order.sources)
         except RuntimeError as exc:
             if "unsafe to autocast" in str(exc):  # CUDA's autocast refuses the operation: so would the card
                 raise
@@ -226,12 +226,30 @@ def _learn(op: torch._ops.OpOverload, leaves: list[Any], spec: Any, dtype: torch
     return Rule(autocast=True, failed="its autocast kernel passed nothing on to autograd")
 
 
-def _rule_from(args: tuple[Any, ...], kwargs: dict[str, Any], passed: tuple[Any, ...], passed_kwargs: dict[str, Any]) -> Rule:
+class _CastOrder(TorchDispatchMode):
+    """The tensors an autocast kernel casts, in the order it casts them (which its compiler chose)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: list[int] = []  # ids of the tensors cast
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._to_copy.default and args:
+            self.sources.append(id(args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def _rule_from(
+    args: tuple[Any, ...], kwargs: dict[str, Any], passed: tuple[Any, ...], passed_kwargs: dict[str, Any], order: list[int]
+) -> Rule:
     given = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     got = [t for t in tree_flatten((passed, passed_kwargs))[0] if isinstance(t, torch.Tensor)]
     if len(given) != len(got):
         return Rule(autocast=True, failed=f"its autocast kernel passed on {len(got)} tensors for {len(given)}")
-    casts = tuple((k, b.dtype) for k, (a, b) in enumerate(zip(given, got)) if a.dtype != b.dtype)
+    first = {source: i for i, source in reversed(list(enumerate(order)))}
+    cast = [k for k, (a, b) in enumerate(zip(given, got)) if a.dtype != b.dtype]
+    cast.sort(key=lambda k: first.get(id(given[k]), len(order) + k))
+    casts = tuple((k, got[k].dtype) for k in cast)
     filled = tuple(
         (i, v) for i, v in enumerate(passed)
         if not isinstance(v, torch.Tensor) and (i >= len(args) or (args[i] is None and v is not None))

@@ -156,17 +156,18 @@ def optimizer_for_device(optimizer: torch.optim.Optimizer, device_type: str) -> 
 class _Counter(TensorLedger):
     """The ledger of an estimate: fake tensors counted as the device would hold them, and
     operations on real integer tensors alone run for real (see the module docstring). Tracing, it
-    also keeps each operation's output dtypes (``dtypes``), which tests compare with CUDA's."""
+    also keeps each operation's outputs as ``(dtype, elements)`` (``outputs``), which tests compare
+    with CUDA's."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.dtypes: list[tuple[torch.dtype, ...]] = []
+        self.outputs: list[tuple[tuple[torch.dtype, int], ...]] = []
 
     def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self._run_values(func, args, kwargs)
         if self.ops is not None:
             items = out if isinstance(out, (tuple, list)) else (out,)
-            self.dtypes.append(tuple(t.dtype for t in items if isinstance(t, torch.Tensor)))
+            self.outputs.append(tuple((t.dtype, t.numel()) for t in items if isinstance(t, torch.Tensor)))
         return out
 
     def _run_values(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -345,7 +346,7 @@ class Trace:
             buffers, gradients, optimizer state), in the order they were counted.
         events: for a CUDA target, the allocations and frees of the micro-step, its batch first
             (see :func:`autotune.memory.allocator.steady_state`).
-        dtypes: the output dtypes of each operation in ``ops`` (without the last, ``"step"``).
+        outputs: each operation's outputs in ``ops`` as ``(dtype, elements)`` (without the last, ``"step"``).
     """
 
     size: int
@@ -355,7 +356,7 @@ class Trace:
     seconds: float
     held: tuple[int, ...] = ()
     events: tuple[tuple[int, int], ...] = ()
-    dtypes: tuple[tuple[torch.dtype, ...], ...] = ()
+    outputs: tuple[tuple[tuple[torch.dtype, int], ...], ...] = ()
 
     @property
     def backward_peak(self) -> int:
@@ -601,7 +602,7 @@ class Estimator:
         events = ledger.events or []
         made = Trace(b, peak, (*live, end + self._transient), (*(ledger.ops or ()), "step"), time.perf_counter() - start,
                      held=tuple(n for _, n in events[:self._held]), events=tuple(events[self._held:]),
-                     dtypes=tuple(ledger.dtypes))
+                     outputs=tuple(ledger.outputs))
         self._traces[key] = made
         if self.on_trace is not None:
             self.on_trace(made, False)
