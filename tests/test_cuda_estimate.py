@@ -137,10 +137,10 @@ def test_the_cpus_autocast_rules_would_fail_that_comparison():
     assert estimated_forward(on_cpu, len(reference)) != reference
 
 
-@pytest.mark.parametrize("name, backend", [("gpt2", "flash"), ("llama", "flash"), ("bert", "efficient")])
+@pytest.mark.parametrize("name, backend", [("gpt2", "flash"), ("llama", "flash"), ("bert", "efficient"), ("t5", "efficient")])
 def test_attention_takes_the_kernel_cuda_picks_after_autocast(name, backend):
     # Llama's rotary embedding leaves q and k in fp32 until autocast casts them for the kernel: CUDA
-    # runs flash attention on the bf16 inputs. BERT's padding mask rules flash out.
+    # runs flash attention on the bf16 inputs. BERT's padding mask and T5's position bias rule flash out.
     make, batch_of = CASES[name]
     est = estimator(make(), batch_of(), "bf16")
     est.trace(2)
