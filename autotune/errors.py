@@ -1,14 +1,20 @@
 """The exceptions autotune raises on purpose.
 
 Bad arguments raise the built-in ``ValueError`` or ``TypeError`` (their messages name the value and
-the fix); everything autotune decides on its own derives from :class:`AutotuneError`.
+the fix), or :class:`NotACount`, which is both; everything autotune decides on its own derives from
+:class:`AutotuneError`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AutotuneError", "AutotuneWarning", "NothingFits"]
+__all__ = ["AutotuneError", "AutotuneWarning", "NotACount", "NothingFits"]
+
+
+class NotACount(TypeError, ValueError):
+    """A count (a batch size, a number of samples) that is not a whole number, such as ``2.5`` or
+    ``True``: a value of the wrong type, so ``except TypeError`` and ``except ValueError`` both catch it."""
 
 
 class AutotuneError(Exception):

@@ -20,10 +20,10 @@ WINGS = {
     # trials that change nothing, real and on fake tensors, and the search
     "probe": ["probe", "probe.search", "probe.trial", "probe.cuda", "probe.estimate", "probe.largest"],
     # the plan (pure) and the verbs that make plans
-    "planning": ["planning", "planning.scaling", "planning.plans", "planning.report", "planning.cache", "planning.whatif",
-                 "planning.sharding", "planning.planner"],
+    "planning": ["planning", "planning.scaling", "planning.options", "planning.plans", "planning.report", "planning.cache",
+                 "planning.whatif", "planning.sharding", "planning.advice", "planning.lengths", "planning.planner"],
     # training at the planned batch: the loop, its windows, BatchNorm, the noise scale, BN tuning
-    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.caps", "train.run", "train.attempt",
+    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.arguments", "train.caps", "train.run", "train.attempt",
               "train.retry", "train.stepping", "train.single", "train.data_parallel", "train.sharded", "train.fit", "train.tune"],
     # the surfaces
     "surfaces": ["integrations", "integrations.common", "integrations.hf", "integrations.lightning", "integrations.accelerate",

@@ -29,14 +29,16 @@ samples for exact steps.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from autotune.integrations.common import TrainerSettings, equal_settings, missing
-from autotune.planning.planner import plan as make_plan
-from autotune.step import LossFn
+from autotune.planning.options import Probing, check_target, options
+from autotune.planning.planner import plan_with
+from autotune.step import LossFn, normalize_precision
 
 __all__ = ["plan_accumulation"]
 
@@ -75,6 +77,8 @@ def plan_accumulation(
     Returns:
         :class:`autotune.integrations.common.TrainerSettings`.
     """
+    shared = options(target_batch=check_target(target_batch), memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
+                     base_batch=base_batch, progress=False)
     try:
         from accelerate import Accelerator
     except ImportError:  # pragma: no cover - the extra
@@ -82,9 +86,8 @@ def plan_accumulation(
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"Invalid accelerator of type {type(accelerator).__name__}: pass the accelerate.Accelerator of the script")
     precision = {"bf16": "bf16", "fp16": "fp16"}.get(str(getattr(accelerator, "mixed_precision", "no")), "fp32")
-    plan = make_plan(model, loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn, device=accelerator.device,
-                     memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule, base_batch=base_batch, precision=precision,
-                     progress=False)
+    plan = plan_with(model, loader, dataclasses.replace(shared, precision=normalize_precision(precision)), Probing(), optimizer=optimizer, loss_fn=loss_fn,
+                     device=accelerator.device)
     lr = (optimizer.param_groups[0]["lr"] if optimizer is not None else 1e-3)
     exactness = ("accelerator.backward divides each micro-batch's loss by the accumulation steps: exact for these equal "
                  "micro-batches of a loss that is the mean over samples, not for token losses with padding, nor for an epoch's "

@@ -48,17 +48,17 @@ import torch
 
 from autotune.batches import batch_size as size_of
 from autotune.batches import slice_batch
-from autotune.checks import check_positive_int
 from autotune.errors import AutotuneError
 from autotune.integrations.common import (
     TrainerSettings,
     equal_settings,
     missing,
 )
-from autotune.planning.planner import plan as make_plan
+from autotune.planning.options import Probing, options
+from autotune.planning.planner import plan_with
 from autotune.planning.report import largest_divisor
 from autotune.rng import RNGState
-from autotune.step import planning
+from autotune.step import normalize_precision, planning
 
 __all__ = ["LossCheck", "Prepared", "prepare"]
 
@@ -400,8 +400,8 @@ def prepare(
         raise missing("transformers", "hf") from None
     if not isinstance(trainer, Trainer):
         raise TypeError(f"Invalid trainer of type {type(trainer).__name__}: pass a transformers.Trainer")
-    check_positive_int("target_batch", target_batch, "samples per optimizer step over all devices", optional=True)
-    check_positive_int("base_batch", base_batch, "the effective batch your learning rate was tuned at", optional=True)
+    shared = options(target_batch=target_batch, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule, base_batch=base_batch,
+                     progress=progress)
     trainer = cast(Any, trainer)  # its private fields are read and set below, on purpose
     if trainer.__dict__.get(_ACTIVE) is not None:
         raise ValueError(
@@ -425,11 +425,9 @@ def prepare(
         return trainer.compute_loss(model, dict(batch))
 
     with _metrics_kept(trainer):
-        plan = make_plan(
-            model, _loader(trainer, args.per_device_train_batch_size), target_batch=target, optimizer=optimizer, loss_fn=loss_fn,
-            device=args.device, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
-            base_batch=base_batch or described, precision=_precision(args), progress=progress,
-        )
+        shared = dataclasses.replace(shared, target_batch=target, base_batch=base_batch or described, precision=normalize_precision(_precision(args)))
+        plan = plan_with(model, _loader(trainer, args.per_device_train_batch_size), shared, Probing(), optimizer=optimizer,
+                         loss_fn=loss_fn, device=args.device)
     check = check_loss(trainer, next(iter(_loader(trainer, 4))))
     fix = _correction(trainer, model, check)
     had_warmup = bool(getattr(args, "warmup_steps", 0)) or bool(getattr(args, "warmup_ratio", 0))

@@ -50,13 +50,14 @@ from typing import Any, cast
 import torch
 
 from autotune.batches import batch_size as size_of
-from autotune.checks import check_positive_int
 from autotune.integrations.common import (
     TrainerSettings,
     equal_settings,
     missing,
 )
-from autotune.planning.planner import plan as make_plan
+from autotune.planning.options import Probing, options
+from autotune.planning.planner import plan_with
+from autotune.step import normalize_precision
 
 try:
     from lightning.pytorch import Callback
@@ -97,8 +98,8 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
                  lr_rule: str = "none", base_batch: int | None = None, batch_arg_name: str = "batch_size") -> None:
         if Callback is object:
             raise missing("lightning", "lightning")
-        check_positive_int("target_batch", target_batch, "samples per optimizer step over all devices", optional=True)
-        check_positive_int("base_batch", base_batch, "the effective batch your learning rate was tuned at", optional=True)
+        self._options = options(target_batch=target_batch, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
+                                base_batch=base_batch, progress=False)  # refused here, before any trainer exists
         super().__init__()
         self.target_batch, self.memory_limit, self.headroom = target_batch, memory_limit, headroom
         self.lr_rule, self.base_batch, self.batch_arg_name = lr_rule, base_batch, batch_arg_name
@@ -128,11 +129,9 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
         optimizer = trainer.optimizers[0]
         with _planning(pl_module, trainer):
             loader = source.train_dataloader()
-            plan = make_plan(
-                pl_module, loader, target_batch=target, optimizer=optimizer, loss_fn=_training_step,
-                device=pl_module.device, memory_limit=self.memory_limit, headroom=self.headroom, lr_rule=self.lr_rule,
-                base_batch=self.base_batch or described, precision=_PRECISIONS.get(str(trainer.precision), "fp32"), progress=False,
-            )
+            shared = dataclasses.replace(self._options, target_batch=target, base_batch=self.base_batch or described,
+                                         precision=normalize_precision(_PRECISIONS.get(str(trainer.precision), "fp32")))
+            plan = plan_with(pl_module, loader, shared, Probing(), optimizer=optimizer, loss_fn=_training_step, device=pl_module.device)
         exactness = ("Lightning divides each micro-batch's loss by accumulate_grad_batches: exact for these equal micro-batches of a "
                      "loss that is the mean over samples, not for token losses with padding, nor for an epoch's shorter last step; "
                      "autotune.accumulate or autotune.fit weight each micro-batch by its items")

@@ -1,9 +1,12 @@
 """``autotune.plan`` and ``autotune.what_if``: probe the device, then derive micro-batch,
 accumulation, LR and BN momentum; or the same under other settings.
 
-Why this is long: :func:`plan` reads top to bottom as one function on purpose (checks, the probe, the
-ranks' agreement, the Plan), and the helpers here (the device, the shape model, the shard hint, the
-"nothing fits" error) serve it alone; split, a reader would follow one plan through four files.
+:func:`plan` is its pipeline: the shared arguments checked into :class:`autotune.planning.options.Options`
+and its own into :class:`autotune.planning.options.Probing` (:func:`plan_with` is where ``fit`` and the integrations come in),
+then the checks that need the model (:func:`_set_up`), the probe on every rank
+(:func:`_probe_every_rank`: snapshot, look at the loader, estimate, verify, agree) and the Plan
+(:func:`_assemble`). The shape model lives in :mod:`autotune.planning.lengths`, what to say when
+nothing fits in :mod:`autotune.planning.advice`.
 """
 
 from __future__ import annotations
@@ -18,11 +21,8 @@ from torch import nn
 
 from autotune import batches as B
 from autotune.checks import (
-    check_callable,
-    check_flag,
     check_grad_mode,
     check_optimizer,
-    check_progress,
     resolve_device,
 )
 from autotune.errors import AutotuneError, NothingFits
@@ -37,7 +37,6 @@ from autotune.memory.device import (
     outside_allocator,
 )
 from autotune.memory.ledger import storage_bytes
-from autotune.memory.shapes import fit_shape_model
 from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
 from autotune.parallel.ranks import (
     bypass_nested,
@@ -47,9 +46,11 @@ from autotune.parallel.ranks import (
     world,
 )
 from autotune.parallel.stops import on_every_rank
+from autotune.planning.advice import nothing_fits, shards_if_resident_too_big
+from autotune.planning.lengths import shape_model_for
+from autotune.planning.options import Options, Probing, check_target, options
 from autotune.planning.plans import Plan, budget_of, largest_share, window_layout
 from autotune.planning.scaling import (
-    LR_RULES,
     adjusted_bn_momentum,
     auto_lr_rule,
     cap_warmup,
@@ -57,36 +58,23 @@ from autotune.planning.scaling import (
     warmup_steps,
 )
 from autotune.planning.scaling import follow_batch as follow_batch_settings
-from autotune.planning.sharding import estimated, shard_estimates
 from autotune.planning.whatif import WhatIf, estimate_rows
 from autotune.probe.largest import Progress, probe
 from autotune.probe.search import Trial
-from autotune.probe.trial import Looked, Workload, sample_batch
+from autotune.probe.trial import Workload, sample_batch
 from autotune.rng import RNGState
 from autotune.step import (
     LossFn,
+    Precision,
     Snapshot,
     batchnorms,
     default_loss,
     min_micro_batch,
     normalize_precision,
 )
-from autotune.units import format_bytes, parse_bytes
+from autotune.units import format_bytes
 
-__all__ = ["plan", "what_if"]
-
-
-def _check_target(target_batch: Any) -> int:
-    if isinstance(target_batch, bool) or not isinstance(target_batch, int):
-        raise TypeError(
-            f"Invalid target_batch {target_batch!r} ({type(target_batch).__name__}): "
-            "give the number of samples per optimizer step as an int, e.g. target_batch=256"
-        )
-    if target_batch < 1:
-        raise ValueError(
-            f"Invalid target_batch {target_batch!r}: it must be at least 1 sample per optimizer step"
-        )
-    return target_batch
+__all__ = ["plan", "plan_with", "what_if"]
 
 
 def _check_limit_within(device: torch.device, limit: int) -> None:
@@ -233,196 +221,275 @@ def plan(
         >>> plan.micro_batch, plan.accumulation_steps  # doctest: +SKIP
         (64, 4)
     """
-    target_batch = _check_target(target_batch)
+    shared = options(target_batch=check_target(target_batch), memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
+                     base_batch=base_batch, precision=precision, epochs=epochs, checkpointing=checkpointing, progress=progress)
+    probing = Probing.of(verify=verify, estimate=estimate, max_probe_batches=max_probe_batches, by_shape=by_shape,
+                         lengths=lengths, follow_batch=follow_batch, on_trial=on_trial)
+    return plan_with(model, loader, shared, probing, optimizer=optimizer, loss_fn=loss_fn, device=device)
+
+
+@dataclasses.dataclass
+class _Setup:
+    """What the checks resolved: the inner model, the device, the limit, the optimizer, the ranks."""
+
+    model: nn.Module
+    ddp: Any
+    fsdp: bool
+    nested: Any
+    group: Any
+    device: torch.device
+    limit: int | None
+    headroom: float
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    rank: int
+    world_size: int
+
+
+@dataclasses.dataclass
+class _Probed:
+    """What the probe found on this rank, and every rank's micro-batch."""
+
+    work: Workload
+    found: Any
+    limit: int
+    set_aside: list[tuple[str, int]]
+    shape_model: Any
+    first_size: int
+    maxima: list[int]
+
+
+def plan_with(
+    model: nn.Module, loader: Iterable[Any], shared: Options, probing: Probing, *,
+    optimizer: torch.optim.Optimizer | None = None, loss_fn: LossFn | None = None, device: torch.device | str | None = None,
+) -> Plan:
+    """:func:`plan` with its arguments checked already: check the rest, probe on every rank, make the Plan.
+
+    ``fit`` and the trainer integrations call this with the :class:`Options` they built.
+    """
+    assert shared.target_batch is not None
+    setup = _set_up(model, shared, probing, optimizer, device)  # refused here: nothing has changed yet
+    probed = _probe_every_rank(setup, loader, shared, probing, loss_fn)
+    return _assemble(setup, probed, loader, shared, probing)
+
+
+def _set_up(model: nn.Module, shared: Options, probing: Probing, optimizer: Any, device: Any) -> _Setup:
+    """The checks that need the model: grad mode, device, limit, optimizer, ranks."""
     check_grad_mode("plan")
-    if isinstance(max_probe_batches, bool) or not isinstance(max_probe_batches, int) or max_probe_batches < 1:
-        raise ValueError(f"Invalid max_probe_batches {max_probe_batches!r}: give how many batches to look at, at least 1")
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
-        raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs (>= 1), or None")
-    for name, flag in (("verify", verify), ("estimate", estimate), ("by_shape", by_shape), ("checkpointing", checkpointing),
-                       ("follow_batch", follow_batch)):
-        check_flag(name, flag)
-    check_progress(progress, seconds=True)
-    check_callable("on_trial", on_trial, "on_trial(trial) called with each trial as it is made")
-    if lengths is not None:
-        if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
-            raise ValueError(f"Invalid lengths {lengths!r}: give a list of sequence lengths, e.g. [128, 512, 2048]")
-        if not list(lengths):
-            raise ValueError("Invalid lengths []: give at least one sequence length, e.g. [128, 512, 2048], or None")
-        bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, int) or n < 1]
-        if bad:
-            raise ValueError(f"Invalid lengths {list(lengths)!r}: {bad[0]!r} is not a length; give whole numbers >= 1, e.g. [128, 512, 2048]")
-    inner_model = parallel(model).inner
-    if verify or device is None:
-        device = resolve_device(inner_model, device)
+    par = parallel(model)
+    if probing.verify or device is None:
+        device = resolve_device(par.inner, device)
     else:  # estimate only: nothing runs on the device, so it need not hold the model, or exist
-        resolve_device(inner_model, None)
+        resolve_device(par.inner, None)
         device = torch.device(device)
-    precision_name = normalize_precision(precision)
-    if lr_rule not in LR_RULES:
-        raise ValueError(f"Invalid lr_rule {lr_rule!r}: use one of {', '.join(map(repr, LR_RULES))}")
-    if headroom is None:
-        headroom = default_headroom(device)
-    if isinstance(headroom, bool) or not (isinstance(headroom, (int, float)) and 0.0 <= headroom < 1.0):
-        raise ValueError(f"Invalid headroom {headroom!r}: give a fraction in [0, 1), e.g. 0.1")
-    if base_batch is not None and (isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1):
-        raise ValueError(f"Invalid base_batch {base_batch!r}: give a positive int, the batch your LR was tuned at")
-    limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    if limit is not None and verify:  # a limit is enforced on this device: no more than it has
-        _check_limit_within(device, limit)
+    headroom = default_headroom(device) if shared.headroom is None else shared.headroom
+    if shared.memory_limit is not None and probing.verify:  # a limit is enforced on this device: no more than it has
+        _check_limit_within(device, shared.memory_limit)
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    check_optimizer(inner_model, optimizer)
-    if lr_rule != "none":
+    check_optimizer(par.inner, optimizer)
+    if shared.lr_rule != "none":
         _base_lr(optimizer)
-    if device.type == "cuda" and limit is None and not torch.cuda.is_available():
+    if device.type == "cuda" and shared.memory_limit is None and not torch.cuda.is_available():
         raise ValueError(
             "Cannot read the memory of a CUDA device on a machine without one: pass "
             "memory_limit= (e.g. '80GiB') to plan for it"
         )
     rank, world_size = world()
-    window_layout(target_batch, 1, world_size)  # target_batch >= world_size, with a clear error
+    window_layout(shared.target_batch, 1, world_size)  # type: ignore[arg-type]  # target_batch >= world_size, with a clear error
+    if par.fsdp and not probing.verify:
+        raise ValueError(
+            "Invalid verify=False for a model sharded with FSDP2: its step cannot be estimated without running it "
+            "(collectives in every forward); plan on the devices (verify=True), or estimate the unsharded model "
+            "with `autotune report --shard N`"
+        )
     # Under DDP the probe runs the inner module: a trial's backward must not start collectives that
     # the other ranks, busy with trials of their own, would never join.
-    par = parallel(model)
-    model, ddp = par.inner, par.ddp
-    if par.fsdp:
-        if not verify:
-            raise ValueError(
-                "Invalid verify=False for a model sharded with FSDP2: its step cannot be estimated without running it "
-                "(collectives in every forward); plan on the devices (verify=True), or estimate the unsharded model "
-                "with `autotune report --shard N`"
-            )
+    return _Setup(model=par.inner, ddp=par.ddp, fsdp=par.fsdp, nested=par.nested, group=par.group, device=device,
+                  limit=shared.memory_limit, headroom=headroom, optimizer=optimizer, precision=shared.precision or "fp32",
+                  rank=rank, world_size=world_size)
 
+
+def _probe_every_rank(setup: _Setup, loader: Iterable[Any], shared: Options, probing: Probing, loss_fn: LossFn | None) -> _Probed:
+    """Probe on this rank, then agree with the others: every rank reaches the gather, failed or not."""
+    probed: _Probed | None = None
     error: BaseException | None = None
-    found = None
-    budget = 0
-    shape_model = None
-    set_aside: list[tuple[str, int]] = []
     # The snapshot comes first: looking at the loader draws from the RNGs (shuffling).
-    snapshot = Snapshot(model, optimizer, loader)
-    shown = Progress(progress is not False and rank == 0, delay=None if isinstance(progress, bool) else float(progress))
+    snapshot = Snapshot(setup.model, setup.optimizer, loader)
+    shown = Progress(shared.progress is not False and setup.rank == 0,
+                     delay=None if isinstance(shared.progress, bool) else float(shared.progress))
     try:
-        looked: Looked
-        if par.fsdp:
-            # The trials that follow run in lockstep: a dataset that raises on one rank stops them all here.
-            looked = on_every_rank(lambda: sample_batch(loader, max_batches=max_probe_batches),
-                                   device=device, what="looking at its first batches")
-        else:
-            looked = sample_batch(loader, max_batches=max_probe_batches)
-        first_size = looked.first_size
-        work = Workload(
-            model=model,
-            optimizer=optimizer,
-            loss_fn=loss_fn or default_loss,
-            batch=looked.batch,
-            device=device,
-            precision=precision_name,
-            on_trial=_both(on_trial, shown.done),
-            on_start=shown.starting,
-            resident=device.type == "cpu" and limit is None and not par.fsdp,
-            checkpointing=checkpointing,
-            fsdp=par.fsdp,
-        )
-        if par.fsdp:
-            estimate = False
-            work.notes.append(
-                f"sharded with FSDP2 over {world_size} ranks: real trials only, every rank in lockstep (a size fits when "
-                "it fits on every rank); gradients synced on a window's last micro-batch (the others hold them unsharded)"
-            )
-        held = storage_bytes(work.held_tensors())
-        if limit is None:
-            limit = default_limit(device, held)
-        if device.type == "cuda" and not verify:
-            # An estimate counts tensors only; the CUDA context lives outside them.
-            set_aside.append(("the CUDA context", CUDA_CONTEXT_ALLOWANCE))
-            work.notes.append(
-                f"estimate for {device} without running on it: {format_bytes(CUDA_CONTEXT_ALLOWANCE)} set aside for the "
-                f"CUDA context and {headroom:.0%} headroom for the allocator; not verified on a device"
-            )
-        if device.type == "cuda" and verify and memory_limit is not None:
-            # The limit counts everything this process holds on the device; the context and the
-            # libraries' handles live outside the allocator's cap and its statistics.
-            outside = outside_allocator(device)
-            if outside:
-                set_aside.append((CUDA_OUTSIDE, outside))
-        if ddp is not None and not getattr(ddp, "gradient_as_bucket_view", False):
-            # DDP keeps its gradient buckets beside .grad: a second copy of the gradients.
-            set_aside.append(("DDP gradient buckets", sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)))
-            work.notes.append("DDP gradient buckets counted (pass gradient_as_bucket_view=True to DDP to save them)")
-        if world_size > 1 and not par.fsdp:
-            # The gradient sync after each window sums the gradients through one flat bucket.
-            bucket = bucket_bytes_needed(model.parameters(), BUCKET_BYTES)
-            if bucket:
-                set_aside.append(("the gradient sync's bucket", bucket))
-        budget = budget_of(limit, sum(b for _, b in set_aside), headroom)
-        # The largest share of a window: the remainder of target_batch / world_size takes turns among
-        # the ranks (plans.rotated_share), so every rank sometimes has one more. Under FSDP2 every rank
-        # searches the same sizes anyway (lockstep).
-        upper = largest_share(target_batch, world_size)
-        capped = memory_limit is not None and verify and not par.fsdp  # FSDP2: counted, never enforced mid-step
-        with cuda_memory_fraction(device, allocator_cap(limit, set_aside) if capped else None):
-            with bypass_nested(par.nested):
-                found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=verify, estimate=estimate)
-                if par.fsdp:
-                    # The search ran on every rank's tightest figures: this rank's own peak at the size
-                    # every rank agreed on (or, when none fits, at the smallest).
-                    size = found.batch_size or min(t.batch_size for t in work.trials if not t.estimate)
-                    own_peak = [t.peak_memory for t in work.trials if not t.estimate and t.batch_size == size]
-                    found = dataclasses.replace(found, peak=own_peak[-1] if own_peak else found.peak)
-                if found.batch_size == 0:
-                    table = None
-                    shards: list[Any] = []
-                    if work.estimator is not None:  # say what would fit instead
-                        table = estimate_rows(work, budget=budget, upper=upper, lower=min_micro_batch(work.model))
-                        if world_size == 1 and not par.fsdp:
-                            shards = _shards_if_resident_too_big(work, budget, target_batch)
-                    raise _nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside,
-                                        table=table, shards=shards)
-                if by_shape and (looked.varies or lengths) and not par.fsdp:
-                    shape_model = _shape_model(work, looked, found, budget, upper, lengths)
+        probed = _probe_here(setup, loader, shared, probing, loss_fn, snapshot, shown)
     except Exception as exc:
         error = exc
     finally:
         snapshot.restore()
-
     if group_broken(error):  # every rank already stopped, each naming the cause (FSDP2's fail-fast path)
         assert error is not None
         raise error
-    # Every rank reaches this point, failed or not, so no rank is left waiting in a collective.
-    statuses = gather((found.batch_size if error is None and found else 0, None if error is None else f"{type(error).__name__}: {error}"), device)
+    statuses = gather((probed.found.batch_size if probed is not None else 0,
+                       None if error is None else f"{type(error).__name__}: {error}"), setup.device)
     if error is not None:
         raise error
     failed = [(r, message) for r, (_, message) in enumerate(statuses) if message is not None]
     if failed:
         r, message = failed[0]
         raise AutotuneError(f"rank {r} failed while probing, so no rank can train: {message}")
-    assert found is not None and limit is not None
-    notes = list(work.notes)
-    maxima = [size for size, _ in statuses]
-    own = maxima[rank]
-    if world_size > 1 and not par.fsdp:
+    assert probed is not None
+    probed.maxima = [size for size, _ in statuses]
+    return probed
+
+
+def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: Probing, loss_fn: LossFn | None,
+                snapshot: Snapshot, shown: Progress) -> _Probed:
+    """Look at the loader, set the budget aside, find the largest micro-batch (and the shape model)."""
+    if setup.fsdp:
+        # The trials that follow run in lockstep: a dataset that raises on one rank stops them all here.
+        looked = on_every_rank(lambda: sample_batch(loader, max_batches=probing.max_probe_batches),
+                               device=setup.device, what="looking at its first batches")
+    else:
+        looked = sample_batch(loader, max_batches=probing.max_probe_batches)
+    work = Workload(
+        model=setup.model, optimizer=setup.optimizer, loss_fn=loss_fn or default_loss, batch=looked.batch, device=setup.device,
+        precision=setup.precision, on_trial=_both(probing.on_trial, shown.done), on_start=shown.starting,
+        resident=setup.device.type == "cpu" and setup.limit is None and not setup.fsdp, checkpointing=shared.checkpointing,
+        fsdp=setup.fsdp,
+    )
+    if setup.fsdp:
+        work.notes.append(
+            f"sharded with FSDP2 over {setup.world_size} ranks: real trials only, every rank in lockstep (a size fits when "
+            "it fits on every rank); gradients synced on a window's last micro-batch (the others hold them unsharded)"
+        )
+    limit = setup.limit if setup.limit is not None else default_limit(setup.device, storage_bytes(work.held_tensors()))
+    set_aside = _set_aside(setup, work, probing, shared.memory_limit is not None)
+    budget = budget_of(limit, sum(b for _, b in set_aside), setup.headroom)
+    # The largest share of a window: the remainder of target_batch / world_size takes turns among
+    # the ranks (plans.rotated_share), so every rank sometimes has one more. Under FSDP2 every rank
+    # searches the same sizes anyway (lockstep).
+    upper = largest_share(shared.target_batch, setup.world_size)  # type: ignore[arg-type]
+    capped = shared.memory_limit is not None and probing.verify and not setup.fsdp  # FSDP2: counted, never enforced mid-step
+    with cuda_memory_fraction(setup.device, allocator_cap(limit, set_aside) if capped else None), bypass_nested(setup.nested):
+        found = probe(work, upper=upper, budget=budget, snapshot=snapshot, verify=probing.verify,
+                      estimate=probing.estimate and not setup.fsdp)
+        if setup.fsdp:
+            # The search ran on every rank's tightest figures: this rank's own peak at the size
+            # every rank agreed on (or, when none fits, at the smallest).
+            size = found.batch_size or min(t.batch_size for t in work.trials if not t.estimate)
+            own_peak = [t.peak_memory for t in work.trials if not t.estimate and t.batch_size == size]
+            found = dataclasses.replace(found, peak=own_peak[-1] if own_peak else found.peak)
+        if found.batch_size == 0:
+            raise _nothing_fits_here(work, found, budget=budget, limit=limit, headroom=setup.headroom, set_aside=set_aside,
+                                     upper=upper, shared=shared, setup=setup)
+        shape_model = None
+        if probing.by_shape and (looked.varies or probing.lengths) and not setup.fsdp:
+            shape_model = shape_model_for(work, looked, found, budget, upper, probing.lengths)
+    return _Probed(work=work, found=found, limit=limit, set_aside=set_aside, shape_model=shape_model,
+                   first_size=looked.first_size, maxima=[])
+
+
+def _set_aside(setup: _Setup, work: Workload, probing: Probing, limit_given: bool) -> list[tuple[str, int]]:
+    """What the limit must leave to others than the step: the CUDA context, DDP's buckets, the sync's bucket."""
+    set_aside: list[tuple[str, int]] = []
+    if setup.device.type == "cuda" and not probing.verify:
+        # An estimate counts tensors only; the CUDA context lives outside them.
+        set_aside.append(("the CUDA context", CUDA_CONTEXT_ALLOWANCE))
+        work.notes.append(
+            f"estimate for {setup.device} without running on it: {format_bytes(CUDA_CONTEXT_ALLOWANCE)} set aside for the "
+            f"CUDA context and {setup.headroom:.0%} headroom for the allocator; not verified on a device"
+        )
+    if setup.device.type == "cuda" and probing.verify and limit_given:
+        # The limit counts everything this process holds on the device; the context and the
+        # libraries' handles live outside the allocator's cap and its statistics.
+        outside = outside_allocator(setup.device)
+        if outside:
+            set_aside.append((CUDA_OUTSIDE, outside))
+    if setup.ddp is not None and not getattr(setup.ddp, "gradient_as_bucket_view", False):
+        # DDP keeps its gradient buckets beside .grad: a second copy of the gradients.
+        set_aside.append(("DDP gradient buckets", sum(p.numel() * p.element_size() for p in setup.model.parameters() if p.requires_grad)))
+        work.notes.append("DDP gradient buckets counted (pass gradient_as_bucket_view=True to DDP to save them)")
+    if setup.world_size > 1 and not setup.fsdp:
+        # The gradient sync after each window sums the gradients through one flat bucket.
+        bucket = bucket_bytes_needed(setup.model.parameters(), BUCKET_BYTES)
+        if bucket:
+            set_aside.append(("the gradient sync's bucket", bucket))
+    return set_aside
+
+
+def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
+                       upper: int, shared: Options, setup: _Setup) -> NothingFits:
+    """The error when not even the smallest micro-batch fits, with what would fit instead (estimated)."""
+    table = None
+    shards: list[Any] = []
+    if work.estimator is not None:  # say what would fit instead
+        table = estimate_rows(work, budget=budget, upper=upper, lower=min_micro_batch(work.model))
+        if setup.world_size == 1 and not setup.fsdp:
+            shards = shards_if_resident_too_big(work, budget, shared.target_batch)  # type: ignore[arg-type]
+    return nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside,
+                        table=table, shards=shards)
+
+
+def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Options, probing: Probing) -> Plan:
+    """The Plan: this rank's micro-batches, the learning rate and its warm-up, BatchNorm's momentum, the notes."""
+    target_batch, optimizer, model = shared.target_batch, setup.optimizer, setup.model
+    assert target_batch is not None
+    notes = list(probed.work.notes)
+    if setup.world_size > 1 and not setup.fsdp:
         notes.append(
-            f"each rank uses the micro-batch its own device fits (per rank: {', '.join(map(str, maxima))}); "
+            f"each rank uses the micro-batch its own device fits (per rank: {', '.join(map(str, probed.maxima))}); "
             "nothing inside a window depends on another rank"
         )
-    layout = window_layout(target_batch, maxima, world_size)
-    micro_batches = layout[rank]
-    accumulation_steps = len(micro_batches)
-    if base_batch is not None:
-        source = "given"
-    elif getattr(loader, "batch_size", None):
-        base_batch, source = int(loader.batch_size), "the loader's batch_size"  # type: ignore[attr-defined]
-    else:
-        base_batch, source = first_size, "the first batch's size"
-    rule = auto_lr_rule(c.__name__ for c in type(optimizer).__mro__) if lr_rule == "auto" else lr_rule
+    layout = window_layout(target_batch, probed.maxima, setup.world_size)
+    micro_batches = layout[setup.rank]
+    base_batch, source = _base_batch(shared.base_batch, loader, probed.first_size)
+    rule = auto_lr_rule(c.__name__ for c in type(optimizer).__mro__) if shared.lr_rule == "auto" else shared.lr_rule
     scale = lr_scale(target_batch / base_batch, rule)  # type: ignore[arg-type]
     base_lr = _base_lr(optimizer) if rule != "none" else float(optimizer.param_groups[0].get("lr", 0.0))
+    warmup, settings = _warmup(optimizer, loader, shared, probing, rule=rule, scale=scale, base_batch=base_batch, notes=notes)
+    bn = _bn_base_momentum(model)
+    bn_momentum = None if bn is None else adjusted_bn_momentum(bn, len(micro_batches))
+    if bn is not None and micro_batches[-1] < 16 and len(micro_batches) > 1:
+        notes.append(
+            f"BatchNorm normalises over micro-batches of {micro_batches[-1]} samples (< 16): its "
+            "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs"
+        )
+    if rule != "none" and scale != 1.0 and source != "given":
+        notes.append(
+            f"the learning rate is scaled x{scale:.4g} assuming it was tuned at batch {base_batch} ({source}); "
+            "pass base_batch= if it was tuned at another batch"
+        )
+    work, found = probed.work, probed.found
+    return Plan(
+        micro_batch=probed.maxima[setup.rank], accumulation_steps=len(micro_batches), effective_batch=sum(map(sum, layout)),
+        world_size=setup.world_size, micro_batches=micro_batches, lr=base_lr * scale, base_lr=base_lr, lr_scale=scale,
+        lr_rule=rule, base_batch=base_batch, warmup_steps=warmup, bn_momentum=bn_momentum, memory_limit=probed.limit,
+        headroom=float(setup.headroom), peak_memory=found.peak, device=str(setup.device), precision=setup.precision,
+        verified=probing.verify, optimizer=type(optimizer).__name__, bn_mode="adjust" if batchnorms(model) else None,
+        rank_micro_batches=tuple(probed.maxima) if setup.world_size > 1 else (), min_micro_batch=min_micro_batch(model),
+        base_batch_source=source, set_aside=tuple(probed.set_aside), shape_model=probed.shape_model,
+        checkpointing=shared.checkpointing, optimizer_settings=settings, probed_size=B.per_sample_numel(work.batch),
+        by_shape=probing.by_shape, memory_curve=work.curve, trials=tuple(work.trials), notes=tuple(notes),
+    )
+
+
+def _base_batch(given: int | None, loader: Iterable[Any], first_size: int) -> tuple[int, str]:
+    """The batch the learning rate was tuned at, and where that figure came from."""
+    if given is not None:
+        return given, "given"
+    if getattr(loader, "batch_size", None):
+        return int(loader.batch_size), "the loader's batch_size"  # type: ignore[attr-defined]
+    return first_size, "the first batch's size"
+
+
+def _warmup(optimizer: torch.optim.Optimizer, loader: Iterable[Any], shared: Options, probing: Probing, *, rule: str,
+            scale: float, base_batch: int, notes: list[str]) -> tuple[int | None, Any]:
+    """The recommended warm-up in optimizer steps, and the Adam settings moved to the target (follow_batch)."""
+    target_batch, epochs = shared.target_batch, shared.epochs
+    assert target_batch is not None
     betas = optimizer.param_groups[0].get("betas")
     per_epoch = _steps_per_epoch(loader, base_batch, target_batch)
     warmup = warmup_steps(scale, rule, beta2=float(betas[1]) if betas else None, steps_per_epoch=per_epoch)  # type: ignore[arg-type]
     settings = None
-    if follow_batch:
+    if probing.follow_batch:
         group = optimizer.param_groups[0]
         if not betas or rule != "sqrt":
             notes.append(f"follow_batch needs an Adam-family optimizer (betas, the square-root rule); {type(optimizer).__name__} keeps its settings")
@@ -439,52 +506,7 @@ def plan(
         notes.append(cap_note)
     elif warmup and per_epoch and warmup > per_epoch and epochs is None and hasattr(loader, "dataset"):
         notes.append(f"warm-up of {warmup} steps is longer than an epoch ({per_epoch} steps): pass epochs= to cap it at 10% of the run")
-    bn = _bn_base_momentum(model)
-    bn_momentum = None if bn is None else adjusted_bn_momentum(bn, accumulation_steps)
-    if bn is not None and micro_batches[-1] < 16 and accumulation_steps > 1:
-        notes.append(
-            f"BatchNorm normalises over micro-batches of {micro_batches[-1]} samples (< 16): its "
-            "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs"
-        )
-    if rule != "none" and scale != 1.0 and source != "given":
-        notes.append(
-            f"the learning rate is scaled x{scale:.4g} assuming it was tuned at batch {base_batch} ({source}); "
-            "pass base_batch= if it was tuned at another batch"
-        )
-    return Plan(
-        micro_batch=own,
-        accumulation_steps=accumulation_steps,
-        effective_batch=sum(map(sum, layout)),
-        world_size=world_size,
-        micro_batches=micro_batches,
-        lr=base_lr * scale,
-        base_lr=base_lr,
-        lr_scale=scale,
-        lr_rule=rule,
-        base_batch=base_batch,
-        warmup_steps=warmup,
-        bn_momentum=bn_momentum,
-        memory_limit=limit,
-        headroom=float(headroom),
-        peak_memory=found.peak,
-        device=str(device),
-        precision=precision_name,
-        verified=verify,
-        optimizer=type(optimizer).__name__,
-        bn_mode="adjust" if batchnorms(model) else None,
-        rank_micro_batches=tuple(maxima) if world_size > 1 else (),
-        min_micro_batch=min_micro_batch(model),
-        base_batch_source=source,
-        set_aside=tuple(set_aside),
-        shape_model=shape_model,
-        checkpointing=checkpointing,
-        optimizer_settings=settings,
-        probed_size=B.per_sample_numel(work.batch),
-        by_shape=by_shape,
-        memory_curve=work.curve,
-        trials=tuple(work.trials),
-        notes=tuple(notes),
-    )
+    return warmup, settings
 
 
 _plan = plan  # what_if's own argument is called plan
@@ -555,139 +577,3 @@ def _both(first: Callable[[Trial], Any] | None, second: Callable[[Trial], Any]) 
         second(trial)
 
     return call
-
-
-def _shape_model(work: Workload, looked: Looked, found: Any, budget: int, upper: int, lengths: Sequence[int] | None) -> Any:
-    """The shape model from the shapes the loader has (the shortest, one between and the probed,
-    longest one) and the lengths asked for; None when the step cannot be estimated.
-
-    A shape that cannot be estimated (an asked length longer than the model takes) is left out with
-    a note; nothing longer than the longest batch seen is estimated unless asked.
-    """
-    estimator = work.estimator
-    if estimator is None:
-        work.notes.append("no model of memory against length: the step could not be estimated; every shape uses micro_batch")
-        return None
-    probed = B.per_sample_numel(work.batch)
-    seen = sorted({B.per_sample_numel(t): t for t in looked.shapes}.items())
-    templates = {probed: work.batch}
-    if len(seen) > 1:
-        for size, template in (seen[0], seen[len(seen) // 2]):
-            templates.setdefault(size, template)
-    if lengths:
-        dims = B.length_dims([work.batch, *looked.shapes])
-        longest = B.longest_length(work.batch, dims)
-        accepted = _max_length(work.model)
-        for length in sorted(set(lengths)):
-            if accepted is not None and length > accepted:
-                work.notes.append(f"length {length} left out of the shape model: the model takes at most {accepted}")
-                continue
-            template = B.resize_length(work.batch, dims, length, longest=longest) if dims else None
-            if template is not None:
-                templates.setdefault(B.per_sample_numel(template), template)
-    curves = {}
-    for size, template in sorted(templates.items()):
-        try:
-            curves[size] = estimator.curve(None if size == probed else template)
-        except Exception as exc:  # a shape the model cannot take: it will not be trained at either
-            work.notes.append(f"per-sample size {size} left out of the shape model ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})")
-    return fit_shape_model(
-        curves,
-        probed_size=probed,
-        probed_micro_batch=found.batch_size,
-        probed_real_peak=found.peak,
-        budget=budget,
-        lower=min_micro_batch(work.model),
-        upper=upper,
-    )
-
-
-def _max_length(model: nn.Module) -> int | None:
-    """The longest sequence a Hugging Face model takes (its position embeddings), when it says."""
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _shards_if_resident_too_big(work: Workload, budget: int, target_batch: int) -> list[Any]:
-    """FSDP2 over 2, 4 and 8 ranks, estimated, when the weights, gradients and optimizer state alone
-    exceed ``budget`` (accumulation cannot help then); else empty."""
-    lower = min_micro_batch(work.model)
-    parts, activations = estimated(work, lower)
-    if parts.resident <= budget:
-        return []
-    return shard_estimates(parts, activations, ranks=[n for n in (2, 4, 8) if n <= target_batch], budget=budget,
-                           target_batch=target_batch, lower=lower)
-
-
-def _nothing_fits(
-    trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
-    table: Any = None, shards: Sequence[Any] = (),
-) -> NothingFits:
-    """The error for a probe that found no size: measured numbers when a real step ran."""
-    real = [t for t in trials if not t.estimate]
-    pool = real or trials
-    smallest = min(t.batch_size for t in pool)
-    needed = max([peak if real else 0] + [t.peak_memory for t in pool if t.batch_size == smallest])
-    measured = bool(real)
-    aside = "".join(f" less {format_bytes(b)} for {name}," for name, b in set_aside)
-    advice = _smallest_change(table) or "try precision='bf16', a smaller model, activation checkpointing, or a larger memory_limit"
-    if shards:
-        advice = _shard_advice(shards) + "; or " + advice
-    if measured and needed <= budget:
-        # The step ran out of memory below its budget, twice: what is missing is not the step's.
-        return NothingFits(
-            f"Even micro_batch={smallest} ran out of memory with only {format_bytes(needed)} counted, within the budget "
-            f"of {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less {headroom:.0%} headroom), twice: the "
-            "device's memory is taken by something outside this step (another process, or memory torch does not "
-            "count); free it, or give a memory_limit below what is really free",
-            needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards,
-        )
-    return NothingFits(
-        f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
-        f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
-        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}: " + advice,
-        needed=needed,
-        budget=budget,
-        limit=limit,
-        micro_batch=smallest,
-        measured=measured,
-        what_if=table,
-        shards=shards,
-    )
-
-
-def _shard_advice(shards: Sequence[Any]) -> str:
-    """The message's words for FSDP2: the resident bytes alone are too many for one device."""
-    per_rank = "; ".join(
-        f"{s.ranks} ranks: {format_bytes(s.peak)}" + (f", micro_batch={s.micro_batch}" if s.fits else " (does not fit)")
-        for s in shards
-    )
-    return (
-        "the weights, gradients and optimizer state alone exceed the budget, so no micro-batch can fit on one device: "
-        "shard the model with FSDP2 (torch.distributed.fsdp.fully_shard on each block, then the model), which "
-        f"autotune drives; estimated per rank: {per_rank} (err.shards; `autotune report --shard N`)"
-    )
-
-
-def _smallest_change(table: Any) -> str | None:
-    """The message's advice from the what-if table: the fewest changes that make a micro-batch fit."""
-    if table is None:
-        return None
-    best = table.smallest_change()
-    if best is None:
-        return "no combination of bf16, activation checkpointing and an optimizer with less state fits either: use a larger memory_limit, a smaller model, or shard it"
-    kwargs = []
-    if best.precision != "fp32":
-        kwargs.append(f"precision={best.precision!r}")
-    if best.checkpointing:
-        kwargs.append("checkpointing=True")
-    if "(given)" not in best.optimizer:
-        kwargs.append(f"an optimizer like {best.optimizer}")
-    return (
-        f"with {best.describe()} an estimated {best.micro_batch} samples per micro-batch fit ({', '.join(kwargs)}; "
-        "err.what_if holds the table of what fits)"
-    )

@@ -40,7 +40,6 @@ from torch import nn
 from autotune import batches as B
 from autotune.checks import (
     check_callable,
-    check_count_value,
     check_device_exists,
     check_flag,
     check_grad_mode,
@@ -48,7 +47,6 @@ from autotune.checks import (
     check_model,
     check_optimizer,
     check_positive_number,
-    check_progress,
     check_reiterable,
     check_scheduler,
     check_trainable,
@@ -65,10 +63,10 @@ from autotune.parallel.ranks import (
     world,
 )
 from autotune.parallel.stops import on_every_rank
-from autotune.planning.planner import plan as make_plan
+from autotune.planning.options import Options, Probing, options
+from autotune.planning.planner import plan_with
 from autotune.planning.plans import Plan
-from autotune.planning.scaling import LR_RULES, auto_lr_rule
-from autotune.rng import RNGState
+from autotune.planning.scaling import LR_RULES
 from autotune.step import (
     LossFn,
     Precision,
@@ -77,16 +75,15 @@ from autotune.step import (
     check_step,
     default_loss,
     min_micro_batch,
-    normalize_precision,
 )
 from autotune.train import data_parallel, sharded, single
 from autotune.train.accumulate import Count, Pad, accumulate
+from autotune.train.arguments import check_against_plan, check_count, check_plan
 from autotune.train.bn import BN_MODES, FinishedRun, resolve_bn
 from autotune.train.ramp import BatchRamp, RampChange, plan_for_target, ramp_micro_batch
 from autotune.train.records import FitResult, StepRecord
 from autotune.train.run import Run
 from autotune.train.stepping import optimizer_step
-from autotune.units import parse_bytes
 
 __all__ = ["AutotuneWarning", "FitResult", "StepRecord", "fit"]
 
@@ -105,50 +102,6 @@ def _fit_device(model: nn.Module, device: torch.device | str | None) -> torch.de
     return resolved
 
 
-def _check_plan(plan: Any, target_batch: int | None) -> None:
-    if plan is None:
-        return
-    if not isinstance(plan, Plan):
-        hint = " (a plan saved with to_dict() comes back with autotune.Plan.from_dict(data))" if isinstance(plan, (dict, str)) else ""
-        raise TypeError(f"Invalid plan of type {type(plan).__name__}: pass an autotune.Plan{hint}")
-    plan.check()
-    _, world_size = world()
-    if plan.world_size != world_size:
-        raise ValueError(
-            f"Invalid plan: it was made for {plan.world_size} rank(s) and this run has {world_size}; "
-            "make a new plan in this run (autotune.plan on every rank)"
-        )
-    if target_batch is not None and target_batch != plan.effective_batch:
-        raise ValueError(
-            f"Invalid target_batch {target_batch!r}: the plan given trains {plan.effective_batch} "
-            "samples per step; leave target_batch out or make a new plan"
-        )
-
-
-def _check_against_plan(plan: Plan | None, optimizer: Any, *, lr_rule: str, base_batch: int | None, headroom: float | None) -> None:
-    """Arguments given beside ``plan=`` that the plan contradicts: refused (the plan's would win silently)."""
-    if plan is None:
-        return
-    fix = "leave it out (the plan's holds), or make a new plan with it"
-    if lr_rule != "auto" and lr_rule != plan.lr_rule:
-        raise ValueError(f"Invalid lr_rule {lr_rule!r} with plan=: the plan scales the learning rate by its own rule {plan.lr_rule!r} "
-                         f"(x{plan.lr_scale:.4g}); {fix}")
-    if base_batch is not None and base_batch != plan.base_batch:
-        raise ValueError(f"Invalid base_batch {base_batch!r} with plan=: the plan's learning rate is scaled from batch "
-                         f"{plan.base_batch}; {fix}")
-    if headroom is not None and headroom != plan.headroom:
-        raise ValueError(f"Invalid headroom {headroom!r} with plan=: the plan was made with headroom {plan.headroom:g}; {fix}")
-    if optimizer is not None and plan.lr_scale != 1.0 and plan.lr_rule in ("linear", "sqrt"):
-        family = auto_lr_rule(c.__name__ for c in type(optimizer).__mro__)
-        if family in ("linear", "sqrt") and family != plan.lr_rule:
-            raise ValueError(
-                f"Invalid optimizer {type(optimizer).__name__} for this plan: it was made for {plan.optimizer or 'an optimizer'} "
-                f"and scales the learning rate by the {plan.lr_rule} rule (x{plan.lr_scale:.4g}), while "
-                f"{type(optimizer).__name__} takes the {family} rule; make the plan with this optimizer "
-                "(autotune.plan(..., optimizer=optimizer))"
-            )
-
-
 def _warn_if_larger_than_an_epoch(loader: Iterable[Any], target: int) -> None:
     """A target larger than an epoch's samples trains one short step per epoch at the target's learning rate."""
     try:
@@ -161,46 +114,7 @@ def _warn_if_larger_than_an_epoch(loader: Iterable[Any], target: int) -> None:
             f"{samples} samples, at the learning rate scaled for {target}; give a target of at most {samples}, or more "
             "data per epoch",
             AutotuneWarning,
-            stacklevel=3,
-        )
-
-
-def _must_agree(model: nn.Module, target: int | None, precision: str, mode: Any, lr_rule: str) -> list[tuple[str, float, Any]]:
-    """What every rank must share, as numbers for the start-up all-reduce: a difference would train
-    another batch on each rank, or wait in a collective for ever."""
-    precisions = ("fp32", "bf16", "fp16")
-    shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters())
-    return [
-        ("target_batch", float(target or 0), lambda v: str(int(v))),
-        ("precision", float(precisions.index(precision)), lambda v: repr(precisions[int(v)])),
-        ("bn", float(BN_MODES.index(mode.name if mode is not None else None)), lambda v: repr(BN_MODES[int(v)])),
-        ("lr_rule", float(LR_RULES.index(lr_rule)), lambda v: repr(LR_RULES[int(v)])),
-        ("model (its parameters' names and shapes)", float(zlib.crc32(shapes.encode())), lambda v: f"checksum {int(v):08x}"),
-    ]
-
-
-def _check_count(loader: Iterable[Any], count: Count | None, group: Any = None, *, max_batches: int = 8) -> None:
-    """Call ``count`` on the first batches (generators restored after), so a bad count fails now."""
-    if count is None:
-        return
-    if not callable(count):
-        raise TypeError(f"Invalid count {count!r}: pass a function count(batch) -> int, or None")
-    if is_one_shot(loader):  # looking would consume it
-        return
-    rng = RNGState(loader)
-    try:
-        seen = total = 0
-        for batch in loader:
-            total += check_count_value(count(batch))
-            seen += 1
-            if seen >= max_batches:
-                break
-    finally:
-        rng.restore()
-    if seen and total == 0 and not is_distributed():  # one rank's shard may start with no items
-        raise ValueError(
-            f"Invalid count: it returned 0 items for each of the first {seen} batches, so there is no loss "
-            "to train on; check that it counts the loss's items (e.g. int((labels != -100).sum()))"
+            stacklevel=4,
         )
 
 
@@ -307,46 +221,108 @@ def fit(
         >>> result = autotune.fit(model, loader, target_batch=256)  # doctest: +SKIP
         >>> result.plan.accumulation_steps, result.history[-1].loss  # doctest: +SKIP
     """
-    # --- checks: nothing has changed yet ------------------------------------------------------
-    check_model(model)
-    check_loader(loader)
-    if plan is None and target_batch is None:
-        raise TypeError("fit() needs target_batch= (samples per optimizer step), or plan=")
-    check_callable("loss_fn", loss_fn, "loss_fn(model, batch) -> the batch's mean loss as a scalar tensor")
-    check_callable("callback", callback, "callback(record) called after each optimizer step")
-    check_callable("pad", pad, "pad(batches) -> batch, such as autotune.pad_to_longest")
-    check_flag("drop_last", drop_last)
-    check_flag("checkpointing", checkpointing)
-    check_progress(progress)
-    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "unscale_", "step", "update", "get_scale")):
-        raise TypeError(f"Invalid scaler {scaler!r} ({type(scaler).__name__}): pass a torch.amp.GradScaler, or None (fp16 makes one)")
-    if not (isinstance(noise_scale, bool) or (isinstance(noise_scale, int) and noise_scale >= 1)):
-        raise ValueError(
-            f"Invalid noise_scale {noise_scale!r}: give True (measure at most 1% of the step time), False, or every "
-            "how many windows to measure (an int >= 1)"
-        )
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"Invalid epochs {epochs!r}: give a whole number >= 1")
-    if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
-        raise ValueError(f"Invalid max_steps {max_steps!r}: give a whole number >= 1, or None")
-    check_positive_number("clip_grad_norm", clip_grad_norm)
-    mode = resolve_bn(bn)
-    ramp = target_batch if isinstance(target_batch, BatchRamp) else None
-    # a ramp's plan is made for its largest target
-    target: int | None = ramp.maximum if ramp is not None else target_batch  # type: ignore[assignment]
-    if ramp is not None:
-        if ramp.adaptive_form and noise_scale is False:
-            raise ValueError(f"Invalid noise_scale False with {ramp!r}: an adaptive ramp raises the batch from the measured "
-                             "noise scale; leave noise_scale on, or use BatchRamp.fixed")
-        if plan is not None and plan.effective_batch != ramp.maximum:
-            raise ValueError(f"Invalid plan for {ramp!r}: it trains {plan.effective_batch} samples per step, and a ramp's plan is "
-                             f"made for its largest target ({ramp.maximum}); make the plan with target_batch={ramp.maximum}")
-    _check_plan(plan, target)
-    _check_against_plan(plan, optimizer, lr_rule=lr_rule, base_batch=base_batch, headroom=headroom)
-    check_reiterable(loader, epochs)
-    check_grad_mode("fit")
-    check_device_exists(device)
-    par = parallel(model)  # under DDP: the inner module runs; autotune syncs once per window
+    request = _Request.checked(  # every refusal is here, before anything changes
+        model=model, loader=loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn, epochs=epochs,
+        max_steps=max_steps, device=device, memory_limit=memory_limit, headroom=headroom, precision=precision,
+        clip_grad_norm=clip_grad_norm, lr_rule=lr_rule, base_batch=base_batch, count=count, pad=pad, drop_last=drop_last,
+        scheduler=scheduler, scaler=scaler, bn=bn, checkpointing=checkpointing, noise_scale=noise_scale, progress=progress,
+        plan=plan, callback=callback,
+    )
+    _look_and_agree(request)  # the first batches looked at, and what the ranks must share agreed, on every rank
+    run = _set_up(request)  # the device, the optimizer, the plan unless given, the Run that puts everything back
+    with run:
+        history, changes = _epochs(run, request)
+    return _finish(run, request, history, changes)
+
+
+@dataclasses.dataclass
+class _Request:
+    """``fit``'s arguments, checked: the shared ones as :class:`autotune.planning.options.Options`."""
+
+    model: nn.Module
+    loader: Iterable[Any]
+    par: Any
+    shared: Options
+    ramp: BatchRamp | None
+    target: int | None
+    mode: Any
+    precision: Precision
+    plan: Plan | None
+    optimizer: Any
+    loss_fn: Any
+    device: Any
+    scheduler: Any
+    scaler: Any
+    clip_grad_norm: float | None
+    count: Count | None
+    pad: Pad | None
+    drop_last: bool
+    epochs: int
+    max_steps: int | None
+    noise_scale: bool | int
+    callback: Callable[[StepRecord], Any] | None
+
+    @classmethod
+    def checked(cls, *, model: Any, loader: Any, target_batch: Any, plan: Any, epochs: Any, max_steps: Any, precision: Any,
+                memory_limit: Any, headroom: Any, lr_rule: Any, base_batch: Any, checkpointing: Any, progress: Any,
+                **rest: Any) -> _Request:
+        """Refuse every bad argument, naming it and the fix; nothing has changed yet."""
+        check_model(model)
+        check_loader(loader)
+        if plan is None and target_batch is None:
+            raise TypeError("fit() needs target_batch= (samples per optimizer step), or plan=")
+        check_callable("loss_fn", rest["loss_fn"], "loss_fn(model, batch) -> the batch's mean loss as a scalar tensor")
+        check_callable("callback", rest["callback"], "callback(record) called after each optimizer step")
+        check_callable("pad", rest["pad"], "pad(batches) -> batch, such as autotune.pad_to_longest")
+        check_flag("drop_last", rest["drop_last"])
+        scaler, noise_scale = rest["scaler"], rest["noise_scale"]
+        if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "unscale_", "step", "update", "get_scale")):
+            raise TypeError(f"Invalid scaler {scaler!r} ({type(scaler).__name__}): pass a torch.amp.GradScaler, or None (fp16 makes one)")
+        if not (isinstance(noise_scale, bool) or (isinstance(noise_scale, int) and noise_scale >= 1)):
+            raise ValueError(
+                f"Invalid noise_scale {noise_scale!r}: give True (measure at most 1% of the step time), False, or every "
+                "how many windows to measure (an int >= 1)"
+            )
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs, a whole number >= 1")
+        if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
+            raise ValueError(f"Invalid max_steps {max_steps!r}: give a whole number >= 1, or None")
+        check_positive_number("clip_grad_norm", rest["clip_grad_norm"])
+        mode = resolve_bn(rest.pop("bn"))
+        ramp = target_batch if isinstance(target_batch, BatchRamp) else None
+        target = ramp.maximum if ramp is not None else target_batch  # a ramp's plan is made for its largest target
+        shared = options(target_batch=target, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule, base_batch=base_batch,
+                         precision=precision, epochs=epochs, checkpointing=checkpointing, progress=progress, progress_seconds=False)
+        if ramp is not None:
+            if ramp.adaptive_form and noise_scale is False:
+                raise ValueError(f"Invalid noise_scale False with {ramp!r}: an adaptive ramp raises the batch from the measured "
+                                 "noise scale; leave noise_scale on, or use BatchRamp.fixed")
+            if plan is not None and plan.effective_batch != ramp.maximum:
+                raise ValueError(f"Invalid plan for {ramp!r}: it trains {plan.effective_batch} samples per step, and a ramp's plan is "
+                                 f"made for its largest target ({ramp.maximum}); make the plan with target_batch={ramp.maximum}")
+        check_plan(plan, target)
+        check_against_plan(plan, rest["optimizer"], lr_rule=lr_rule, base_batch=base_batch, headroom=headroom)
+        check_reiterable(loader, epochs)
+        check_grad_mode("fit")
+        check_device_exists(rest["device"])
+        par = parallel(model)  # under DDP: the inner module runs; autotune syncs once per window
+        _check_with_ranks(par, ramp, mode)
+        check_trainable(par.inner)
+        if rest["optimizer"] is not None:
+            check_optimizer(par.inner, rest["optimizer"])
+        check_scheduler(rest["scheduler"], rest["optimizer"] if rest["optimizer"] is not None else object())  # type: ignore[arg-type]
+        name = shared.precision or (plan.precision if plan is not None else "fp32")
+        if plan is not None and shared.precision is not None and shared.precision != plan.precision:
+            raise ValueError(
+                f"Invalid precision {precision!r}: the plan given was made for {plan.precision!r}, whose memory it measured; "
+                "leave precision out, or make a new plan with this precision"
+            )
+        return cls(model=model, loader=loader, par=par, shared=shared, ramp=ramp, target=target, mode=mode, precision=name,  # type: ignore[arg-type]
+                   plan=plan, epochs=epochs, max_steps=max_steps, **rest)
+
+
+def _check_with_ranks(par: Any, ramp: BatchRamp | None, mode: Any) -> None:
+    """What FSDP2's lockstep cannot do: a changing target, BatchNorm modes with extra forwards."""
     if ramp is not None and par.fsdp:
         raise ValueError(f"Invalid target_batch {ramp!r} for a model sharded with FSDP2: a changing target is not supported "
                          "under FSDP2 (its ranks run every micro-batch in lockstep); give a fixed target_batch")
@@ -355,79 +331,83 @@ def fit(
             f"Invalid bn {mode.name!r} for a model sharded with FSDP2: it recomputes BatchNorm statistics with extra "
             "forward passes that the ranks would not run in lockstep; use bn='adjust' or bn='pooled'"
         )
-    inner = par.inner
-    check_trainable(inner)
-    if optimizer is not None:
-        check_optimizer(inner, optimizer)
-    check_scheduler(scheduler, optimizer if optimizer is not None else object())  # type: ignore[arg-type]
-    precision_name = normalize_precision(precision if (precision is not None or plan is None) else plan.precision)
-    if plan is not None and precision is not None and precision_name != plan.precision:
-        raise ValueError(
-            f"Invalid precision {precision!r}: the plan given was made for {plan.precision!r}, whose memory it measured; "
-            "leave precision out, or make a new plan with this precision"
-        )
-    limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    # Every rank looks at its first batches: one whose dataset raises stops them all, together (one
-    # small collective). Without a probe, nothing has run the loss on this loader's batches yet: one
-    # forward and backward on a sample of the first, put back after, so a bad batch or loss is refused
-    # now (on the model's device: moving it is the setup's). Under FSDP2 a forward is collective: the
-    # first window checks it, every rank together.
-    check_loss = plan is not None and not par.fsdp and not is_one_shot(loader)
+
+
+def _look_and_agree(request: _Request) -> None:
+    """Every rank looks at its first batches: one whose dataset raises stops them all, together (one
+    small collective). Without a probe, nothing has run the loss on this loader's batches yet: one
+    forward and backward on a sample of the first, put back after, so a bad batch or loss is refused
+    now (on the model's device: moving it is the setup's). Under FSDP2 a forward is collective: the
+    first window checks it, every rank together."""
+    r, inner = request, request.par.inner
+    check_loss = r.plan is not None and not r.par.fsdp and not is_one_shot(r.loader)
 
     def look() -> None:
-        _check_count(loader, count, par.group)
+        check_count(r.loader, r.count, r.par.group)
         if check_loss:
-            check_step(inner, loss_fn or default_loss, loader, device=next(inner.parameters()).device, precision=precision_name)
+            check_step(inner, r.loss_fn or default_loss, r.loader, device=next(inner.parameters()).device, precision=r.precision)
 
-    if lr_rule not in LR_RULES:
-        raise ValueError(f"Invalid lr_rule {lr_rule!r}: use one of {', '.join(map(repr, LR_RULES))}")
     # Several ranks: what they must share travels in the same all-reduce (one process: nothing to compare).
-    agree = _must_agree(inner, target if plan is None else plan.effective_batch, precision_name, mode, lr_rule) if is_distributed() else ()
-    on_every_rank(look, device=None, group=par.group, what="looking at its first batches", agree=agree)
+    target = r.target if r.plan is None else r.plan.effective_batch
+    agree = _must_agree(inner, target, r.precision, r.mode, r.shared.lr_rule) if is_distributed() else ()
+    on_every_rank(look, device=None, group=r.par.group, what="looking at its first batches", agree=agree)
 
-    # --- setup ----------------------------------------------------------------------------------
-    device = _fit_device(model, device)
+
+def _must_agree(model: nn.Module, target: int | None, precision: str, mode: Any, lr_rule: str) -> list[tuple[str, float, Any]]:
+    """What every rank must share, as numbers for the start-up all-reduce: a difference would train
+    another batch on each rank, or wait in a collective for ever."""
+    precisions = ("fp32", "bf16", "fp16")
+    shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters())
+    return [
+        ("target_batch", float(target or 0), lambda v: str(int(v))),
+        ("precision", float(precisions.index(precision)), lambda v: repr(precisions[int(v)])),
+        ("bn", float(BN_MODES.index(mode.name if mode is not None else None)), lambda v: repr(BN_MODES[int(v)])),
+        ("lr_rule", float(LR_RULES.index(lr_rule)), lambda v: repr(LR_RULES[int(v)])),
+        ("model (its parameters' names and shapes)", float(zlib.crc32(shapes.encode())), lambda v: f"checksum {int(v):08x}"),
+    ]
+
+
+def _set_up(r: _Request) -> Run:
+    """The device and the model on it, the optimizer, the plan unless given (with BatchNorm's settings
+    and the ramp's note), the scaler for fp16: the :class:`Run` that trains and puts everything back."""
+    par, inner = r.par, r.par.inner
+    device = r.device = _fit_device(r.model, r.device)
     if par.ddp is None and not par.fsdp:
-        model.to(device)
+        r.model.to(device)
     resolve_device(inner, device)  # the model has parameters, all on the device
     if par.ddp is None and not par.fsdp and is_distributed():
         broadcast_model(inner, par.group, device)  # the same start on every rank, as DDP makes it
-    if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = loss_fn or default_loss
+    if r.optimizer is None:
+        r.optimizer = torch.optim.AdamW(r.model.parameters(), lr=1e-3)
+    r.loss_fn = r.loss_fn or default_loss
+    plan = r.plan
     if plan is None:
-        plan = make_plan(
-            model, loader, target_batch=target, optimizer=optimizer, loss_fn=loss_fn,  # type: ignore[arg-type]
-            device=device, memory_limit=limit, headroom=headroom, lr_rule=lr_rule,
-            base_batch=base_batch, precision=precision_name, epochs=epochs, progress=progress,
-            checkpointing=checkpointing,
-        )
+        plan = plan_with(r.model, r.loader, dataclasses.replace(r.shared, precision=r.precision), Probing(),
+                         optimizer=r.optimizer, loss_fn=r.loss_fn, device=device)
     bns = batchnorms(inner)
     min_micro = max(plan.min_micro_batch, min_micro_batch(inner))
-    plan = dataclasses.replace(plan, bn_mode=mode.name if (bns and mode is not None) else None, min_micro_batch=min_micro)
-    if bns and mode is not None and min(plan.micro_batches) < 16 and plan.accumulation_steps > 1:
+    plan = dataclasses.replace(plan, bn_mode=r.mode.name if (bns and r.mode is not None) else None, min_micro_batch=min_micro)
+    if bns and r.mode is not None and min(plan.micro_batches) < 16 and plan.accumulation_steps > 1:
         warnings.warn(
             f"BatchNorm normalises over micro-batches of {min(plan.micro_batches)} samples (< 16), so its "
             "statistics are noisy; consider GroupNorm, or SyncBatchNorm across GPUs",
             AutotuneWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    _warn_if_larger_than_an_epoch(loader, plan.effective_batch)
-    if scaler is None and precision_name == "fp16":
-        scaler = torch.amp.GradScaler(device.type)
-
-    # --- the loop -------------------------------------------------------------------------------
-    history: list[StepRecord] = []
-    changes: list[RampChange] = []
-    rank = world(par.group)[0]
+    _warn_if_larger_than_an_epoch(r.loader, plan.effective_batch)
+    if r.scaler is None and r.precision == "fp16":
+        r.scaler = torch.amp.GradScaler(device.type)
+    ramp, rank = r.ramp, world(par.group)[0]
     if ramp is not None:  # the plan says what the ramp does with its micro-batch
         lines = ramp.describe(ramp_micro_batch(plan, ramp, min_micro), plan.world_size)
         plan = dataclasses.replace(plan, notes=plan.notes + (f"batch ramp {ramp!r}: " + "; ".join(lines),))
+    r.plan = plan
     run = Run(
-        par, optimizer, scheduler, loss_fn,
+        par, r.optimizer, r.scheduler, r.loss_fn,
         plan_for_target(plan, ramp.target, micro_batch=ramp_micro_batch(plan, ramp, min_micro), rank=rank) if ramp else plan,
-        device, precision_name, scaler, clip_grad_norm, limit, mode, bns, _total_steps(loader, plan, epochs, max_steps), progress,
-        checkpointing=checkpointing or plan.checkpointing, noise_scale=noise_scale,
+        device, r.precision, r.scaler, r.clip_grad_norm, r.shared.memory_limit, r.mode, bns,
+        _total_steps(r.loader, plan, r.epochs, r.max_steps), bool(r.shared.progress),
+        checkpointing=r.shared.checkpointing or plan.checkpointing, noise_scale=r.noise_scale,
     )
     if ramp is not None:
         run.ramp = ramp
@@ -436,81 +416,97 @@ def fit(
             run.noise.meter = ramp.meter
             run.noise.fixed = run.noise.fixed or 1
             run.noise.every = run.noise.fixed
+    return run
+
+
+def _epochs(run: Run, r: _Request) -> tuple[list[StepRecord], list[RampChange]]:
+    """The loop: each epoch cut into windows, each window one optimizer step (see the module docstring)."""
+    plan, ramp, loader = r.plan, r.ramp, r.loader
+    assert plan is not None
+    history: list[StepRecord] = []
+    changes: list[RampChange] = []
+    min_micro = plan.min_micro_batch
     # One window module per mode: one process, data-parallel ranks (one exchange per window), FSDP2 (lockstep).
-    run_window = sharded.run_window if par.fsdp else data_parallel.run_window if run.sync is not None else single.run_window
+    run_window = sharded.run_window if r.par.fsdp else data_parallel.run_window if run.sync is not None else single.run_window
     first_epoch = sampler_epoch(loader)  # continue where an earlier fit left the sampler
     # In a single process the short last window is dropped before it runs; with several ranks
     # only the agreement can tell that the global window is short.
-    local_drop = drop_last and run.world_size == 1
-    with run:
-        for epoch in range(epochs):
-            set_epoch(loader, first_epoch + epoch)
-            if ramp is not None:
-                ramp.begin_epoch()
-            windows = accumulate(
-                run.caps.meeting(loader), plan, count=count, drop_last=local_drop, min_micro_batch=min_micro, distributed=False,
-                skip_empty=run.world_size == 1, pad=pad, cap=run.caps.cap, shares=run.shares if (run.world_size > 1 or ramp) else None,
+    local_drop = r.drop_last and run.world_size == 1
+    for epoch in range(r.epochs):
+        set_epoch(loader, first_epoch + epoch)
+        if ramp is not None:
+            ramp.begin_epoch()
+        windows = accumulate(
+            run.caps.meeting(loader), plan, count=r.count, drop_last=local_drop, min_micro_batch=min_micro, distributed=False,
+            skip_empty=run.world_size == 1, pad=r.pad, cap=run.caps.cap, shares=run.shares if (run.world_size > 1 or ramp) else None,
+        )
+        seen_samples = seen_items = 0
+        while r.max_steps is None or len(history) < r.max_steps:
+            start = time.perf_counter()
+            run.begin_window()  # a stop before this window's step puts the model back as it is now
+            done = run_window(run, windows, drop_last=r.drop_last)  # micro-batches, then one agreement
+            if done is None:
+                break  # the epoch is over on every rank
+            loss, window, agreed = done
+            seen_samples, seen_items = seen_samples + agreed.samples, seen_items + agreed.items
+            if agreed.items == 0:  # no loss item on any rank: nothing to learn from, no step
+                run.optimizer.zero_grad(set_to_none=True)
+                if ramp is not None:
+                    ramp.skipped(int(agreed.samples))
+                continue
+            run.check_finite(loss, window, step=len(history) + 1, epoch=epoch)
+            if ramp is not None:  # the learning rate follows the target of the window that ran
+                _follow(run, plan, ramp.trained_target())
+            noise = run.measure_noise(agreed)  # the window's gradient, before clipping
+            lr, skipped = optimizer_step(run, int(agreed.samples))  # clip, step at the scaled LR, schedule, zero
+            run.end_window()
+            change = None
+            if ramp is not None:  # a stage reached, or every rank voted at this exchange: later windows grow
+                change = ramp.after_step(samples=int(agreed.samples), items=int(agreed.items), vote=agreed.vote)
+                ramp.pending_vote = ramp.vote(run.noise.meter.estimate() if run.noise.meter else None,
+                                              agreed.items / max(agreed.samples, 1))
+                changes += [change] if change else []
+            record = StepRecord(
+                step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
+                loss=loss, lr=lr, micro_batch=max((m.samples for m in window), default=0) if window else 0,
+                seconds=time.perf_counter() - start, micro_batches=tuple(m.samples for m in window) if window else (),
+                noise_scale=noise, skipped=skipped, target=run.plan.effective_batch,
+                target_change=f"target {change.before} -> {change.target}: {change.reason}" if change else None,
             )
-            seen_samples = seen_items = 0
-            while max_steps is None or len(history) < max_steps:
-                start = time.perf_counter()
-                run.begin_window()  # a stop before this window's step puts the model back as it is now
-                done = run_window(run, windows, drop_last=drop_last)  # micro-batches, then one agreement
-                if done is None:
-                    break  # the epoch is over on every rank
-                loss, window, agreed = done
-                seen_samples, seen_items = seen_samples + agreed.samples, seen_items + agreed.items
-                if agreed.items == 0:  # no loss item on any rank: nothing to learn from, no step
-                    run.optimizer.zero_grad(set_to_none=True)
-                    if ramp is not None:
-                        ramp.skipped(int(agreed.samples))
-                    continue
-                run.check_finite(loss, window, step=len(history) + 1, epoch=epoch)
-                if ramp is not None:  # the learning rate follows the target of the window that ran
-                    _follow(run, plan, ramp.trained_target())
-                noise = run.measure_noise(agreed)  # the window's gradient, before clipping
-                lr, skipped = optimizer_step(run, int(agreed.samples))  # clip, step at the scaled LR, schedule, zero
-                run.end_window()
-                change = None
-                if ramp is not None:  # a stage reached, or every rank voted at this exchange: later windows grow
-                    change = ramp.after_step(samples=int(agreed.samples), items=int(agreed.items), vote=agreed.vote)
-                    ramp.pending_vote = ramp.vote(run.noise.meter.estimate() if run.noise.meter else None,
-                                                  agreed.items / max(agreed.samples, 1))
-                    changes += [change] if change else []
-                record = StepRecord(
-                    step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
-                    loss=loss, lr=lr, micro_batch=max((m.samples for m in window), default=0) if window else 0,
-                    seconds=time.perf_counter() - start, micro_batches=tuple(m.samples for m in window) if window else (),
-                    noise_scale=noise, skipped=skipped, target=run.plan.effective_batch,
-                    target_change=f"target {change.before} -> {change.target}: {change.reason}" if change else None,
-                )
-                run.pace_noise(record.seconds)
-                history.append(record)
-                run.show(record)
-                if callback is not None:
-                    callback(record)
-            if count is not None and seen_samples > 0 and seen_items == 0:
-                raise ValueError(
-                    f"Invalid count: it returned 0 items for every batch of the epoch ({int(seen_samples)} samples on all "
-                    "ranks), so there is no loss to train on; check that it counts the loss's items (e.g. labels != -100)"
-                )
-            if max_steps is not None and len(history) >= max_steps:
-                break
-        set_epoch(loader, first_epoch + epochs)  # the next fit starts on the next epoch
+            run.pace_noise(record.seconds)
+            history.append(record)
+            run.show(record)
+            if r.callback is not None:
+                r.callback(record)
+        if r.count is not None and seen_samples > 0 and seen_items == 0:
+            raise ValueError(
+                f"Invalid count: it returned 0 items for every batch of the epoch ({int(seen_samples)} samples on all "
+                "ranks), so there is no loss to train on; check that it counts the loss's items (e.g. labels != -100)"
+            )
+        if r.max_steps is not None and len(history) >= r.max_steps:
+            break
+    set_epoch(loader, first_epoch + r.epochs)  # the next fit starts on the next epoch
+    return history, changes
 
+
+def _finish(run: Run, r: _Request, history: list[StepRecord], changes: list[RampChange]) -> FitResult:
+    """BatchNorm's statistics finished as its mode says, and the result."""
     tuning = None
-    if mode is not None and bns:
+    inner, mode = r.par.inner, r.mode
+    if mode is not None and run.bns:
+        min_micro = run.plan.min_micro_batch
         finished = FinishedRun(
-            batches=lambda: (micro.batch for w in accumulate(loader, run.plan, min_micro_batch=min_micro, distributed=False, pad=pad, cap=run.caps.cap) for micro in w),
-            forward=lambda m, b: _forward(m, loss_fn, b, device, precision_name),  # type: ignore[arg-type]
-            loss_fn=loss_fn,
-            device=device,
+            batches=lambda: (micro.batch for w in accumulate(r.loader, run.plan, min_micro_batch=min_micro, distributed=False, pad=r.pad,
+                                                             cap=run.caps.cap) for micro in w),
+            forward=lambda m, b: _forward(m, r.loss_fn, b, r.device, r.precision),
+            loss_fn=r.loss_fn,
+            device=r.device,
             recording=run.bnc.recording,
         )
         tuning = mode.finish(inner, finished)
     measured = run.noise.meter.estimate() if run.noise.meter is not None else None
-    return FitResult(plan=run.plan, history=tuple(history), bn_tuning=tuning,
-                     noise_scale=measured, noise_note=_noise_note(measured, run, noise_scale), ramp=ramp, ramp_changes=tuple(changes))
+    return FitResult(plan=run.plan, history=tuple(history), bn_tuning=tuning, noise_scale=measured,
+                     noise_note=_noise_note(measured, run, r.noise_scale), ramp=r.ramp, ramp_changes=tuple(changes))
 
 
 def _follow(run: Run, plan: Plan, target: int) -> None:

@@ -48,7 +48,7 @@ def retry_smaller(run: Any, window: Window, failure: BaseException, bn_saved: li
     warnings.warn(
         f"Out of memory at micro_batch={failed_size}; retrying the window with micro_batch={smaller}",
         AutotuneWarning,
-        stacklevel=4,  # retry_smaller, the mode's window, fit, the caller
+        stacklevel=5,  # retry_smaller, the mode's window, fit's loop, fit, the caller
     )
     if run.plan.shape_model is None:
         lower(run, smaller)

@@ -161,7 +161,7 @@ def _lowered(run: Any, window: Any, peak: int, error: BaseException | None) -> B
         f"Out of memory at micro_batch={failed} ({what}); every rank redoes the window, this one with "
         f"micro_batch={smaller}",
         AutotuneWarning,
-        stacklevel=4,
+        stacklevel=5,  # here, the window, fit's loop, fit, the caller
     )
     lower(run, smaller)
     return None

@@ -1,0 +1,98 @@
+"""What to say when nothing fits: the error with the measured or estimated figures, the smallest
+change that would fit (from the what-if table) and, when the weights alone are too many for one
+device, FSDP2 over more ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autotune.errors import NothingFits
+from autotune.planning.sharding import estimated, shard_estimates
+from autotune.probe.search import Trial
+from autotune.probe.trial import Workload
+from autotune.step import min_micro_batch
+from autotune.units import format_bytes
+
+__all__ = ["nothing_fits", "shards_if_resident_too_big"]
+
+
+def shards_if_resident_too_big(work: Workload, budget: int, target_batch: int) -> list[Any]:
+    """FSDP2 over 2, 4 and 8 ranks, estimated, when the weights, gradients and optimizer state alone
+    exceed ``budget`` (accumulation cannot help then); else empty."""
+    lower = min_micro_batch(work.model)
+    parts, activations = estimated(work, lower)
+    if parts.resident <= budget:
+        return []
+    return shard_estimates(parts, activations, ranks=[n for n in (2, 4, 8) if n <= target_batch], budget=budget,
+                           target_batch=target_batch, lower=lower)
+
+
+def nothing_fits(
+    trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
+    table: Any = None, shards: Sequence[Any] = (),
+) -> NothingFits:
+    """The error for a probe that found no size: measured numbers when a real step ran."""
+    real = [t for t in trials if not t.estimate]
+    pool = real or trials
+    smallest = min(t.batch_size for t in pool)
+    needed = max([peak if real else 0] + [t.peak_memory for t in pool if t.batch_size == smallest])
+    measured = bool(real)
+    aside = "".join(f" less {format_bytes(b)} for {name}," for name, b in set_aside)
+    advice = _smallest_change(table) or "try precision='bf16', a smaller model, activation checkpointing, or a larger memory_limit"
+    if shards:
+        advice = _shard_advice(shards) + "; or " + advice
+    if measured and needed <= budget:
+        # The step ran out of memory below its budget, twice: what is missing is not the step's.
+        return NothingFits(
+            f"Even micro_batch={smallest} ran out of memory with only {format_bytes(needed)} counted, within the budget "
+            f"of {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less {headroom:.0%} headroom), twice: the "
+            "device's memory is taken by something outside this step (another process, or memory torch does not "
+            "count); free it, or give a memory_limit below what is really free",
+            needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards,
+        )
+    return NothingFits(
+        f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
+        f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
+        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}: " + advice,
+        needed=needed,
+        budget=budget,
+        limit=limit,
+        micro_batch=smallest,
+        measured=measured,
+        what_if=table,
+        shards=shards,
+    )
+
+
+def _shard_advice(shards: Sequence[Any]) -> str:
+    """The message's words for FSDP2: the resident bytes alone are too many for one device."""
+    per_rank = "; ".join(
+        f"{s.ranks} ranks: {format_bytes(s.peak)}" + (f", micro_batch={s.micro_batch}" if s.fits else " (does not fit)")
+        for s in shards
+    )
+    return (
+        "the weights, gradients and optimizer state alone exceed the budget, so no micro-batch can fit on one device: "
+        "shard the model with FSDP2 (torch.distributed.fsdp.fully_shard on each block, then the model), which "
+        f"autotune drives; estimated per rank: {per_rank} (err.shards; `autotune report --shard N`)"
+    )
+
+
+def _smallest_change(table: Any) -> str | None:
+    """The message's advice from the what-if table: the fewest changes that make a micro-batch fit."""
+    if table is None:
+        return None
+    best = table.smallest_change()
+    if best is None:
+        return "no combination of bf16, activation checkpointing and an optimizer with less state fits either: use a larger memory_limit, a smaller model, or shard it"
+    kwargs = []
+    if best.precision != "fp32":
+        kwargs.append(f"precision={best.precision!r}")
+    if best.checkpointing:
+        kwargs.append("checkpointing=True")
+    if "(given)" not in best.optimizer:
+        kwargs.append(f"an optimizer like {best.optimizer}")
+    return (
+        f"with {best.describe()} an estimated {best.micro_batch} samples per micro-batch fit ({', '.join(kwargs)}; "
+        "err.what_if holds the table of what fits)"
+    )
