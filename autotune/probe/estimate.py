@@ -40,26 +40,27 @@ Fake tensors are made on the CPU even for a CUDA target (autograd on fake CUDA t
 build), and what differs on CUDA is modelled: attention takes the kernel the CUDA dispatcher would
 pick for the dtype, head size and mask (flash or memory-efficient: output plus log-sum-exp; the math
 path otherwise), optimizers default to ``foreach``, and storages are rounded to the allocator's
-512-byte blocks. Autocast on a CUDA target uses the CPU's lists for the same dtype (matmuls,
-convolutions and linear layers in the low dtype, reductions and norms in fp32, as on CUDA); the real
-trial measures the rest.
+512-byte blocks. Autocast on a CUDA target takes CUDA's own decisions, op by op, learned from CUDA's autocast kernels
+(:mod:`autotune.probe.cuda`), and the caching allocator's reserved bytes are replayed from the trace's
+allocations (:mod:`autotune.memory.allocator`).
 
 A model whose step cannot run without data (``.numpy()`` or ``.item()`` on a float tensor,
 data-dependent shapes, an op without a fake kernel) raises from :class:`Estimator`; the probe then
 searches with real trials. Torch's own log of such failures is kept off stderr while estimating.
 
-Why this is long: the :class:`Estimator` and the traced step it drives share one fake-tensor setup
-(the copies of the model and optimizer, integer tensors kept real, attention kernels and foreach
-optimizers as the device runs them); apart, each half would reach into the other's private state.
+The fake copy of a model and the ledger that keeps integer tensors real live in
+:mod:`autotune.probe.fakes`; CUDA's kernels and autocast rules in :mod:`autotune.probe.cuda`.
+
+Why this is long: the :class:`Estimator` is one class of about 350 lines: its steady-state setup, its
+traces, the curve through two of them and the allocator's replay of them all read and keep the same
+traces and fake optimizer state; split, each part would reach into the others' private state.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import inspect
-import logging
 import time
 import weakref
 from collections import OrderedDict, defaultdict
@@ -83,52 +84,25 @@ from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
 from autotune.memory.ledger import TensorLedger, held_tensors, storage_bytes
 from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend
+from autotune.probe.fakes import (
+    Counter,
+    FakeCopy,
+    fake_copy,
+    fake_like,
+    fingerprint,
+    forget_copies,
+    is_value,
+    keep_recent,
+    quiet_torch,
+    template_key,
+)
 from autotune.probe.search import estimated_max
 from autotune.probe.trial import Workload
 from autotune.step import forward_backward, min_micro_batch, planning
 
 __all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "forget", "optimizer_for_device"]
 
-# Operations on real integer tensors alone run for real when their results hold at most this many
-# elements (an attention mask's pattern, positions, labels): a larger result stays fake.
-VALUE_ELEMENTS = 2**24
-
-# Torch's loggers that print a traceback when an operation fails on fake tensors (an estimate that
-# falls back to real trials is not an error of the user's).
-_QUIET_LOGGERS = ("torch._subclasses.fake_tensor", "torch._subclasses.fake_impls", "torch.fx.experimental.symbolic_shapes")
-
-
-@contextlib.contextmanager
-def _quiet_torch() -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-def _fake_mode() -> Any:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    # Tensors a model keeps outside its parameters and buffers (a cached mask as a plain attribute)
-    # are real; they are turned into fake ones when an operation first meets them.
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def _fake_like(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """A fake CPU tensor with ``t``'s dtype and layout (call under the fake mode)."""
-    if shape is None:
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-    return torch.empty(shape, dtype=t.dtype, device="cpu")
-
-
-def _is_value(t: torch.Tensor) -> bool:
-    """An integer or boolean tensor: ids, masks, labels, positions (values a model may read)."""
-    return not (t.is_floating_point() or t.is_complex())
+_ESTIMATORS: OrderedDict[Any, Estimator] = OrderedDict()
 
 
 def optimizer_for_device(optimizer: torch.optim.Optimizer, device_type: str) -> list[dict[str, Any]]:
@@ -153,134 +127,6 @@ def optimizer_for_device(optimizer: torch.optim.Optimizer, device_type: str) -> 
     return groups
 
 
-class _Counter(TensorLedger):
-    """The ledger of an estimate: fake tensors counted as the device would hold them, and
-    operations on real integer tensors alone run for real (see the module docstring). Tracing, it
-    also keeps each operation's outputs as ``(dtype, elements)`` (``outputs``), which tests compare
-    with CUDA's."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.outputs: list[tuple[tuple[torch.dtype, int], ...]] = []
-
-    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out = self._run_values(func, args, kwargs)
-        if self.ops is not None:
-            items = out if isinstance(out, (tuple, list)) else (out,)
-            self.outputs.append(tuple((t.dtype, t.numel()) for t in items if isinstance(t, torch.Tensor)))
-        return out
-
-    def _run_values(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        inputs = _real_values(args, kwargs)
-        # Factories (no tensor inputs) of positions and masks run for real too, when their result is
-        # integer or boolean (``torch.arange`` of cache positions, which Hugging Face models read to
-        # decide on a causal kernel); seeded ones never (an estimate draws no random numbers).
-        if inputs is None or (inputs == 0 and torch.Tag.nondeterministic_seeded in func.tags):
-            return func(*args, **kwargs)
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        if func is not torch.ops.aten._local_scalar_dense.default:
-            try:
-                fake = func(*args, **kwargs)  # the result's shapes, to keep a large one fake
-            except Exception:  # a result whose shape depends on the values (nonzero): run it
-                if inputs == 0:
-                    raise
-                fake = None
-            if _elements(fake) > VALUE_ELEMENTS or (inputs == 0 and not _all_values(fake)):
-                return fake
-            del fake
-        with _disable_current_modes():
-            return func(*args, **kwargs)
-
-
-def _real_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """How many real integer or boolean tensors are among the arguments, or None if any tensor is
-    fake, floating-point or not on the CPU."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    seen = 0
-    for value in (*args, *kwargs.values()):
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        for t in items:
-            if isinstance(t, torch.Tensor):
-                if isinstance(t, FakeTensor) or not _is_value(t) or t.device.type != "cpu":
-                    return None
-                seen += 1
-    return seen
-
-
-def _all_values(out: Any) -> bool:
-    """Whether ``out`` is integer or boolean tensors on the CPU (one at least), nothing else."""
-    items = out if isinstance(out, (tuple, list)) else (out,)
-    return bool(items) and all(isinstance(t, torch.Tensor) and _is_value(t) and t.device.type == "cpu" for t in items)
-
-
-def _elements(out: Any) -> int:
-    if isinstance(out, torch.Tensor):
-        return out.numel()
-    if isinstance(out, (tuple, list)):
-        return sum(_elements(o) for o in out)
-    return 0
-
-
-# --- the fake copy of a model, shared by its estimators -------------------------------------------
-
-
-def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
-    """What makes a fake copy of ``model`` valid for another model: its structure and settings."""
-    return (
-        type(model),
-        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()),
-        tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
-        repr(model),
-        repr(getattr(model, "config", None)),
-    )
-
-
-class _FakeCopy:
-    """A copy of a model whose parameters and buffers are fake (see the module docstring)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.mode = _fake_mode()
-        memo: dict[int, Any] = {}
-        with self.mode:
-            for p in model.parameters():
-                memo[id(p)] = nn.Parameter(_fake_like(p), requires_grad=p.requires_grad)
-            for b in model.buffers():
-                memo[id(b)] = _fake_like(b)
-        self.model = copy.deepcopy(model, memo)
-        for module in self.model.modules():  # autotune's own checkpointing wrapper runs the real block
-            if getattr(module.__dict__.get("forward"), "autotune_checkpointed", False):
-                del module.forward
-        self.params = list(self.model.parameters())
-
-    def fakes(self, model: nn.Module) -> dict[int, torch.Tensor]:
-        """The fake parameter of each of ``model``'s parameters, by id (``model`` has this copy's
-        structure: it may be the model copied or another of the same fingerprint)."""
-        return dict(zip(map(id, model.parameters()), self.params))
-
-
-_COPIES: OrderedDict[Any, _FakeCopy] = OrderedDict()
-_ESTIMATORS: OrderedDict[Any, Estimator] = OrderedDict()
-_KEEP = 8  # estimators (and fake copies) kept for reuse, the most recent first
-
-
-def _keep(cache: OrderedDict[Any, Any], key: Any, value: Any) -> Any:
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > _KEEP:
-        cache.popitem(last=False)
-    return value
-
-
-def _fake_copy(model: nn.Module, fingerprint: tuple[Any, ...]) -> _FakeCopy:
-    found = _COPIES.get(fingerprint)
-    if found is not None:
-        _COPIES.move_to_end(fingerprint)
-        return found
-    return _keep(_COPIES, fingerprint, _FakeCopy(model))
-
-
 def _optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     groups = tuple(
         (len(g["params"]), repr(sorted((k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor))))
@@ -299,7 +145,7 @@ def forget() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _ESTIMATORS.clear()
-    _COPIES.clear()
+    forget_copies()
     FakeTensorMode.cache_clear()
 
 
@@ -313,19 +159,19 @@ def estimator_for(
     """The estimator of ``work`` (with another precision, checkpointing or optimizer for a what-if),
     made once and kept: later calls with the same model structure, optimizer, loss, device and
     settings get it back with every trace it made. ``optimizer`` is ``(name, factory)``."""
-    fingerprint = _fingerprint(work.model)
+    structure = fingerprint(work.model)
     precision = precision or work.precision
     ckpt = bool(work.checkpointing if checkpointing is None else checkpointing)
     variant = optimizer[0] if optimizer is not None else _optimizer_signature(work.optimizer)
-    key = (fingerprint, variant, id(work.loss_fn), work.device.type, precision, ckpt)
+    key = (structure, variant, id(work.loss_fn), work.device.type, precision, ckpt)
     found = _ESTIMATORS.get(key)
     if found is not None and found.loss_fn is work.loss_fn:
         _ESTIMATORS.move_to_end(key)
         found.adopt(work)
         return found
     made = Estimator(work, precision=precision, checkpointing=ckpt, optimizer=optimizer[1] if optimizer else None,
-                     copy=_fake_copy(work.model, fingerprint))
-    return _keep(_ESTIMATORS, key, made)
+                     copy=fake_copy(work.model, structure))
+    return keep_recent(_ESTIMATORS, key, made)
 
 
 # --- the estimator ----------------------------------------------------------------------------------
@@ -390,9 +236,9 @@ class Estimator:
         precision: str | None = None,
         checkpointing: bool | None = None,
         optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
-        copy: _FakeCopy | None = None,
+        copy: FakeCopy | None = None,
     ) -> None:
-        self.copy = copy or _FakeCopy(work.model)
+        self.copy = copy or FakeCopy(work.model)
         self.mode = self.copy.mode
         self.model = self.copy.model
         self.params = self.copy.params
@@ -450,7 +296,7 @@ class Estimator:
                 elif k in values:
                     out[k] = torch.tensor(values[k], dtype=v.dtype)  # a constant the fake mode can read
                 else:
-                    out[k] = _fake_like(v)
+                    out[k] = fake_like(v)
         return out
 
     # --- running the step on fake tensors ------------------------------------------------------------
@@ -462,10 +308,10 @@ class Estimator:
         index = torch.arange(b) % n
 
         def make(t: torch.Tensor) -> torch.Tensor:
-            if _is_value(t):
+            if is_value(t):
                 return t.detach().to("cpu").index_select(0, index)
             with self.mode:
-                return _fake_like(t, (b, *t.shape[1:]))
+                return fake_like(t, (b, *t.shape[1:]))
 
         return B.repeat_lists(B.map_tensors(template, make), n, b)
 
@@ -475,7 +321,7 @@ class Estimator:
         autocast = CudaAutocast() if cuda and self.precision != "fp32" else None
         kernels = CudaKernels(autocast) if cuda else None
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_quiet_torch())
+            stack.enter_context(quiet_torch())
             stack.enter_context(planning())
             if self.checkpointing:
                 from autotune.memory.checkpointing import activation_checkpointing
@@ -499,10 +345,10 @@ class Estimator:
         if autocast is not None:
             self.unlearned.update(autocast.failed)
 
-    def _ledger(self, batch: Any, *, trace: bool) -> _Counter:
+    def _ledger(self, batch: Any, *, trace: bool) -> Counter:
         """A ledger counting what the steady state holds, then ``batch``; for a CUDA target it records
         the allocations in order too, the held tensors' first (``self._held``: how many)."""
-        ledger = _Counter("cpu", block=self.block, trace=trace, events=self.target == "cuda")
+        ledger = Counter("cpu", block=self.block, trace=trace, events=self.target == "cuda")
         ledger.track(held_tensors(self.model, self.optimizer))
         self._held = len(ledger.events or ())
         if batch is not None:
@@ -563,7 +409,7 @@ class Estimator:
         """The steady-state forward and backward of ``b`` samples shaped like ``template`` (default:
         the workload's batch), traced; kept, so asking again costs nothing."""
         template = self.batch if template is None else template
-        key = (_template_key(template), b)
+        key = (template_key(template), b)
         found = self._traces.get(key)
         if found is not None:
             if self.on_trace is not None:
@@ -619,7 +465,7 @@ class Estimator:
         the next)."""
         template = self.batch if template is None else template
         b1, b2 = sizes or self.sizes
-        key = (_template_key(template), b1, b2)
+        key = (template_key(template), b1, b2)
         t1, t2 = self.trace(b1, template), self.trace(b2, template)  # kept: asking again costs nothing
         found = self._curves.get(key)
         if found is None:
@@ -735,25 +581,3 @@ def _weak(fn: Any) -> Callable[[], Any]:
         return lambda: fn
 
 
-def _template_key(template: Any) -> tuple[Any, ...]:
-    """What a trace depends on in a template batch: its shapes, dtypes, and integer values."""
-    parts = []
-    for t in B.tensors(template):
-        part: tuple[Any, ...] = (tuple(t.shape), t.dtype)
-        if _is_value(t):
-            part += (_digest(t),)
-        parts.append(part)
-    return tuple(parts)
-
-
-
-def _digest(t: torch.Tensor) -> str:
-    """A digest of an integer tensor's values."""
-    data = t.detach().to("cpu").contiguous().reshape(-1)
-    if data.dtype == torch.bool:
-        data = data.to(torch.uint8)
-    try:
-        payload = data.numpy().tobytes()
-    except (RuntimeError, TypeError):  # no numpy: slower, the same purpose
-        payload = repr(data.tolist()).encode()
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()

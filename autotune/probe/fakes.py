@@ -1,0 +1,224 @@
+"""Fake tensors that take the device's code paths: the fake copy of a model, shared by its estimators,
+and the ledger of an estimate, which keeps integer tensors real.
+
+See :mod:`autotune.probe.estimate` for why fake tensors rather than ``meta`` ones: integer and
+boolean tensors of the batch (token ids, attention masks, labels, positions) stay real, with their
+values, and operations on them alone run for real while their results are small, so a model that
+reads its mask takes the path the real step takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune import batches as B
+from autotune.memory.ledger import TensorLedger
+
+__all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fingerprint", "forget_copies", "is_value", "keep_recent",
+           "quiet_torch", "template_key"]
+
+# Operations on real integer tensors alone run for real when their results hold at most this many
+# elements (an attention mask's pattern, positions, labels): a larger result stays fake.
+VALUE_ELEMENTS = 2**24
+
+# Torch's loggers that print a traceback when an operation fails on fake tensors (an estimate that
+# falls back to real trials is not an error of the user's).
+_QUIET_LOGGERS = ("torch._subclasses.fake_tensor", "torch._subclasses.fake_impls", "torch.fx.experimental.symbolic_shapes")
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Tensors a model keeps outside its parameters and buffers (a cached mask as a plain attribute)
+    # are real; they are turned into fake ones when an operation first meets them.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_like(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A fake CPU tensor with ``t``'s dtype and layout (call under the fake mode)."""
+    if shape is None:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+    return torch.empty(shape, dtype=t.dtype, device="cpu")
+
+
+def is_value(t: torch.Tensor) -> bool:
+    """An integer or boolean tensor: ids, masks, labels, positions (values a model may read)."""
+    return not (t.is_floating_point() or t.is_complex())
+
+
+class Counter(TensorLedger):
+    """The ledger of an estimate: fake tensors counted as the device would hold them, and
+    operations on real integer tensors alone run for real (see the module docstring). Tracing, it
+    also keeps each operation's outputs as ``(dtype, elements)`` (``outputs``), which tests compare
+    with CUDA's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outputs: list[tuple[tuple[torch.dtype, int], ...]] = []
+
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out = self._run_values(func, args, kwargs)
+        if self.ops is not None:
+            items = out if isinstance(out, (tuple, list)) else (out,)
+            self.outputs.append(tuple((t.dtype, t.numel()) for t in items if isinstance(t, torch.Tensor)))
+        return out
+
+    def _run_values(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        inputs = _real_values(args, kwargs)
+        # Factories (no tensor inputs) of positions and masks run for real too, when their result is
+        # integer or boolean (``torch.arange`` of cache positions, which Hugging Face models read to
+        # decide on a causal kernel); seeded ones never (an estimate draws no random numbers).
+        if inputs is None or (inputs == 0 and torch.Tag.nondeterministic_seeded in func.tags):
+            return func(*args, **kwargs)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if func is not torch.ops.aten._local_scalar_dense.default:
+            try:
+                fake = func(*args, **kwargs)  # the result's shapes, to keep a large one fake
+            except Exception:  # a result whose shape depends on the values (nonzero): run it
+                if inputs == 0:
+                    raise
+                fake = None
+            if _elements(fake) > VALUE_ELEMENTS or (inputs == 0 and not _all_values(fake)):
+                return fake
+            del fake
+        with _disable_current_modes():
+            return func(*args, **kwargs)
+
+
+def _real_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """How many real integer or boolean tensors are among the arguments, or None if any tensor is
+    fake, floating-point or not on the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen = 0
+    for value in (*args, *kwargs.values()):
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for t in items:
+            if isinstance(t, torch.Tensor):
+                if isinstance(t, FakeTensor) or not is_value(t) or t.device.type != "cpu":
+                    return None
+                seen += 1
+    return seen
+
+
+def _all_values(out: Any) -> bool:
+    """Whether ``out`` is integer or boolean tensors on the CPU (one at least), nothing else."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return bool(items) and all(isinstance(t, torch.Tensor) and is_value(t) and t.device.type == "cpu" for t in items)
+
+
+def _elements(out: Any) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.numel()
+    if isinstance(out, (tuple, list)):
+        return sum(_elements(o) for o in out)
+    return 0
+
+
+# --- the fake copy of a model, shared by its estimators -------------------------------------------
+
+
+def fingerprint(model: nn.Module) -> tuple[Any, ...]:
+    """What makes a fake copy of ``model`` valid for another model: its structure and settings."""
+    return (
+        type(model),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
+        repr(model),
+        repr(getattr(model, "config", None)),
+    )
+
+
+class FakeCopy:
+    """A copy of a model whose parameters and buffers are fake (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.mode = fake_mode()
+        memo: dict[int, Any] = {}
+        with self.mode:
+            for p in model.parameters():
+                memo[id(p)] = nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
+            for b in model.buffers():
+                memo[id(b)] = fake_like(b)
+        self.model = copy.deepcopy(model, memo)
+        for module in self.model.modules():  # autotune's own checkpointing wrapper runs the real block
+            if getattr(module.__dict__.get("forward"), "autotune_checkpointed", False):
+                del module.forward
+        self.params = list(self.model.parameters())
+
+    def fakes(self, model: nn.Module) -> dict[int, torch.Tensor]:
+        """The fake parameter of each of ``model``'s parameters, by id (``model`` has this copy's
+        structure: it may be the model copied or another of the same fingerprint)."""
+        return dict(zip(map(id, model.parameters()), self.params))
+
+
+_COPIES: OrderedDict[Any, FakeCopy] = OrderedDict()
+KEEP = 8  # estimators (and fake copies) kept for reuse, the most recent first
+
+
+def forget_copies() -> None:
+    """Drop every kept fake copy."""
+    _COPIES.clear()
+
+
+def keep_recent(cache: OrderedDict[Any, Any], key: Any, value: Any) -> Any:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > KEEP:
+        cache.popitem(last=False)
+    return value
+
+
+def fake_copy(model: nn.Module, fingerprint: tuple[Any, ...]) -> FakeCopy:
+    found = _COPIES.get(fingerprint)
+    if found is not None:
+        _COPIES.move_to_end(fingerprint)
+        return found
+    return keep_recent(_COPIES, fingerprint, FakeCopy(model))
+
+
+def template_key(template: Any) -> tuple[Any, ...]:
+    """What a trace depends on in a template batch: its shapes, dtypes, and integer values."""
+    parts = []
+    for t in B.tensors(template):
+        part: tuple[Any, ...] = (tuple(t.shape), t.dtype)
+        if is_value(t):
+            part += (_digest(t),)
+        parts.append(part)
+    return tuple(parts)
+
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A digest of an integer tensor's values."""
+    data = t.detach().to("cpu").contiguous().reshape(-1)
+    if data.dtype == torch.bool:
+        data = data.to(torch.uint8)
+    try:
+        payload = data.numpy().tobytes()
+    except (RuntimeError, TypeError):  # no numpy: slower, the same purpose
+        payload = repr(data.tolist()).encode()
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
