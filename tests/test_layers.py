@@ -144,3 +144,32 @@ def test_the_model_passes_through_few_modules_on_its_way_through_fit():
     for name, path in model_path.measure().items():
         assert len(set(path)) <= 7, (name, path)
         assert model_path.moves_up(path) <= 8, (name, path)
+
+
+LONG_FUNCTION, ENTRY_POINT = 100, 60
+
+
+def code_lines(node: ast.AST) -> int:
+    """A function's lines from its signature to its end, its docstring left out (documentation, not code to follow)."""
+    total = node.end_lineno - node.lineno + 1
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        total -= first.end_lineno - first.lineno + 1
+    return total
+
+
+def test_no_function_is_too_long_and_the_entry_points_read_as_their_pipelines():
+    long = []
+    for module in sorted(all_modules()):
+        for node in ast.walk(ast.parse(path_of(module).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and code_lines(node) > LONG_FUNCTION:
+                long.append(f"{module}.{node.name}: {code_lines(node)} lines")
+    assert not long, f"over {LONG_FUNCTION} lines (docstrings left out): {long}"
+    for module, name in (("planning.planner", "plan"), ("train.fit", "fit")):
+        node = next(n for n in ast.walk(ast.parse(path_of(module).read_text())) if isinstance(n, ast.FunctionDef) and n.name == name)
+        assert code_lines(node) <= ENTRY_POINT, f"{module}.{name}: {code_lines(node)} lines, at most {ENTRY_POINT}"
+
+
+def test_no_module_is_over_650_lines():
+    sizes = {module: len(path_of(module).read_text().splitlines()) for module in all_modules()}
+    assert max(sizes.values()) <= 650, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]

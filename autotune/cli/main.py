@@ -110,22 +110,41 @@ def _cached_plan(entry: dict[str, Any] | None, target: int) -> tuple[Any, Any] |
 
 
 def _report(args: argparse.Namespace) -> int:
+    """``autotune report``: check the flags, build the workload, plan (or read the cache), print."""
     import torch
 
-    import autotune
+    from autotune.checks import check_trainable
+
+    base_batch, lengths, ramp, device, on_device = _checked_report_args(args)
+    model, loader, loss_fn, described = workload_from_args(args, base_batch)
+    check_trainable(model)  # no parameters, all frozen, lazy: said plainly, before anything runs
+    lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
+    if on_device:
+        model.to(device)
+    opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
+    optimizer = opt_class(model.parameters(), lr=lr)
+    if args.shard is not None:
+        return _report_shards(args, model, loader, loss_fn, optimizer, device, on_device)
+    facts, key_limit, limit_note = _device_facts(args, model, device, on_device)
+    key = _cache_key(args, model, described, lr=lr, facts=facts, key_limit=key_limit, base_batch=base_batch, lengths=lengths)
+    plan, breakdown, cached = _plan_or_cached(args, key, model, loader, loss_fn, optimizer, device, on_device=on_device,
+                                              base_batch=base_batch, lengths=lengths, facts=facts, limit_note=limit_note)
+    by_length = micro_batch_by_length(plan, loader, lengths)
+    _print_report(args, plan, model, loader, loss_fn, optimizer, device, on_device, facts=facts, breakdown=breakdown,
+                  cached=cached, by_length=by_length, ramp=ramp)
+    return 0
+
+
+def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any, Any, bool]:
+    """Refuse bad flags (naming the flag and the fix) before anything runs; the demo's defaults filled in.
+
+    Returns:
+        The base batch, the lengths, the batch ramp (or None), the device and whether it is on this machine.
+    """
+    import torch
+
     from autotune.cli.demo import DEMO
-    from autotune.memory.device import default_limit, device_memory
-    from autotune.memory.ledger import storage_bytes
-    from autotune.planning import cache as cache
-    from autotune.planning.report import (
-        MemoryBreakdown,
-        framework_configs,
-        render_json,
-        render_text,
-    )
-    from autotune.probe.estimate import estimator_for
-    from autotune.probe.trial import Workload
-    from autotune.units import format_bytes, parse_bytes
+    from autotune.units import parse_bytes
 
     if not args.model and not args.demo:
         raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
@@ -181,36 +200,36 @@ def _report(args: argparse.Namespace) -> int:
     on_device = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
     if device.type == "cuda" and not on_device and args.memory_limit is None:
         raise UsageError("No CUDA device here: to plan for one, give its memory with --memory-limit (e.g. 80GiB)")
+    return base_batch, lengths, ramp, device, on_device
 
-    model, loader, loss_fn, described = workload_from_args(args, base_batch)
-    from autotune.checks import check_trainable
 
-    check_trainable(model)  # no parameters, all frozen, lazy: said plainly, before anything runs
-    lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
-    if on_device:
-        model.to(device)
-    opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
-    optimizer = opt_class(model.parameters(), lr=lr)
+def _device_facts(args: argparse.Namespace, model: Any, device: Any, on_device: bool) -> tuple[dict[str, Any], int | None, str | None]:
+    """What the device has (for the report), the limit that keys the cache, and a note when none was given."""
+    from autotune.memory.device import default_limit, device_memory
+    from autotune.memory.ledger import storage_bytes
+    from autotune.units import format_bytes, parse_bytes
 
-    if args.shard is not None:
-        return _report_shards(args, model, loader, loss_fn, optimizer, device, on_device)
+    key_limit = parse_bytes(args.memory_limit) if args.memory_limit is not None else None
+    if not on_device:
+        return {"device": str(device), "name": "not on this machine", "total": None, "free": None, "other_processes": None}, key_limit, None
+    d = device_memory(device)
+    facts = {"device": d.device, "name": d.name, "total": d.total, "free": d.free, "other_processes": d.other_processes}
+    if args.memory_limit is not None:
+        return facts, key_limit, None
+    # What the device has now: rounded, it keys the cache (small fluctuations still hit it).
+    available = default_limit(device, storage_bytes([*model.parameters(), *model.buffers()]))
+    return facts, _rounded_limit(available), f"no --memory-limit: planned for what {d.device} has now, {format_bytes(available)}"
 
-    facts = None
-    limit = args.memory_limit
-    key_limit = parse_bytes(limit) if limit is not None else None
-    limit_note = None
-    if on_device:
-        d = device_memory(device)
-        facts = {"device": d.device, "name": d.name, "total": d.total, "free": d.free, "other_processes": d.other_processes}
-        if limit is None:
-            # What the device has now: rounded, it keys the cache (small fluctuations still hit it).
-            available = default_limit(device, storage_bytes([*model.parameters(), *model.buffers()]))
-            key_limit = _rounded_limit(available)
-            limit_note = f"no --memory-limit: planned for what {d.device} has now, {format_bytes(available)}"
-    else:
-        facts = {"device": str(device), "name": "not on this machine", "total": None, "free": None, "other_processes": None}
 
-    key = cache.cache_key({
+def _cache_key(args: argparse.Namespace, model: Any, described: Any, *, lr: float, facts: dict[str, Any], key_limit: int | None,
+               base_batch: int, lengths: list[int]) -> str:
+    """Everything a cached plan depends on: the model's structure and code, the workload, the flags, the versions."""
+    import torch
+
+    import autotune
+    from autotune.planning import cache
+
+    return cache.cache_key({
         "model": repr(model),
         "source": _source_fingerprint(model, args.model),
         "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()],
@@ -231,45 +250,62 @@ def _report(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "autotune": autotune.__version__,
     })
-    cached_entry = None if args.no_cache else _cached_plan(cache.load(key), args.target_batch)
-    cached = cached_entry is not None
-    if cached_entry is not None:
-        plan, breakdown = cached_entry
-    else:
-        plan = autotune.plan(
-            model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn,
-            device=device, memory_limit=limit, headroom=args.headroom, lr_rule=args.lr_rule,
-            base_batch=base_batch, precision=args.precision, verify=on_device, progress=0.0,
-            epochs=args.epochs, lengths=lengths or None, checkpointing=args.checkpointing,
-            follow_batch=args.follow_batch,
-        )
-        if limit_note:
-            plan = dataclasses.replace(plan, notes=(limit_note, *plan.notes))
-        first = next(iter(loader))
-        work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=first, device=device,
-                        precision=plan.precision, checkpointing=plan.checkpointing)  # type: ignore[arg-type]
-        try:  # the plan's own estimator, kept: no new trace
-            state: int | None = estimator_for(work).optimizer_state_bytes()
-        except Exception:  # a step that cannot be estimated: the breakdown says so
-            state = None
-        breakdown = MemoryBreakdown.from_plan(
-            plan,
-            parameters=storage_bytes(model.parameters()),
-            buffers=storage_bytes(model.buffers()),
-            gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
-            optimizer_state=state,
-        )
-        if not args.no_cache:
-            cache.store(key, render_json(plan, device=facts, breakdown=breakdown))
 
-    by_length = micro_batch_by_length(plan, loader, lengths)
+
+def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any, *,
+                    on_device: bool, base_batch: int, lengths: list[int], facts: dict[str, Any], limit_note: str | None) -> tuple[Any, Any, bool]:
+    """The plan and its memory breakdown: from the cache, or planned (and stored); and whether it was cached."""
+    import autotune
+    from autotune.memory.ledger import storage_bytes
+    from autotune.planning import cache
+    from autotune.planning.report import MemoryBreakdown, render_json
+    from autotune.probe.estimate import estimator_for
+    from autotune.probe.trial import Workload
+
+    cached_entry = None if args.no_cache else _cached_plan(cache.load(key), args.target_batch)
+    if cached_entry is not None:
+        return (*cached_entry, True)
+    plan = autotune.plan(
+        model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn,
+        device=device, memory_limit=args.memory_limit, headroom=args.headroom, lr_rule=args.lr_rule,
+        base_batch=base_batch, precision=args.precision, verify=on_device, progress=0.0,
+        epochs=args.epochs, lengths=lengths or None, checkpointing=args.checkpointing,
+        follow_batch=args.follow_batch,
+    )
+    if limit_note:
+        plan = dataclasses.replace(plan, notes=(limit_note, *plan.notes))
+    work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=next(iter(loader)),
+                    device=device, precision=plan.precision, checkpointing=plan.checkpointing)  # type: ignore[arg-type]
+    try:  # the plan's own estimator, kept: no new trace
+        state: int | None = estimator_for(work).optimizer_state_bytes()
+    except Exception:  # a step that cannot be estimated: the breakdown says so
+        state = None
+    breakdown = MemoryBreakdown.from_plan(
+        plan,
+        parameters=storage_bytes(model.parameters()),
+        buffers=storage_bytes(model.buffers()),
+        gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        optimizer_state=state,
+    )
+    if not args.no_cache:
+        cache.store(key, render_json(plan, device=facts, breakdown=breakdown))
+    return plan, breakdown, False
+
+
+def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any,
+                  on_device: bool, *, facts: dict[str, Any], breakdown: Any, cached: bool, by_length: Any, ramp: Any) -> None:
+    """The report as asked: JSON, one framework's config, or the text (with the what-if table, the noise
+    scale and the ramp's stages when asked); the plot beside it."""
+    import autotune
+    from autotune.planning.report import framework_configs, render_json, render_text
+    from autotune.train.noise import advice
+
     table = None
     if args.what_if:
         table = autotune.what_if(model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn, plan=plan)
     noise = None
     if args.noise_scale:
         from autotune import batches as B
-        from autotune.train.noise import advice
 
         first_size = B.batch_size(next(iter(loader)))
         noise = autotune.noise_scale(model, loader, micro_batch=max(1, min(plan.micro_batch, first_size)), micro_batches=4,
@@ -285,28 +321,28 @@ def _report(args: argparse.Namespace) -> int:
         if ramp is not None:
             data["ramp"] = {"spec": repr(ramp), "stages": _ramp_lines(ramp, plan, args.samples)}
         print(json.dumps(data, indent=2))
-    elif args.format:
+        return
+    if args.format:
         print(framework_configs(plan)[args.format])
-    else:
-        print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length))
-        if table is not None:
-            print()
-            print("What if (estimates; the verified row ran for real)")
-            print("\n".join("  " + line for line in str(table).splitlines()))
-        if args.noise_scale:
-            print()
-            print("Gradient noise scale")
-            if noise is None:
-                print("  not measurable here: the loader holds too few samples for two windows of micro-batches")
-            else:
-                print(f"  {noise}")
-                said = advice(noise, args.target_batch)
-                print(f"  {said}" if said else f"  target {args.target_batch}: its range is not clearly 2x away from it, so no advice")
-        if ramp is not None:
-            print()
-            print(f"Batch ramp ({ramp!r}; the plan above is for its largest target)")
-            print("\n".join("  " + line for line in _ramp_lines(ramp, plan, args.samples)))
-    return 0
+        return
+    print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length))
+    if table is not None:
+        print()
+        print("What if (estimates; the verified row ran for real)")
+        print("\n".join("  " + line for line in str(table).splitlines()))
+    if args.noise_scale:
+        print()
+        print("Gradient noise scale")
+        if noise is None:
+            print("  not measurable here: the loader holds too few samples for two windows of micro-batches")
+        else:
+            print(f"  {noise}")
+            said = advice(noise, args.target_batch)
+            print(f"  {said}" if said else f"  target {args.target_batch}: its range is not clearly 2x away from it, so no advice")
+    if ramp is not None:
+        print()
+        print(f"Batch ramp ({ramp!r}; the plan above is for its largest target)")
+        print("\n".join("  " + line for line in _ramp_lines(ramp, plan, args.samples)))
 
 
 def _ramp_lines(ramp: Any, plan: Any, samples: int | None) -> list[str]:

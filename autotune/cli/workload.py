@@ -48,12 +48,22 @@ def logits_of(output: Any) -> Any:
 
 
 def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, Any, Callable[[Any, Any], Any] | None, dict[str, Any]]:
-    """Build (model, loader, loss_fn, description for the cache key) from the arguments."""
-    import torch
-    from torch import nn
+    """Build (model, loader, loss_fn, description for the cache key) from the arguments: the model, then
+    the user's loader, or inputs made from ``--input-shape`` with targets fitted to the model's output."""
+    model = _model_from_args(args)
+    if args.loader:
+        return (model, *_loader_from_args(args))
+    inputs, names, describe, g = _inputs_from_args(args, base_batch)
 
-    from autotune.checks import is_one_shot
-    from autotune.step import _output_loss
+    def call(model: Any, xs: Sequence[Any]) -> Any:
+        return model(**dict(zip(names, xs))) if names else model(*xs)
+
+    out = _first_output(args, model, call, inputs)
+    return (model, *_targets_for(args, out, call, inputs, describe, base_batch, g))
+
+
+def _model_from_args(args: argparse.Namespace) -> Any:
+    from torch import nn
 
     if args.demo and not args.model:
         from autotune.cli.demo import demo_model
@@ -66,22 +76,33 @@ def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, 
         raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
     if not isinstance(model, nn.Module):
         raise UsageError(f"Invalid MODEL {args.model!r}: it returned {type(model).__name__}, not a torch.nn.Module")
+    return model
 
-    if args.loader:
-        made = call_user(load_callable(args.loader, "--loader"), f"--loader {args.loader!r}", args.debug)
-        if made is None or not hasattr(made, "__iter__"):
-            raise UsageError(f"Invalid --loader {args.loader!r}: it returned {type(made).__name__}; return an iterable of batches (a DataLoader or a list)")
-        # An iterator can be looked at once: keep the batches the probe looks at.
-        loader = list(itertools.islice(made, 8)) if is_one_shot(made) else made
-        try:
-            first = next(iter(loader), None)
-        except Exception as exc:
-            if args.debug:
-                raise
-            raise UsageError(f"Invalid --loader {args.loader!r}: iterating it raised {type(exc).__name__}: {first_line(exc)}") from None
-        if first is None:
-            raise UsageError(f"Invalid --loader {args.loader!r}: it yielded no batches")
-        return model, loader, None, {"loader": args.loader, "first": describe_batch(first)}
+
+def _loader_from_args(args: argparse.Namespace) -> tuple[Any, None, dict[str, Any]]:
+    """The user's loader (an iterator's first batches kept: the probe looks at them), checked to yield a batch."""
+    from autotune.checks import is_one_shot
+
+    made = call_user(load_callable(args.loader, "--loader"), f"--loader {args.loader!r}", args.debug)
+    if made is None or not hasattr(made, "__iter__"):
+        raise UsageError(f"Invalid --loader {args.loader!r}: it returned {type(made).__name__}; return an iterable of batches (a DataLoader or a list)")
+    # An iterator can be looked at once: keep the batches the probe looks at.
+    loader = list(itertools.islice(made, 8)) if is_one_shot(made) else made
+    try:
+        first = next(iter(loader), None)
+    except Exception as exc:
+        if args.debug:
+            raise
+        raise UsageError(f"Invalid --loader {args.loader!r}: iterating it raised {type(exc).__name__}: {first_line(exc)}") from None
+    if first is None:
+        raise UsageError(f"Invalid --loader {args.loader!r}: it yielded no batches")
+    return loader, None, {"loader": args.loader, "first": describe_batch(first)}
+
+
+def _inputs_from_args(args: argparse.Namespace, base_batch: int) -> tuple[list[Any], list[str], dict[str, Any], Any]:
+    """``base_batch`` samples of each ``--input-shape`` and ``--input-dtype`` (token ids below ``--vocab-size``),
+    the ``--input-name`` of each, their description, and the generator that drew them (the targets' next)."""
+    import torch
 
     shapes = [parse_shape(s) for s in (args.input_shape or [])]
     if not shapes:
@@ -113,16 +134,21 @@ def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, 
             inputs.append(torch.rand((base_batch, *shape), generator=g) > 0.5)
         else:
             inputs.append(torch.randn((base_batch, *shape), generator=g).to(dtype))
+    describe = {"inputs": [[list(s), d] for s, d in zip(shapes, dtypes)], "names": names, "vocab": args.vocab_size}
+    return inputs, names, describe, g
 
-    def call(model: Any, xs: Sequence[Any]) -> Any:
-        return model(**dict(zip(names, xs))) if names else model(*xs)
 
-    # One forward on the first two samples tells what the output is and so which targets to make.
+def _first_output(args: argparse.Namespace, model: Any, call: Callable[[Any, Sequence[Any]], Any], inputs: list[Any]) -> Any:
+    """One forward on the first two samples: what the output is tells which targets to make."""
+    import torch
+    from torch import nn
+
+    dtypes = args.input_dtype or ["float32"]
     with torch.no_grad():
         was_training = model.training
         model.eval()
         try:
-            out = call(model, [t[:2] for t in inputs])
+            return call(model, [t[:2] for t in inputs])
         except IndexError as exc:
             if any(d in ("long", "int") for d in dtypes) and "index out of range" in str(exc):
                 sizes = sorted({m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)})
@@ -137,7 +163,17 @@ def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, 
             raise UsageError(f"The model failed on inputs of shape {[tuple(t.shape[1:]) for t in inputs]} ({type(exc).__name__}: {first_line(exc)}); check --input-shape, --input-dtype and --input-name") from None
         finally:
             model.train(was_training)
-    describe = {"inputs": [[list(s), d] for s, d in zip(shapes, dtypes)], "names": names, "vocab": args.vocab_size}
+
+
+def _targets_for(args: argparse.Namespace, out: Any, call: Callable[[Any, Sequence[Any]], Any], inputs: list[Any],
+                 describe: dict[str, Any], base_batch: int, g: Any) -> tuple[Any, Callable[[Any, Any], Any], dict[str, Any]]:
+    """The loader (one batch: the inputs and targets) and the loss: the model's own loss when its output
+    is one, else cross-entropy on class targets (or ``--regression``: mean squared error)."""
+    import torch
+    from torch import nn
+
+    from autotune.step import _output_loss
+
     try:
         _output_loss(out)
         own_loss = not (isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2 and out.numel() > 1)
@@ -147,7 +183,7 @@ def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, 
         def loss_fn(model: Any, batch: Any) -> Any:
             return _output_loss(call(model, batch))
 
-        return model, [tuple(inputs)], loss_fn, {**describe, "targets": "own loss"}
+        return [tuple(inputs)], loss_fn, {**describe, "targets": "own loss"}
     logits = logits_of(out)
     if logits is None or logits.dim() < 2:
         raise UsageError(
@@ -169,7 +205,7 @@ def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, 
             out = logits_of(call(model, batch[:-1]))
             return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), batch[-1].reshape(-1))
 
-    return model, [(*inputs, targets)], loss_fn, {**describe, "targets": [list(targets.shape[1:]), str(targets.dtype)]}
+    return [(*inputs, targets)], loss_fn, {**describe, "targets": [list(targets.shape[1:]), str(targets.dtype)]}
 
 
 def describe_batch(batch: Any) -> Any:
