@@ -386,8 +386,9 @@ def prepare(
 
     Raises:
         ImportError: transformers is not installed.
-        ValueError: no train dataset, a target the devices cannot share equally, a target or base
-            batch that is not a positive int, or a Trainer prepared already.
+        ValueError: no train dataset, a target the devices cannot share equally, or a Trainer prepared
+            already; a bad target or base batch, memory limit, headroom, LR rule or progress with the
+            message ``autotune.plan`` gives (``TypeError`` where the value has the wrong type).
 
     Example:
         >>> prepared = prepare(trainer, target_batch=256, memory_limit="24GiB")  # doctest: +SKIP

@@ -91,7 +91,8 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
             fitting started.
 
     Raises:
-        ValueError: ``target_batch`` or ``base_batch`` given but not a positive int.
+        TypeError / ValueError: a bad ``target_batch``, ``base_batch``, ``memory_limit``, ``headroom`` or
+            ``lr_rule``, refused when the callback is made, with the message ``autotune.plan`` gives.
     """
 
     def __init__(self, target_batch: int | None = None, *, memory_limit: int | str | None = None, headroom: float | None = None,
