@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.checks import check_positive_int
 from autotune.memory.checkpointing import blocks
 from autotune.memory.device import (
     CUDA_CONTEXT_ALLOWANCE,
@@ -41,6 +40,7 @@ from autotune.memory.device import (
     default_limit,
 )
 from autotune.memory.ledger import storage_bytes
+from autotune.planning.options import check_target
 from autotune.planning.plans import budget_of, split_evenly
 from autotune.probe.estimate import estimator_for
 from autotune.probe.search import estimated_max
@@ -267,7 +267,7 @@ def shard_plan(
     counts = [ranks] if isinstance(ranks, int) else list(ranks)
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
         raise ValueError(f"Invalid ranks {ranks!r}: give how many devices to shard over, e.g. 8 or (2, 4, 8)")
-    check_positive_int("target_batch", target_batch, "samples per optimizer step")
+    check_target(target_batch)  # as plan and fit check it
     device = torch.device(device)
     if memory_limit is None:
         if device.type == "cuda" and not torch.cuda.is_available():
