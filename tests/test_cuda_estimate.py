@@ -199,6 +199,8 @@ def test_gpt2_small_estimate_only_plan_fits_cudas_rules():
     assert fits_by_cuda_rules == 51  # the CPU's autocast rules planned 58 here, which would not fit
     assert 40 <= plan.micro_batch <= fits_by_cuda_rules
     assert any("reserved" in n and "allocated" in n for n in plan.notes)
+    sizes = [t.batch_size for t in plan.trials]
+    assert len(sizes) == len(set(sizes))  # the allocator's replay reads the curve's traces again: not new trials
 
 
 def test_rules_are_cudas_kernels_for_reductions_norms_and_powers():

@@ -533,7 +533,12 @@ class Estimator:
         else from a trace at ``b``."""
         template = self.batch if template is None else template
         b1, b2 = self.sizes
-        t1, t2 = self.trace(b1, template), self.trace(b2, template)
+        # The traces the curve was made of, read again: not new trials (no on_trace for them).
+        told, self.on_trace = self.on_trace, None
+        try:
+            t1, t2 = self.trace(b1, template), self.trace(b2, template)
+        finally:
+            self.on_trace = told
         events = scale_events((b1, list(t1.events)), (b2, list(t2.events)), b) if t1.held == t2.held else None
         if events is None:
             events = list(self.trace(b, template).events)
