@@ -92,6 +92,15 @@ def test_each_format_gives_exactly_the_target(capsys, fmt, pattern):
     assert "Device" not in out  # just the config
 
 
+@pytest.mark.parametrize("fmt", ["lightning", "accelerate", "hf", "keras"])
+def test_each_python_format_pastes_as_valid_python(capsys, fmt):
+    import ast
+
+    code, out, _ = run(capsys, "report", "--demo", "--format", fmt)
+    assert code == 0
+    ast.parse(out)  # no literal `...,` among keyword arguments: it would be a SyntaxError where pasted
+
+
 def test_deepspeed_format_is_valid_json(capsys):
     code, out, _ = run(capsys, "report", "--demo", "--format", "deepspeed", "--target-batch", "250")
     assert code == 0

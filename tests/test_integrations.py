@@ -410,6 +410,26 @@ def test_lightning_plans_a_training_step_that_reads_its_trainer_and_quantifies_t
                "its gradient is 1/3 = 0.333 of their mean" in n for n in s.notes), s.notes
 
 
+@pytest.mark.parametrize("samples, drop_last, says", [
+    (100, False, "ends with a step of 4 samples (1 of 3 micro-batches per device)"),
+    (120, True, "ends with a step of 16 samples (1 of 3 micro-batches per device)"),
+    (92, False, "has a short micro-batch of 12 samples per device"),
+], ids=["short-step", "short-step-drop-last", "short-micro-batch"])
+def test_the_lightning_epoch_tail_advice_fits_the_loader(samples, drop_last, says):
+    # drop_last drops a short micro-batch, never a short step: advised only where it helps, never to a
+    # loader that has it already.
+    import types
+
+    pytest.importorskip("lightning")
+    from autotune.integrations.lightning import _epoch_tail
+
+    loader = types.SimpleNamespace(dataset=list(range(samples)), drop_last=drop_last)
+    settings = types.SimpleNamespace(world_size=1, micro_batch=16, accumulation_steps=3)
+    note = _epoch_tail(loader, settings, None)
+    assert says in note
+    assert ("drop_last=True" in note) == (says.startswith("has a short micro-batch"))
+
+
 # --- Accelerate -----------------------------------------------------------------------------------
 
 
@@ -451,6 +471,30 @@ def test_an_accelerate_script_trains_the_planned_split_and_the_first_step_is_the
     ref = copy.deepcopy(start)
     F.mse_loss(ref(x).squeeze(-1), y).backward()
     assert max((g - p.grad).abs().max().item() for g, p in zip(first, ref.parameters())) <= 1e-12
+
+
+def test_plan_accumulation_refuses_a_non_bool_apply_and_says_which_optimizer_it_assumed():
+    accelerate = pytest.importorskip("accelerate")
+    from autotune.integrations.accelerate import plan_accumulation
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    accelerator = accelerate.Accelerator(cpu=True)
+    data = DataLoader(regression(), batch_size=16)
+    steps = accelerator.gradient_accumulation_steps
+
+    def loss_fn(m, batch):
+        return F.mse_loss(m(batch[0]).squeeze(-1), batch[1])
+
+    with pytest.raises(TypeError, match="Invalid apply 'no'"):
+        plan_accumulation(accelerator, model, data, target_batch=48, loss_fn=loss_fn, memory_limit="1GiB", apply="no")
+    assert accelerator.gradient_accumulation_steps == steps  # 'no' was not taken for a yes
+    settings = plan_accumulation(accelerator, model, data, target_batch=48, loss_fn=loss_fn, memory_limit="1GiB", apply=False)
+    assert accelerator.gradient_accumulation_steps == steps
+    assert any("no optimizer= given: planned with AdamW(lr=1e-3)" in n for n in settings.notes), settings.notes
+    given = plan_accumulation(accelerator, model, data, target_batch=48, loss_fn=loss_fn, memory_limit="1GiB", apply=False,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not any("no optimizer= given" in n for n in given.notes)
 
 
 def test_the_integrations_are_not_imported_by_autotune():

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from autotune.checks import check_flag
 from autotune.integrations.common import TrainerSettings, equal_settings, missing
 from autotune.planning.options import Probing, check_target, options
 from autotune.planning.planner import plan_with
@@ -79,6 +80,7 @@ def plan_accumulation(
     """
     shared = options(target_batch=check_target(target_batch), memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
                      base_batch=base_batch, progress=False)
+    check_flag("apply", apply)
     try:
         from accelerate import Accelerator
     except ImportError:  # pragma: no cover - the extra
@@ -86,13 +88,17 @@ def plan_accumulation(
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"Invalid accelerator of type {type(accelerator).__name__}: pass the accelerate.Accelerator of the script")
     precision = {"bf16": "bf16", "fp16": "fp16"}.get(str(getattr(accelerator, "mixed_precision", "no")), "fp32")
-    plan = plan_with(model, loader, dataclasses.replace(shared, precision=normalize_precision(precision)), Probing(), optimizer=optimizer, loss_fn=loss_fn,
-                     device=accelerator.device)
+    plan = plan_with(model, loader, dataclasses.replace(shared, precision=normalize_precision(precision)), Probing(),
+                     optimizer=optimizer, loss_fn=loss_fn, device=accelerator.device)
     lr = (optimizer.param_groups[0]["lr"] if optimizer is not None else 1e-3)
     exactness = ("accelerator.backward divides each micro-batch's loss by the accumulation steps: exact for these equal "
                  "micro-batches of a loss that is the mean over samples, not for token losses with padding, nor for an epoch's "
                  "shorter last step; autotune.accumulate weights each micro-batch by its items")
     settings = equal_settings(plan, lr_rule=lr_rule, learning_rate=lr, warmup=False, exactness=exactness)
+    if optimizer is None:  # its state is part of the memory planned, and its learning rate of any scaling
+        settings = dataclasses.replace(settings, notes=(*settings.notes, (
+            "no optimizer= given: planned with AdamW(lr=1e-3), its state and learning rate; pass the script's optimizer "
+            "for its own")))
     if apply:
         accelerator.gradient_accumulation_steps = settings.accumulation_steps
     return settings

@@ -277,9 +277,10 @@ def _epoch_tail(loader: Any, settings: TrainerSettings, trainer: Any) -> str | N
         return (f"the epoch's last step has a short micro-batch of {short} samples per device that Lightning weighs as a full "
                 f"one of {m} (1/{k} of the step): give the epoch a multiple of {m * k * world} samples, or drop_last=True")
     tail = (left - 1) * m + (short or m)
+    # The loader's drop_last drops a short micro-batch, never a short step: it cannot help here.
     return (f"each epoch ends with a step of {tail * world} samples ({left} of {k} micro-batches per device) that Lightning still "
             f"divides by {k}: its gradient is {left}/{k} = {left / k:.3g} of their mean; give the epoch a multiple of "
-            f"{m * k * world} samples, or drop_last=True")
+            f"{m * k * world} samples")
 
 
 def _training_step(model: Any, batch: Any) -> torch.Tensor:

@@ -181,14 +181,14 @@ def framework_configs(plan: Plan) -> dict[str, str]:
             *hf_args,
             *([f"    warmup_steps={plan.warmup_steps},"] if plan.warmup_steps else []),
             "    dataloader_drop_last=True,",
-            "    ...,",
+            "    # and your other arguments: output_dir, num_train_epochs, and so on",
             ")",
         ]),
         "deepspeed": json.dumps(deepspeed, indent=2),
         "keras": "\n".join([
             head, lr_note,
             f"optimizer = keras.optimizers.{keras_opt}({keras_args}, gradient_accumulation_steps={k})",
-            f"model.fit(x, y, batch_size={m}, ...)",
+            f"model.fit(x, y, batch_size={m})  # and your other arguments: epochs, validation_data, and so on",
         ]),
     }
     return configs
