@@ -15,6 +15,14 @@ torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 
+# transformers binds its log handler to the sys.stderr of the moment it is first imported: imported
+# here, before any test captures stderr, a later warning never writes to a capture that has closed
+# (whose "Logging error" traceback would fail the test that meets it, depending on the tests chosen).
+try:
+    import transformers  # noqa: E402, F401
+except ImportError:  # an optional test dependency
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
