@@ -271,6 +271,7 @@ class Estimator:
         self._grads: list[Any] | None = None  # the steady state's gradients, after the first step
         self._transient = 0  # bytes the optimizer step holds above what it leaves
         self._step_events: list[tuple[int, int]] = []  # the optimizer step's temporaries (CUDA)
+        self._replays: dict[Any, AllocatorPeaks] = {}  # the allocator's replays, by template, size and cap
         self._held = 0  # how many of a ledger's first events are the held tensors
         self._traces: dict[tuple[Any, int], Trace] = {}
         self._curves: dict[Any, MemoryCurve] = {}
@@ -376,6 +377,7 @@ class Estimator:
         gradients are not dense, get theirs from a first micro-step instead.
         """
         self.optimizer.state = defaultdict(dict, {p: dict(s) for p, s in self._initial.items()})
+        self._replays.clear()  # another steady state: another optimizer step to replay
         if self._sparse:
             for p in self.params:
                 p.grad = None
@@ -532,6 +534,10 @@ class Estimator:
         The micro-step's allocations at ``b`` come from the curve's two traces where they pair up,
         else from a trace at ``b``."""
         template = self.batch if template is None else template
+        key = (template_key(template), b, cap, expandable_segments(), cublas_workspace())
+        found = self._replays.get(key)
+        if found is not None:  # the search, the plan's peak and its note all ask at the size found
+            return found
         b1, b2 = self.sizes
         # The traces the curve was made of, read again: not new trials (no on_trace for them).
         told, self.on_trace = self.on_trace, None
@@ -542,8 +548,9 @@ class Estimator:
         events = scale_events((b1, list(t1.events)), (b2, list(t2.events)), b) if t1.held == t2.held else None
         if events is None:
             events = list(self.trace(b, template).events)
-        replayed = steady_state(t1.held, events, self._step_events, workspace=cublas_workspace())
-        return replay(replayed, cap=cap, expandable=expandable_segments())
+        replayed = steady_state(t1.held, events, self._step_events, workspace=key[4])
+        found = self._replays[key] = replay(replayed, cap=cap, expandable=key[3])
+        return found
 
     def resident(self) -> int:
         """Bytes of parameters, buffers, gradients and optimizer state in the steady state."""

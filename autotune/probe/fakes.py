@@ -192,12 +192,12 @@ def keep_recent(cache: OrderedDict[Any, Any], key: Any, value: Any) -> Any:
     return value
 
 
-def fake_copy(model: nn.Module, fingerprint: tuple[Any, ...]) -> FakeCopy:
-    found = _COPIES.get(fingerprint)
+def fake_copy(model: nn.Module, structure: tuple[Any, ...]) -> FakeCopy:
+    found = _COPIES.get(structure)
     if found is not None:
-        _COPIES.move_to_end(fingerprint)
+        _COPIES.move_to_end(structure)
         return found
-    return keep_recent(_COPIES, fingerprint, FakeCopy(model))
+    return keep_recent(_COPIES, structure, FakeCopy(model))
 
 
 def template_key(template: Any) -> tuple[Any, ...]:

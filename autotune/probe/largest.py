@@ -180,7 +180,7 @@ def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tup
         estimator.on_trace = None
     work.curve = peak if isinstance(peak, MemoryCurve) else (estimator.curve() if work.device.type == "cuda" else None)
     if work.device.type == "cuda":
-        work.notes.append(_allocator_note(estimator, size or min(work.estimator.lower, upper), budget))
+        work.notes.append(_allocator_note(estimator, size or min(estimator.lower, upper), budget))
     if estimator.unlearned:
         work.notes.append(
             "CUDA's autocast decision could not be learned for " + ", ".join(sorted(estimator.unlearned))
