@@ -80,6 +80,7 @@ def options(
     checkpointing: Any = False,
     progress: Any = True,
     progress_seconds: bool = True,
+    epochs_optional: bool = True,
 ) -> Options:
     """Check the shared arguments and return them as :class:`Options`.
 
@@ -90,10 +91,11 @@ def options(
         lr_rule: one of ``"auto"``, ``"linear"``, ``"sqrt"``, ``"none"``.
         base_batch: an int >= 1, or None.
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or a common spelling of them), or None.
-        epochs: an int >= 1, or None.
+        epochs: an int >= 1, or (with ``epochs_optional``) None.
         checkpointing: a bool.
         progress: a bool; with ``progress_seconds``, also a number of seconds >= 0.
         progress_seconds: whether ``progress`` may be a number of seconds.
+        epochs_optional: whether ``epochs`` may be None (the run's length unknown).
 
     Raises:
         TypeError / ValueError: a bad value; the message names it and the fix.
@@ -112,7 +114,7 @@ def options(
     if base_batch is not None:
         _count("base_batch", base_batch, "the batch your learning rate was tuned at")
     name = normalize_precision(precision) if precision is not None else None
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+    if (epochs is not None or not epochs_optional) and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
         raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs, a whole number >= 1")
     check_flag("checkpointing", checkpointing)
     check_progress(progress, seconds=progress_seconds)

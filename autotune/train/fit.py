@@ -283,8 +283,6 @@ class _Request:
                 f"Invalid noise_scale {noise_scale!r}: give True (measure at most 1% of the step time), False, or every "
                 "how many windows to measure (an int >= 1)"
             )
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs, a whole number >= 1")
         if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
             raise ValueError(f"Invalid max_steps {max_steps!r}: give a whole number >= 1, or None")
         check_positive_number("clip_grad_norm", rest["clip_grad_norm"])
@@ -292,7 +290,8 @@ class _Request:
         ramp = target_batch if isinstance(target_batch, BatchRamp) else None
         target = ramp.maximum if ramp is not None else target_batch  # a ramp's plan is made for its largest target
         shared = options(target_batch=target, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule, base_batch=base_batch,
-                         precision=precision, epochs=epochs, checkpointing=checkpointing, progress=progress, progress_seconds=False)
+                         precision=precision, epochs=epochs, checkpointing=checkpointing, progress=progress, progress_seconds=False,
+                         epochs_optional=False)
         if ramp is not None:
             if ramp.adaptive_form and noise_scale is False:
                 raise ValueError(f"Invalid noise_scale False with {ramp!r}: an adaptive ramp raises the batch from the measured "
