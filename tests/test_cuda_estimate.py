@@ -29,23 +29,23 @@ def gpt2(layers=2, dim=64, dropout=0.1, vocab=500, positions=256):
     return transformers.GPT2LMHeadModel(config)
 
 
-def bert():
+def bert(layers=2):
     torch.manual_seed(0)
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256,
+    config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, intermediate_size=256,
                                      vocab_size=500, max_position_embeddings=256, num_labels=3)
     return transformers.BertForSequenceClassification(config)
 
 
-def t5():
+def t5(layers=2):
     torch.manual_seed(0)
-    config = transformers.T5Config(num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128,
+    config = transformers.T5Config(num_layers=layers, num_decoder_layers=layers, d_model=64, d_kv=16, num_heads=4, d_ff=128,
                                    vocab_size=500, decoder_start_token_id=0, pad_token_id=0)
     return transformers.T5ForConditionalGeneration(config)
 
 
-def llama():
+def llama(layers=2):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=128, vocab_size=500, max_position_embeddings=256)
     return transformers.LlamaForCausalLM(config)
 
@@ -98,16 +98,7 @@ def test_every_operation_takes_the_dtype_cudas_autocast_gives_it(name, precision
     assert est.unlearned == {}
 
 
-LAYERED = {
-    "gpt2": lambda n: gpt2(layers=n),
-    "bert": lambda n: transformers.BertForSequenceClassification(transformers.BertConfig(
-        num_hidden_layers=n, hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=500, max_position_embeddings=256, num_labels=3)),
-    "t5": lambda n: transformers.T5ForConditionalGeneration(transformers.T5Config(
-        num_layers=n, num_decoder_layers=n, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=500, decoder_start_token_id=0, pad_token_id=0)),
-    "llama": lambda n: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=n, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=500,
-        max_position_embeddings=256)),
-}
+LAYERED = {"gpt2": lambda n: gpt2(layers=n), "bert": bert, "t5": t5, "llama": llama}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -119,7 +110,6 @@ def test_the_activations_a_layer_makes_are_cudas(name, precision):
     batch = batch_of()
     made = {}
     for n in (1, 2):
-        torch.manual_seed(0)
         model = LAYERED[name](n)
         reference = cuda_forward(model, batch, DTYPES[precision])
         estimate = estimated_forward(estimator(model, batch, precision).trace(2), len(reference))

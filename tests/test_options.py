@@ -12,10 +12,10 @@ import copy
 
 import pytest
 import torch
+from bad_inputs import API, Setup
 
 import autotune
 from autotune.planning.options import Options, options
-from bad_inputs import API, Setup
 
 # The shared arguments' bad values, as tests/bad_inputs.py tries them, and which entry points take each.
 BAD = [
