@@ -128,17 +128,19 @@ def test_the_loss_check_tells_the_rules_apart():
 def test_a_head_that_ignores_the_count_is_exact_for_uneven_micro_batches_too():
     """The correction weights by items, not by micro-batch: two micro-batches of 1 and 5 token
     classification samples give the big batch's loss (the Trainer's division by k would not)."""
-    from autotune.integrations.hf import _weighted_loss
+    from autotune.integrations.loss_rules import weighted
 
     head = HEADS["bert-token-classification"]
     model = head.make().train()
     samples = Samples(head, 6).items
     args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
     trainer = transformers.Trainer(model=model, args=args, data_collator=collate)
-    weighted = _weighted_loss(trainer, trainer.compute_loss, per_items=True)
+    from autotune.integrations.rows import ONE_ROW
+
     parts = [collate(samples[:1]), collate(samples[1:])]
     total = sum(int(p["labels"].ne(-100).sum()) for p in parts)
-    got = sum(weighted(model, dict(p), num_items_in_batch=torch.tensor(total)) for p in parts)
+    loss = weighted(trainer, trainer.compute_loss, "items", ONE_ROW, {"samples": 6, "items": total})
+    got = sum(loss(model, dict(p), num_items_in_batch=torch.tensor(total)) for p in parts)
     assert float(got.detach()) == pytest.approx(float(model(**collate(samples)).loss.detach()), rel=1e-12)
 
 

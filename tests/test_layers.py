@@ -26,7 +26,7 @@ WINGS = {
     "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.arguments", "train.caps", "train.run", "train.attempt",
               "train.retry", "train.stepping", "train.single", "train.data_parallel", "train.sharded", "train.fit", "train.tune"],
     # the surfaces
-    "surfaces": ["integrations", "integrations.common", "integrations.hf", "integrations.lightning", "integrations.accelerate",
+    "surfaces": ["integrations", "integrations.common", "integrations.rows", "integrations.loss_rules", "integrations.hf", "integrations.lightning", "integrations.accelerate",
                  "__init__", "cli.demo", "cli.parser", "cli.render", "cli.workload", "cli.main", "cli", "cli.__main__"],
 }
 LAYERS = [module for modules in WINGS.values() for module in modules]

@@ -37,56 +37,40 @@ say how far from exact, never "exact".
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
+import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
-from autotune.batches import batch_size as size_of
-from autotune.batches import slice_batch
 from autotune.errors import AutotuneError
 from autotune.integrations.common import (
     TrainerSettings,
     equal_settings,
     missing,
 )
+from autotune.integrations.loss_rules import (
+    Correction,
+    LossCheck,
+    check_loss,
+    correction,
+    counting,
+    metrics_kept,
+    trainer_count,
+    weighted,
+)
+from autotune.integrations.rows import ONE_ROW, Rows, rows_of
 from autotune.planning.options import Probing, options
 from autotune.planning.planner import plan_with
 from autotune.planning.report import largest_divisor
-from autotune.rng import RNGState
-from autotune.step import normalize_precision, planning
+from autotune.step import normalize_precision
 
-__all__ = ["LossCheck", "Prepared", "prepare"]
+__all__ = ["LossCheck", "Prepared", "check_loss", "prepare"]
 
 _ACTIVE = "_autotune_prepared"  # the Trainer's attribute that marks a preparation in force
-
-
-@dataclasses.dataclass(frozen=True)
-class LossCheck:
-    """How the Trainer's loss treats a step's item count, measured on one batch.
-
-    Attributes:
-        uses_count: the loss divides by the ``num_items_in_batch`` it is given (True), ignores it
-            (False), or neither (None: it depends on it some other way).
-        own_items: the items the loss averages over by itself on that batch, when it divides by the
-            count (None when it cannot be told).
-        counted: the items the Trainer counts on that batch (labels that are not -100).
-        shifted: the same over labels shifted by one position (what a causal LM predicts).
-        mean_over_items: the loss is the mean over the counted items (halves of the batch, weighted
-            by their items, give the whole batch's loss).
-        mean_over_samples: the loss is the mean over samples.
-    """
-
-    uses_count: bool | None
-    own_items: float | None
-    counted: int
-    shifted: int
-    mean_over_items: bool
-    mean_over_samples: bool
 
 
 @dataclasses.dataclass
@@ -134,9 +118,8 @@ class Prepared:
         return text
 
 
-def _loader(trainer: Any, batch_size: int) -> torch.utils.data.DataLoader:
-    """The train batches as the Trainer makes them: its dataset (unused columns removed, as it
-    removes them) through its data collator, in order."""
+def _dataset(trainer: Any) -> Any:
+    """The train dataset as the Trainer reads it (unused columns removed, as it removes them)."""
     dataset = trainer.train_dataset
     if dataset is None:
         raise ValueError("Invalid trainer: it has no train_dataset to plan with; give Trainer(train_dataset=...)")
@@ -148,7 +131,13 @@ def _loader(trainer: Any, batch_size: int) -> torch.utils.data.DataLoader:
             dataset = remove(dataset, description="training")
     except ImportError:
         pass
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=_per_sample(trainer.data_collator), shuffle=False)
+    return dataset
+
+
+def _loader(dataset: Any, collator: Any, rows: Rows, batch_size: int) -> torch.utils.data.DataLoader:
+    """The train batches as the Trainer's collator makes them, in order, one sample per row (:class:`Rows`)."""
+    collate = _per_sample(collator)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=lambda s: rows.to_samples(collate(s)), shuffle=False)
 
 
 def _per_sample(collator: Any) -> Any:
@@ -163,188 +152,6 @@ def _per_sample(collator: Any) -> Any:
 
 def _precision(args: Any) -> str:
     return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
-
-
-def _count(batch: Mapping[str, Any], *, shifted: bool) -> int:
-    """The items the Trainer counts in ``batch`` (its ``_get_num_items_in_batch`` rule, on one batch)."""
-    if "shift_labels" in batch:
-        labels = batch["shift_labels"]
-    else:
-        labels = batch["labels"][..., 1:] if shifted else batch["labels"]
-    return int(labels.ne(-100).sum())
-
-
-def _token_multiplier(trainer: Any) -> int:
-    """What the Trainer multiplies a counted loss by: the processes, when the count is summed over
-    them (``average_tokens_across_devices``), because DDP then averages the gradients."""
-    if getattr(trainer.args, "average_tokens_across_devices", False):
-        return max(1, int(getattr(trainer.accelerator, "num_processes", 1)))
-    return 1
-
-
-def _close(a: float, b: float, tol: float) -> bool:
-    return abs(a - b) <= tol * max(abs(a), abs(b), 1e-30)
-
-
-@contextlib.contextmanager
-def _metrics_kept(trainer: Any) -> Iterator[None]:
-    """TRL's trainers record metrics in every ``compute_loss``: what planning and the loss check add
-    to them is taken out again."""
-    metrics = copy.deepcopy(trainer.__dict__.get("_metrics"))
-    try:
-        yield
-    finally:
-        if metrics is not None:
-            trainer.__dict__["_metrics"] = metrics
-
-
-def check_loss(trainer: Any, batch: Mapping[str, Any]) -> LossCheck | None:
-    """Evaluate the Trainer's loss on ``batch`` (no gradient, every module in eval mode, under
-    :func:`autotune.planning`) with two item counts and on two halves, and say what it does with
-    the count (:class:`LossCheck`). Nothing is changed: the modules' modes, the RNGs and the
-    Trainer's recorded metrics are put back. None when the batch has no ``labels`` tensor."""
-    model = trainer.model
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if not torch.is_tensor(labels) or size_of(batch) < 1:
-        return None
-    batch = trainer._prepare_inputs(dict(batch))
-    own_shift = bool(getattr(trainer, "_loss_shifts_labels", False))
-    counted, shifted = _count(batch, shifted=own_shift), _count(batch, shifted=True)
-    if counted == 0:
-        return None
-    modes = [(m, m.training) for m in model.modules()]
-    rng = RNGState()
-    dtypes = []
-
-    def loss(b: Mapping[str, Any], n: int | None = None) -> float:
-        count = None if n is None else torch.tensor(n, device=trainer.args.device)
-        value = trainer.compute_loss(model, dict(b), num_items_in_batch=count).detach()
-        dtypes.append(value.dtype)
-        return float(value.double().mean())
-
-    try:
-        model.eval()
-        with torch.no_grad(), planning(), _metrics_kept(trainer):
-            with_count, with_triple = loss(batch, counted), loss(batch, 3 * counted)
-            # rounding of the loss's own dtype (transformers computes some losses in float32 for float64 models)
-            tol = 1e-9 if dtypes[0] == torch.float64 else 1e-4
-            if _close(with_count, with_triple, tol):
-                uses: bool | None = False
-            elif _close(with_count * counted, with_triple * 3 * counted, tol):
-                uses = True
-            else:
-                uses = None
-            own_items = None
-            if uses:
-                try:
-                    plain = loss(batch)
-                    if plain != 0:
-                        own_items = with_count / _token_multiplier(trainer) * counted / plain
-                except Exception:  # a compute_loss_func that needs the count: the Trainer's own rule stands
-                    own_items = None
-
-            def alone(b: Mapping[str, Any]) -> float:
-                return loss(b, _count(b, shifted=own_shift)) / _token_multiplier(trainer) if uses else loss(b)
-
-            rows = size_of(batch)
-            over_items = over_samples = False
-            if rows >= 2 and uses is not None:
-                half = rows // 2
-                a, b = slice_batch(batch, 0, half), slice_batch(batch, half, rows)
-                ca, cb = _count(a, shifted=own_shift), _count(b, shifted=own_shift)
-                if ca and cb:
-                    whole, la, lb = alone(batch), alone(a), alone(b)
-                    over_items = _close(whole * counted, la * ca + lb * cb, tol)
-                    over_samples = _close(whole * rows, la * half + lb * (rows - half), tol)
-    finally:
-        for m, training in modes:
-            m.training = training
-        rng.restore()
-    return LossCheck(uses, own_items, counted, shifted, over_items, over_samples)
-
-
-def _weighted_loss(trainer: Any, original: Callable[..., Any], per_items: bool) -> Callable[..., Any]:
-    """``trainer.compute_loss`` for a head that ignores ``num_items_in_batch``: in training, its
-    micro-batch mean times the micro-batch's items over the step's (``per_items``; the step's count
-    summed over the devices, times the devices, as DDP averages), or over the accumulation steps."""
-
-    def compute_loss(model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        # The head ignores the count, so it is never passed on: a model without **kwargs (told here that
-        # it takes them, so that the Trainer counts a step's items) must not receive it.
-        shift = bool(getattr(trainer, "_loss_shifts_labels", False))
-        items = _count(inputs, shifted=shift) if per_items and num_items_in_batch is not None and "labels" in inputs else None
-        out = original(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
-        if not model.training:
-            return out
-        loss, rest = (out[0], out[1:]) if return_outputs else (out, ())
-        if items is not None:
-            loss = loss * (items * _token_multiplier(trainer)) / num_items_in_batch
-        else:
-            loss = loss / trainer.current_gradient_accumulation_steps
-        return (loss, *rest) if return_outputs else loss
-
-    return compute_loss
-
-
-@dataclasses.dataclass
-class _Correction:
-    """What :func:`prepare` sets on the Trainer so that its loss rule is right for the model."""
-
-    exactness: str
-    shift_labels: bool = False
-    wrap: bool = False
-    per_items: bool = False  # weight by items: the Trainer must then count each step's items too
-
-
-def _correction(trainer: Any, model: Any, check: LossCheck | None) -> _Correction:
-    """The Trainer's loss rule for this model, measured (:class:`LossCheck`), and what makes it exact."""
-    name = type(model).__name__
-    told = bool(trainer.model_accepts_loss_kwargs) or trainer.compute_loss_func is not None
-    equal_only = ("each micro-batch's loss divided by the accumulation steps: exact for these equal micro-batches of a loss that "
-                  "is the mean over samples")
-    if check is None:
-        return _Correction(f"the batches carry no labels tensor, so the Trainer counts no items: {equal_only}; not checked further")
-    if check.uses_count:
-        if check.own_items is None or _close(check.own_items, check.counted, 1e-3):
-            return _Correction("exact: the Trainer divides each micro-batch's summed loss by the items of the whole step "
-                               "(num_items_in_batch), padding included, and the loss divides by that count (checked)")
-        if _close(check.own_items, check.shifted, 1e-3) and not getattr(trainer, "_loss_shifts_labels", True):
-            return _Correction(
-                f"exact: the Trainer divides each micro-batch's summed loss by the items of the whole step (num_items_in_batch); "
-                f"it counted them over "
-                f"unshifted labels (position 0 of every sequence included) while {name}'s loss shifts them (its loss_type is unset), "
-                "which scales each step by (tokens - sequences) / tokens: corrected for this Trainer (restore() puts it back); "
-                "setting model.loss_type = 'ForCausalLM' before building a Trainer avoids it", shift_labels=True)
-        ratio = check.own_items / check.counted
-        return _Correction(
-            f"not exact: the loss divides by num_items_in_batch, but on a batch where the Trainer counts {check.counted} items "
-            f"it averages over {check.own_items:.6g} by itself, so each step is about {ratio:.4g} times the big batch's "
-            "gradient; autotune.fit or autotune.accumulate weight each micro-batch by its items")
-    if check.uses_count is None:
-        return _Correction(
-            "not checked: the loss depends on num_items_in_batch in a way autotune does not recognise (it neither ignores the "
-            "count nor divides by it), so whether a step is the big batch's is not known")
-    ignored = (f"{name}'s loss ignores num_items_in_batch and returns its micro-batch mean" if told else
-               f"{name}'s forward takes no loss keywords, so the Trainer divides each micro-batch's mean by the accumulation steps")
-    if check.mean_over_items:
-        across = ""
-        if getattr(trainer.args, "world_size", 1) > 1 and not getattr(trainer.args, "average_tokens_across_devices", False):
-            across = ("; the devices weigh equally (average_tokens_across_devices=False): exact across devices only when "
-                      "they count the same items")
-        return _Correction(
-            f"exact: {ignored}{' (k times the true gradient under the Trainer alone, transformers #47688)' if told else ''}; "
-            "autotune weights each micro-batch's mean by its items over the step's (n_i / N, the Trainer's count), "
-            f"the big batch's loss for any split, logged loss included{across} (restore() puts the Trainer's rule back)",
-            wrap=True, per_items=True)
-    if check.mean_over_samples:
-        if told:
-            return _Correction(f"exact: {ignored} (k times the true gradient under the Trainer alone, transformers #47688); "
-                               f"autotune divides it by the accumulation steps: {equal_only} (checked)", wrap=True)
-        return _Correction(f"exact: {ignored}: {equal_only} (checked)")
-    return _Correction(
-        f"not checked: {ignored}, and it is neither the mean over its labelled items nor over samples, so the step is the "
-        "big batch's only if equal micro-batches weigh equally in it; autotune divides each by the accumulation steps",
-        wrap=told)
 
 
 def prepare(
@@ -420,26 +227,59 @@ def prepare(
         cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
         optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
-    def loss_fn(model: Any, batch: Any) -> torch.Tensor:
-        # compute_loss pops "labels" from the batch it is given (with a loss function or label
-        # smoothing): a copy, so the trial's second micro-step has them too
-        return trainer.compute_loss(model, dict(batch))
+    dataset = _dataset(trainer)
+    rows = rows_of(_per_sample(trainer.data_collator), [dataset[i] for i in range(min(2, len(dataset)))]) if hasattr(dataset, "__len__") else ONE_ROW
+    own_lr = _own_learning_rate(trainer, lr_rule)
 
-    with _metrics_kept(trainer):
+    def loss_fn(model: Any, batch: Any) -> torch.Tensor:
+        # compute_loss pops "labels" from the batch it is given (with a loss function or label smoothing): a copy, so
+        # the trial's second micro-step has them too; given the count the Trainer would give (a compute_loss_func
+        # written as the Trainer documents it divides by it)
+        batch = rows.to_rows(dict(batch))
+        return trainer.compute_loss(model, batch, num_items_in_batch=trainer_count(trainer, batch))
+
+    with metrics_kept(trainer):
         shared = dataclasses.replace(shared, target_batch=target, base_batch=base_batch or described, precision=normalize_precision(_precision(args)))
-        plan = plan_with(model, _loader(trainer, args.per_device_train_batch_size), shared, Probing(), optimizer=optimizer,
-                         loss_fn=loss_fn, device=args.device)
-    check = check_loss(trainer, next(iter(_loader(trainer, 4))))
-    fix = _correction(trainer, model, check)
+        plan = plan_with(model, _loader(dataset, trainer.data_collator, rows, args.per_device_train_batch_size), shared, Probing(),
+                         optimizer=optimizer, loss_fn=loss_fn, device=args.device)
+    check = check_loss(trainer, next(iter(_loader(dataset, trainer.data_collator, rows, 4))), rows,
+                       _first_two(_loader(dataset, trainer.data_collator, rows, 2)))
+    fix = correction(trainer, model, check)
     had_warmup = bool(getattr(args, "warmup_steps", 0)) or bool(getattr(args, "warmup_ratio", 0))
-    settings = equal_settings(plan, lr_rule=lr_rule, learning_rate=args.learning_rate, warmup=warmup, exactness=fix.exactness,
-                              had_warmup=had_warmup, run_steps=_run_steps(trainer, target))
+    settings = equal_settings(plan, lr_rule=lr_rule, learning_rate=args.learning_rate if own_lr is None else own_lr, warmup=warmup,
+                              exactness=fix.exactness, had_warmup=had_warmup, run_steps=_run_steps(trainer, target))
+    notes = list(settings.notes)
+    if own_lr is not None and settings.learning_rate is not None:
+        notes.append(f"the optimizer you gave the Trainer sets the learning rate, not its arguments: its groups' learning rates "
+                     f"(and a scheduler's base rates) are scaled x{plan.lr_scale:.4g} (restore() puts them back)")
+    if rows.per_sample > 1:
+        notes.append(f"the data collator makes {rows.per_sample} rows of each sample (a preference pair's sequences): planned "
+                     f"and weighted in samples, never cutting a sample's rows apart")
     if _per_sample(trainer.data_collator) is not trainer.data_collator:
-        settings = dataclasses.replace(settings, notes=(*settings.notes, (
-            "planned on the packed sequences padded to the longest in each micro-batch; the Trainer trains them padding-free "
-            "(one flattened row per micro-batch), which holds no more than that; the loss rule was checked on those padded "
-            "batches")))
-    return _apply(trainer, settings, fix, check, target // world if keep_target else None)
+        notes.append("planned on the packed sequences padded to the longest in each micro-batch; the Trainer trains them padding-free "
+                     "(one flattened row per micro-batch), which holds no more than that; the loss rule was checked on those padded "
+                     "batches")
+    settings = dataclasses.replace(settings, notes=tuple(notes))
+    return _apply(trainer, settings, fix, check, rows, target // world if keep_target else None)
+
+
+def _first_two(loader: Any) -> Any:
+    """The first two batches of ``loader`` (None when it has fewer)."""
+    batches = list(itertools.islice(iter(loader), 2))
+    return tuple(batches) if len(batches) == 2 else None
+
+
+def _own_learning_rate(trainer: Any, lr_rule: str) -> float | None:
+    """The learning rate of an optimizer the user gave the Trainer (None: the Trainer builds its own
+    from its arguments), which a learning-rate rule scales; refused where its groups differ."""
+    if trainer.optimizer is None:
+        return None
+    rates = {float(g["lr"]) for g in trainer.optimizer.param_groups}
+    if lr_rule != "none" and len(rates) > 1:
+        raise ValueError(
+            f"Invalid lr_rule {lr_rule!r} for the optimizer given to the Trainer: its parameter groups have different learning "
+            f"rates {sorted(rates)}; scale them yourself and pass lr_rule='none'")
+    return rates.pop()
 
 
 def _run_steps(trainer: Any, target: int) -> int | None:
@@ -453,8 +293,8 @@ def _run_steps(trainer: Any, target: int) -> int | None:
         return None
 
 
-def _apply(trainer: Any, settings: TrainerSettings, fix: _Correction, check: LossCheck | None, share: int | None) -> Prepared:
-    """Set the Trainer's arguments, loss rule and out-of-memory retry; the :class:`Prepared` that undoes them."""
+def _apply(trainer: Any, settings: TrainerSettings, fix: Correction, check: LossCheck | None, rows: Rows, share: int | None) -> Prepared:
+    """Set the Trainer's arguments, loss rule, learning rate and out-of-memory retry; the :class:`Prepared` that undoes them."""
     changes: dict[str, Any] = {
         "per_device_train_batch_size": settings.micro_batch,
         "gradient_accumulation_steps": settings.accumulation_steps,
@@ -464,16 +304,17 @@ def _apply(trainer: Any, settings: TrainerSettings, fix: _Correction, check: Los
     if settings.warmup_steps is not None:
         changes["warmup_steps"] = settings.warmup_steps
     # Everything set on the Trainer below, as it was (an attribute it did not have is removed again).
-    names = ("args", "_train_batch_size", "_loss_shifts_labels", "model_accepts_loss_kwargs", "loss_is_scaled_for_ga",
-             "compute_loss", "_inner_training_loop")
+    names = ("args", "_train_batch_size", "_loss_shifts_labels", "loss_is_scaled_for_ga", "compute_loss", "get_batch_samples",
+             "_inner_training_loop")
     own = {name: trainer.__dict__[name] for name in names if name in trainer.__dict__}
     if fix.shift_labels:
         trainer._loss_shifts_labels = True
-    if fix.wrap:
-        trainer.compute_loss = _weighted_loss(trainer, trainer.compute_loss, fix.per_items)
+    if fix.rule is not None:
+        step: dict[str, Any] = {}  # the step's samples and items, summed over the devices
+        trainer.get_batch_samples = counting(trainer, trainer.get_batch_samples, fix.rule, rows, step)
+        trainer.compute_loss = weighted(trainer, trainer.compute_loss, fix.rule, rows, step)
         trainer.loss_is_scaled_for_ga = True  # the wrapped loss is scaled for the step already
-        if fix.per_items:
-            trainer.model_accepts_loss_kwargs = True  # so that the Trainer counts each step's items
+    rates = _scaled_rates(trainer, settings)
     # A shallow copy with the fields set (dataclasses.replace would run __post_init__ again, which
     # resets the process's accelerator state the Trainer already holds).
     trainer.args = copy.copy(trainer.args)
@@ -507,6 +348,7 @@ def _apply(trainer: Any, settings: TrainerSettings, fix: _Correction, check: Los
     def restore() -> None:
         if trainer.__dict__.get(_ACTIVE) is not prepared:
             return
+        rates()
         for name in names:
             if name in own:
                 trainer.__dict__[name] = own[name]
@@ -517,3 +359,28 @@ def _apply(trainer: Any, settings: TrainerSettings, fix: _Correction, check: Los
     prepared = Prepared(settings, retries, check, restore)
     trainer.__dict__[_ACTIVE] = prepared
     return prepared
+
+
+def _scaled_rates(trainer: Any, settings: TrainerSettings) -> Callable[[], None]:
+    """Scale the learning rates of an optimizer the user gave the Trainer (and its scheduler's base
+    rates) by the plan's factor; what puts them back."""
+    optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
+    if optimizer is None or settings.learning_rate is None:
+        return lambda: None
+    scale = settings.plan.lr_scale
+    groups = [dict((k, g[k]) for k in ("lr", "initial_lr") if k in g) for g in optimizer.param_groups]
+    bases = list(getattr(scheduler, "base_lrs", []) or [])
+    for g in optimizer.param_groups:
+        for k in ("lr", "initial_lr"):
+            if k in g:
+                g[k] = g[k] * scale
+    if bases:
+        scheduler.base_lrs = [b * scale for b in bases]
+
+    def put_back() -> None:
+        for g, was in zip(optimizer.param_groups, groups):
+            g.update(was)
+        if bases:
+            scheduler.base_lrs = bases
+
+    return put_back
