@@ -28,7 +28,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import autotune  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
-HF_HEADS = ("bert-token-classification", "gpt2-causal-lm")
+# (head, average_tokens_across_devices): with False, the Trainer alone weighs the ranks equally whatever
+# items they count
+HF_CASES = (("bert-token-classification", True), ("gpt2-causal-lm", True), ("bert-token-classification", False), ("gpt2-causal-lm", False))
 TARGET = 24
 
 
@@ -47,15 +49,15 @@ def hf(out: Path) -> None:
 
     from autotune.integrations import hf as integration
 
-    for name in HF_HEADS:
+    for name, average in HF_CASES:
         head = HEADS[name]
-        model, data = head.make(), Samples(head, 96, seed=1)
+        model, data = head.make(), Samples(head, 96, seed=3)
         start = copy.deepcopy(model)
         args = transformers.TrainingArguments(
             output_dir=str(out / "hf"), per_device_train_batch_size=12, gradient_accumulation_steps=1, max_steps=1,
             learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", use_cpu=True, ddp_backend="gloo", report_to=[],
             save_strategy="no", logging_strategy="steps", logging_steps=1, seed=0, dataloader_drop_last=True, max_grad_norm=0.0,
-            disable_tqdm=True,
+            disable_tqdm=True, average_tokens_across_devices=average,
         )
         first: dict[str, torch.Tensor] = {}
 
@@ -80,7 +82,7 @@ def hf(out: Path) -> None:
         torch.save({"micro": (s.micro_batch, s.accumulation_steps), "own": s.plan.micro_batch, "sizes": sizes,
                     "samples": [data.items[i] for i in data.accessed[: s.micro_batch * s.accumulation_steps]],
                     "grads": first, "start": start.state_dict(), "logged": trainer.state.log_history[0].get("loss"),
-                    "notes": s.notes}, out / f"hf-{name}-rank{rank()}.pt")
+                    "notes": s.notes}, out / f"hf-{name}-{average}-rank{rank()}.pt")
 
 
 def regression(n: int = 96):
