@@ -227,9 +227,11 @@ def check_positive_number(name: str, value: Any) -> None:
 def is_one_shot(loader: Any) -> bool:
     """Whether ``loader`` is an iterator (a generator, ``iter(...)``): one pass and it is empty.
 
-    Decided without calling ``iter(loader)``, which on a DataLoader would draw its shuffling seed.
+    Decided without calling ``iter(loader)``, which on a DataLoader would draw its shuffling seed. A
+    DataLoader is re-iterable whatever else its class defines (Ray Train's prepared loader also has
+    ``__next__``).
     """
-    return isinstance(loader, Iterator)
+    return isinstance(loader, Iterator) and not isinstance(loader, torch.utils.data.DataLoader)
 
 
 def check_reiterable(loader: Iterable[Any], epochs: int) -> None:

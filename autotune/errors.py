@@ -52,6 +52,18 @@ class NothingFits(AutotuneError, RuntimeError):
         self.micro_batch = micro_batch
         self.measured = measured
 
+    def __reduce__(self) -> Any:
+        # Pickled whole (its keyword-only fields too): Ray and multiprocessing send a worker's error to the driver.
+        return (_rebuilt, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuilt(cls: type[BaseException], message: str, state: dict[str, Any]) -> BaseException:
+    """An exception of ``cls`` with ``message`` and the fields ``state``, unpickled."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class AutotuneWarning(UserWarning):
     """Something autotune changed or noticed while training (a smaller micro-batch after an OOM,
