@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autotune.memory.ledger import TensorLedger
@@ -133,3 +134,39 @@ def true_max(model: nn.Module, make_opt, batch, budget: int, upper: int) -> int:
             break
         best = size
     return best
+
+
+# A token loss over padded sequences, for the trainer integrations' count= (1 and 2 ranks).
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Sequences of 2 to 15 tokens whose labels are the tokens (a token loss over padded batches)."""
+
+    def __init__(self, n=44):
+        g = torch.Generator().manual_seed(0)
+        self.items = [torch.randint(1, 50, (int(torch.randint(2, 16, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def pad_tokens(seqs):
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=0)
+    return {"input_ids": ids, "labels": torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=-100)}
+
+
+def token_lm():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(50, 16), nn.Tanh(), nn.Linear(16, 50)).double()
+
+
+def token_mean(net, batch):
+    logits = net(batch["input_ids"])
+    return F.cross_entropy(logits.reshape(-1, 50), batch["labels"].reshape(-1), ignore_index=-100)
+
+
+def items(batch):
+    return int(batch["labels"].ne(-100).sum())

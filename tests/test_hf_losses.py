@@ -355,3 +355,24 @@ def test_trl_preference_trainers_plan_in_pairs_and_step_the_big_batch(tmp_path, 
     prepared = assert_exact(tmp_path, make, datasets.Dataset.from_list(rows), bound=1e-6 if kind == "dpo" else 1e-9, collator=None,
                             trainer_cls=Trainer, config_cls=config, dataset_num_proc=None)
     assert any("2 rows of each sample" in n for n in prepared.settings.notes)
+
+
+def test_an_optimizer_given_to_the_trainer_steps_at_the_scaled_learning_rate(tmp_path):
+    """With optimizers=(yours, None) the Trainer never reads args.learning_rate: the rule scales your
+    optimizer's groups (prepared.settings once said 0.002 while it stepped at 0.001), and restore() puts
+    them back."""
+    from autotune.integrations import hf
+
+    head = HEADS["bert-sequence-classification-padded"]
+    model = head.make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=12, max_steps=1, use_cpu=True, report_to=[],
+                                          save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True,
+                                          lr_scheduler_type="constant")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Samples(head, 48), data_collator=collate, optimizers=(optimizer, None))
+    prepared = hf.prepare(trainer, target_batch=24, lr_rule="linear", memory_limit="1GiB", progress=False)
+    assert prepared.settings.learning_rate == pytest.approx(0.002)
+    trainer.train()
+    assert trainer.state.log_history[0]["learning_rate"] == pytest.approx(0.002)
+    prepared.restore()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.001) and optimizer.param_groups[0].get("initial_lr", 0.001) == pytest.approx(0.001)

@@ -504,3 +504,51 @@ def test_the_integrations_are_not_imported_by_autotune():
     code = "import sys, autotune; print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'accelerate') or m.startswith('autotune.integrations')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("count", [True, False], ids=["count", "no-count"])
+def test_lightning_with_a_token_mean_over_padding_is_exact_with_count(tmp_path, count):
+    """A token mean over padded sequences (44 samples: steps of 24 and 20, the last one short): with
+    count= every step's gradient is the big batch's token mean, to 1e-12; without it Lightning's equal
+    weights are off, as the note says."""
+    L = pytest.importorskip("lightning.pytorch")
+    from helpers import TokenData, items, pad_tokens, token_lm, token_mean
+
+    from autotune.integrations.lightning import AutotuneCallback
+
+    net, grads = token_lm(), []
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.batch_size = net, 24
+
+        def training_step(self, batch, batch_idx):
+            return token_mean(self.net, batch)
+
+        def on_before_optimizer_step(self, optimizer):
+            grads.append([p.grad.clone() for p in self.net.parameters()])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        def train_dataloader(self):
+            return DataLoader(TokenData(), batch_size=self.batch_size, collate_fn=pad_tokens)
+
+    callback = AutotuneCallback(target_batch=24, memory_limit="150KiB", headroom=0, count=items if count else None)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback], default_root_dir=str(tmp_path), precision="64-true")
+    trainer.fit(Module())
+    s = callback.settings
+    assert s.accumulation_steps > 1 and len(grads) == 2, str(s)
+    data = TokenData()
+    worst = 0.0
+    for step, got in enumerate(grads):
+        ref = token_lm()
+        token_mean(ref, pad_tokens(data.items[24 * step:24 * step + 24])).backward()
+        worst = max(worst, max(((g - p.grad).abs().max() / p.grad.abs().max()).item() for g, p in zip(got, ref.parameters())))
+    if count:
+        assert worst <= 1e-12 and any(n.startswith("exact for a loss that is the mean over the items") for n in s.notes)
+    else:
+        assert worst > 1e-3 and any("not for token losses with padding" in n for n in s.notes)
+    assert "training_step" not in trainer.lightning_module.__dict__  # put back

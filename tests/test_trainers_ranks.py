@@ -102,3 +102,25 @@ def test_lightning_on_two_ranks_trains_the_target_every_step_exactly(tmp_path, s
     x = torch.cat([ranks[0]["steps"][0], ranks[1]["steps"][0]])
     want = mse_big_batch(ranks[0]["start"], x, first_step_targets(x))
     assert max((g - w).abs().max().item() / w.abs().max().item() for r in ranks for g, w in zip(r["grads"], want)) <= 1e-12
+
+
+def test_lightning_with_a_token_mean_and_count_on_two_ranks_is_exact(tmp_path):
+    """count= on 2 ranks: the ranks count different tokens; every step (the epoch's short last one too) is
+    the big batch's token mean over both ranks' sequences."""
+    pytest.importorskip("lightning")
+    from helpers import pad_tokens, token_lm, token_mean
+
+    launch("lightning-tokens", tmp_path, torchrun=False)
+    ranks = [torch.load(tmp_path / f"lightning-tokens-rank{r}.pt", weights_only=False) for r in (0, 1)]
+    micro, steps = ranks[0]["micro"]
+    assert steps > 1 and ranks[0]["micro"] == ranks[1]["micro"]
+    assert any(n.startswith("exact for a loss that is the mean over the items") for n in ranks[0]["notes"])
+    per_step = [[seq for batch in r["seen"][i * steps:(i + 1) * steps] for seq in batch] for r in ranks for i in range(2)]
+    assert len(ranks[0]["grads"]) == 2
+    for i in range(2):
+        mine, theirs = per_step[i], per_step[2 + i]
+        assert sum(len(s) for s in mine) != sum(len(s) for s in theirs)  # the ranks count different items
+        ref = token_lm()
+        token_mean(ref, pad_tokens(mine + theirs)).backward()
+        for r in ranks:
+            assert max(((g - p.grad).abs().max() / p.grad.abs().max()).item() for g, p in zip(r["grads"][i], ref.parameters())) <= 1e-12

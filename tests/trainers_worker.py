@@ -187,7 +187,45 @@ def lightning_module() -> type:
     return Module
 
 
-if sys.argv[1:2] and sys.argv[1].startswith("lightning"):
+def lightning_tokens(out: Path) -> None:
+    """A token mean over padded sequences, weighted by count= on 2 ranks (strategy ddp): 44 samples, steps of
+    24 and 20 over both ranks, at a learning rate of 0 (every step's reference is the start model's)."""
+    import lightning.pytorch as L
+    from helpers import TokenData, items, pad_tokens, token_lm, token_mean
+
+    from autotune.integrations.lightning import AutotuneCallback
+
+    class Tokens(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.batch_size, self.seen, self.grads = token_lm(), 12, [], []
+
+        def training_step(self, batch, batch_idx):
+            if not autotune.is_planning():
+                self.seen.append([row[row.ne(-100)] for row in batch["labels"]])
+            return token_mean(self.net, batch)
+
+        def on_before_optimizer_step(self, optimizer):
+            self.grads.append([p.grad.clone() for p in self.net.parameters()])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        def train_dataloader(self):
+            return DataLoader(TokenData(), batch_size=self.batch_size, collate_fn=pad_tokens)
+
+    callback = AutotuneCallback(target_batch=TARGET, memory_limit="150KiB", headroom=0, count=items)
+    module = Tokens()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], precision="64-true",
+                        default_root_dir=str(out))
+    trainer.fit(module)
+    s = callback.settings
+    torch.save({"micro": (s.micro_batch, s.accumulation_steps), "notes": s.notes, "seen": module.seen, "grads": module.grads},
+               out / f"lightning-tokens-rank{trainer.global_rank}.pt")
+
+
+if sys.argv[1:2] and sys.argv[1].startswith("lightning") and sys.argv[1] != "lightning-tokens":
     lightning_module()  # at import too: a ddp_spawn worker imports this script (as __mp_main__) to unpickle the module
 
 if __name__ == "__main__":
@@ -196,6 +234,8 @@ if __name__ == "__main__":
         hf(where)
     elif what == "accelerate":
         accelerate(where)
+    elif what == "lightning-tokens":
+        lightning_tokens(where)
     else:
         lightning(where, what.split("-", 1)[1])
     # The results are saved. Every rank is done before any leaves, and it leaves with os._exit, skipping

@@ -380,7 +380,12 @@ def _scaled_rates(trainer: Any, settings: TrainerSettings) -> Callable[[], None]
     def put_back() -> None:
         for g, was in zip(optimizer.param_groups, groups):
             g.update(was)
+            if "initial_lr" in g:  # set by a scheduler the Trainer made in train(), from the scaled rate
+                g["initial_lr"] = was.get("initial_lr", was["lr"])
         if bases:
             scheduler.base_lrs = bases
+        made = trainer.lr_scheduler
+        if made is not None and made is not scheduler and getattr(made, "base_lrs", None):
+            made.base_lrs = [b / scale for b in made.base_lrs]
 
     return put_back

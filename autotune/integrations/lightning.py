@@ -31,8 +31,13 @@ optimization (Lightning ignores ``accumulate_grad_batches`` there), a loader pas
 Exactness: Lightning divides each micro-batch's loss by ``accumulate_grad_batches``. With the equal
 micro-batches set here that is exact for a loss that is the mean over the batch's samples; for a
 token loss with padding each micro-batch weighs the same whatever its tokens, and an epoch's last step
-of fewer batches is divided by the full accumulation too; the notes say by how much for your epoch:
-``autotune.accumulate`` (your own loop) or ``autotune.fit`` weight each by its items.
+of fewer batches is divided by the full accumulation too; the notes say by how much for your epoch.
+Give ``count=`` (``count(batch) -> int``, the items your loss averages over, as for
+:func:`autotune.fit`) and every step is the big batch's instead: each micro-batch's loss is weighted by
+its items, and before the optimizer steps the gradients are divided by the step's items summed over
+the devices (an epoch's short last step included)::
+
+    AutotuneCallback(target_batch=256, count=lambda batch: int(batch["labels"].ne(-100).sum()))
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import math
 import os
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -85,6 +90,9 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
             would train now).
         batch_arg_name: the attribute that holds the batch size (Lightning's convention: on the
             datamodule, the module or its ``hparams``).
+        count: ``count(batch) -> int``, the items ``training_step``'s loss is the mean over (tokens
+            that are not padding); each step is then weighted by items, exactly the big batch's.
+            Default: samples (exact for a mean over samples).
 
     Attributes:
         settings: what trained (:class:`autotune.integrations.common.TrainerSettings`), after
@@ -96,7 +104,8 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
     """
 
     def __init__(self, target_batch: int | None = None, *, memory_limit: int | str | None = None, headroom: float | None = None,
-                 lr_rule: str = "none", base_batch: int | None = None, batch_arg_name: str = "batch_size") -> None:
+                 lr_rule: str = "none", base_batch: int | None = None, batch_arg_name: str = "batch_size",
+                 count: Callable[[Any], int] | None = None) -> None:
         if Callback is object:
             raise missing("lightning", "lightning")
         self._options = options(target_batch=target_batch, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
@@ -104,6 +113,10 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
         super().__init__()
         self.target_batch, self.memory_limit, self.headroom = target_batch, memory_limit, headroom
         self.lr_rule, self.base_batch, self.batch_arg_name = lr_rule, base_batch, batch_arg_name
+        if count is not None and not callable(count):
+            raise TypeError(f"Invalid count {count!r}: give a function count(batch) -> int, the items the loss averages over")
+        self.count = count
+        self._items = 0.0  # the step's items so far on this device (with count=)
         self._settings: TrainerSettings | None = None
         self._undo: list[Any] = []
         self._expect: int | None = None  # the first batch's size, checked once
@@ -133,9 +146,14 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
             shared = dataclasses.replace(self._options, target_batch=target, base_batch=self.base_batch or described,
                                          precision=normalize_precision(_PRECISIONS.get(str(trainer.precision), "fp32")))
             plan = plan_with(pl_module, loader, shared, Probing(), optimizer=optimizer, loss_fn=_training_step, device=pl_module.device)
-        exactness = ("Lightning divides each micro-batch's loss by accumulate_grad_batches: exact for these equal micro-batches of a "
-                     "loss that is the mean over samples, not for token losses with padding, nor for an epoch's shorter last step; "
-                     "autotune.accumulate or autotune.fit weight each micro-batch by its items")
+        if self.count is None:
+            exactness = ("Lightning divides each micro-batch's loss by accumulate_grad_batches: exact for these equal micro-batches "
+                         "of a loss that is the mean over samples, not for token losses with padding, nor for an epoch's shorter last "
+                         "step; pass count= to weight each micro-batch by its items")
+        else:
+            exactness = ("exact for a loss that is the mean over the items count(batch) counts: each micro-batch's loss is weighted "
+                         "by its items, and the gradients divided by the step's items summed over the devices before the optimizer "
+                         "steps, for any split, an epoch's short last step included")
         settings = equal_settings(plan, lr_rule=self.lr_rule, learning_rate=optimizer.param_groups[0]["lr"], warmup=False,
                                   exactness=exactness)
         tail = _epoch_tail(loader, settings, trainer)
@@ -154,6 +172,8 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
             trainer.accumulate_grad_batches = accumulate
 
         self._undo = [undo]
+        if self.count is not None:
+            self._weigh_by_items(pl_module, settings.accumulation_steps)
         if settings.learning_rate is not None:
             self._scale_learning_rates(trainer, optimizer, plan.lr_scale)
         self._expect = settings.micro_batch
@@ -205,6 +225,48 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
                 f"build the DataLoader with batch_size=self.{self.batch_arg_name} (read when train_dataloader() is called), "
                 "or drop AutotuneCallback"
             )
+
+    def _weigh_by_items(self, pl_module: Any, accumulation: int) -> None:
+        """``training_step``'s loss times its batch's items (times the accumulation Lightning divides by):
+        the micro-batch's sum, which :meth:`on_before_optimizer_step` divides by the step's items."""
+        count, own = cast(Callable[[Any], int], self.count), pl_module.__dict__.get("training_step")
+        step = pl_module.training_step
+
+        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            out = step(batch, *args, **kwargs)
+            items = int(count(batch))
+            self._items += items
+            weight = items * accumulation
+            if isinstance(out, dict):
+                return {**out, "loss": out["loss"] * weight}
+            return out * weight
+
+        pl_module.training_step = training_step
+        self._items = 0.0
+
+        def undo() -> None:
+            if own is None:
+                pl_module.__dict__.pop("training_step", None)
+            else:
+                pl_module.training_step = own
+
+        self._undo.append(undo)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """With ``count=``: the accumulated sums divided by the step's items over all devices (times the
+        devices, which DDP averaged over)."""
+        if self.count is None or not self._undo:
+            return
+        items = torch.tensor(self._items, dtype=torch.float64, device=pl_module.device)
+        world = max(1, int(trainer.world_size))
+        if world > 1:
+            items = trainer.strategy.reduce(items, reduce_op="sum")
+        self._items = 0.0
+        scale = world / max(float(items), 1.0)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
 
     def _scale_learning_rates(self, trainer: Any, optimizer: torch.optim.Optimizer, scale: float) -> None:
         groups = [(g, g["lr"], g.get("initial_lr")) for g in optimizer.param_groups]
