@@ -473,6 +473,52 @@ def test_an_accelerate_script_trains_the_planned_split_and_the_first_step_is_the
     assert max((g - p.grad).abs().max().item() for g, p in zip(first, ref.parameters())) <= 1e-12
 
 
+def accelerate_token_steps(accelerate, *, weighted):
+    """A token mean over padded sequences under Accelerate (44 samples, steps of 24 and 20) at a learning
+    rate of 0: each step's gradient, taken after the optimizer stepped."""
+    from helpers import TokenData, items, pad_tokens, token_lm, token_mean
+
+    from autotune.integrations.accelerate import ItemWeights, plan_accumulation
+
+    model = token_lm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    accelerator = accelerate.Accelerator(cpu=True)
+    settings = plan_accumulation(accelerator, model, DataLoader(TokenData(), batch_size=24, collate_fn=pad_tokens), target_batch=24,
+                                 optimizer=optimizer, loss_fn=token_mean, memory_limit="150KiB", headroom=0)
+    weigh = ItemWeights(accelerator, optimizer, count=items) if weighted else (lambda batch: 1.0)
+    loader = DataLoader(TokenData(), batch_size=settings.micro_batch, collate_fn=pad_tokens)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    grads = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(weigh(batch) * token_mean(model, batch))
+            optimizer.step()
+            if accelerator.sync_gradients:
+                grads.append([p.grad.clone() for p in model.parameters()])
+            optimizer.zero_grad()
+    if weighted:
+        weigh.remove()
+    return settings, grads
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["item-weights", "plain"])
+def test_accelerate_with_a_token_mean_over_padding_is_exact_with_item_weights(weighted):
+    """With ItemWeights every step is the big batch's token mean (the short last one too), to 1e-12;
+    without, Accelerate's equal weights are off, as the note says."""
+    accelerate = pytest.importorskip("accelerate")
+    from helpers import TokenData, pad_tokens, token_lm, token_mean
+
+    settings, grads = accelerate_token_steps(accelerate, weighted=weighted)
+    assert settings.accumulation_steps > 1 and len(grads) == 2
+    data, worst = TokenData(), 0.0
+    for step, got in enumerate(grads):
+        ref = token_lm()
+        token_mean(ref, pad_tokens(data.items[24 * step:24 * step + 24])).backward()
+        worst = max(worst, max(((g - p.grad).abs().max() / p.grad.abs().max()).item() for g, p in zip(got, ref.parameters())))
+    assert (worst <= 1e-12) if weighted else (worst > 1e-3), worst
+    assert any("ItemWeights weights each micro-batch by its items" in n for n in settings.notes)
+
+
 def test_plan_accumulation_refuses_a_non_bool_apply_and_says_which_optimizer_it_assumed():
     accelerate = pytest.importorskip("accelerate")
     from autotune.integrations.accelerate import plan_accumulation

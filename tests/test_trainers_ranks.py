@@ -124,3 +124,21 @@ def test_lightning_with_a_token_mean_and_count_on_two_ranks_is_exact(tmp_path):
         token_mean(ref, pad_tokens(mine + theirs)).backward()
         for r in ranks:
             assert max(((g - p.grad).abs().max() / p.grad.abs().max()).item() for g, p in zip(r["grads"][i], ref.parameters())) <= 1e-12
+
+
+def test_accelerate_with_a_token_mean_and_item_weights_on_two_ranks_is_exact(tmp_path):
+    """ItemWeights on 2 processes: every step (the short last one too) is the big batch's token mean over
+    both ranks' sequences, whatever tokens each rank counts."""
+    pytest.importorskip("accelerate")
+    from helpers import pad_tokens, token_lm, token_mean
+
+    ranks = launch("accelerate-tokens", tmp_path, torchrun=True)
+    assert ranks[0]["micro"] == ranks[1]["micro"] and ranks[0]["micro"][1] > 1
+    assert len(ranks[0]["grads"]) == len(ranks[1]["grads"]) == 2
+    for i in range(2):
+        mine, theirs = ranks[0]["seen"][i], ranks[1]["seen"][i]
+        assert sum(len(s) for s in mine) != sum(len(s) for s in theirs)  # the ranks count different items
+        ref = token_lm()
+        token_mean(ref, pad_tokens(mine + theirs)).backward()
+        for r in ranks:
+            assert max(((g - p.grad).abs().max() / p.grad.abs().max()).item() for g, p in zip(r["grads"][i], ref.parameters())) <= 1e-12

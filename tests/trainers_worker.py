@@ -132,6 +132,37 @@ def accelerate(out: Path) -> None:
                 "steps": steps, "grads": first, "start": start.state_dict()}, out / f"accelerate-rank{rank()}.pt")
 
 
+def accelerate_tokens(out: Path) -> None:
+    """A token mean over padded sequences with ItemWeights on 2 processes: 44 samples, 12 a process a
+    step, at a learning rate of 0; each rank saves the sequences of each step and the step's gradients."""
+    import accelerate as acc
+    from helpers import TokenData, items, pad_tokens, token_lm, token_mean
+
+    from autotune.integrations.accelerate import ItemWeights, plan_accumulation
+
+    accelerator = acc.Accelerator(cpu=True)
+    model = token_lm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    settings = plan_accumulation(accelerator, model, DataLoader(TokenData(), batch_size=12, collate_fn=pad_tokens), target_batch=TARGET,
+                                 optimizer=optimizer, loss_fn=token_mean, memory_limit="150KiB", headroom=0)
+    weigh = ItemWeights(accelerator, optimizer, count=items)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(TokenData(), batch_size=settings.micro_batch,
+                                                                                collate_fn=pad_tokens))
+    seen, grads, current = [], [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(weigh(batch) * token_mean(model, batch))
+            current.extend(row[row.ne(-100)] for row in batch["labels"])
+            optimizer.step()
+            if accelerator.sync_gradients:
+                grads.append([p.grad.clone() for p in model.parameters()])
+                seen.append(current)
+                current = []
+            optimizer.zero_grad()
+    torch.save({"micro": (settings.micro_batch, settings.accumulation_steps), "seen": seen, "grads": grads},
+               out / f"accelerate-tokens-rank{rank()}.pt")
+
+
 def lightning(out: Path, strategy: str) -> None:
     import lightning.pytorch as L
 
@@ -234,6 +265,8 @@ if __name__ == "__main__":
         hf(where)
     elif what == "accelerate":
         accelerate(where)
+    elif what == "accelerate-tokens":
+        accelerate_tokens(where)
     elif what == "lightning-tokens":
         lightning_tokens(where)
     else:

@@ -21,10 +21,14 @@ also sets ``accelerator.gradient_accumulation_steps``. Your script then builds i
 Plan before ``accelerator.prepare``: the model then still holds its own parameters (not a DDP
 wrapper's), on the device you move it to. Exactness: ``accelerator.backward`` divides each
 micro-batch's loss by the accumulation steps, exact for these equal micro-batches of a loss that is
-the mean over samples, not for token losses with padding (a note says so: ``autotune.accumulate``
-weights each micro-batch by its items). At an epoch's end Accelerate steps on what is left, still
-divided by the full accumulation: give an epoch a multiple of ``micro_batch x accumulation_steps``
-samples for exact steps.
+the mean over samples, not for token losses with padding, and at an epoch's end Accelerate steps on
+what is left, still divided by the full accumulation. :class:`ItemWeights` makes every step the big
+batch's for a loss that is the mean over items (tokens), the short last one included: one factor on
+each micro-batch's loss, and the step's items summed over the processes before the optimizer steps::
+
+    weigh = ItemWeights(accelerator, optimizer, count=lambda batch: int(batch["labels"].ne(-100).sum()))
+    ...
+            accelerator.backward(weigh(batch) * loss_fn(model, batch))
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from autotune.planning.options import Probing, check_target, options
 from autotune.planning.planner import plan_with
 from autotune.step import LossFn, normalize_precision
 
-__all__ = ["plan_accumulation"]
+__all__ = ["ItemWeights", "plan_accumulation"]
 
 
 def plan_accumulation(
@@ -93,7 +97,7 @@ def plan_accumulation(
     lr = (optimizer.param_groups[0]["lr"] if optimizer is not None else 1e-3)
     exactness = ("accelerator.backward divides each micro-batch's loss by the accumulation steps: exact for these equal "
                  "micro-batches of a loss that is the mean over samples, not for token losses with padding, nor for an epoch's "
-                 "shorter last step; autotune.accumulate weights each micro-batch by its items")
+                 "shorter last step; ItemWeights weights each micro-batch by its items")
     settings = equal_settings(plan, lr_rule=lr_rule, learning_rate=lr, warmup=False, exactness=exactness)
     if optimizer is None:  # its state is part of the memory planned, and its learning rate of any scaling
         settings = dataclasses.replace(settings, notes=(*settings.notes, (
@@ -102,3 +106,61 @@ def plan_accumulation(
     if apply:
         accelerator.gradient_accumulation_steps = settings.accumulation_steps
     return settings
+
+
+class ItemWeights:
+    """Each micro-batch weighted by its items under Accelerate's accumulation: every optimizer step the
+    big batch's for a loss that is the mean over items (tokens that are not padding), for any split and
+    at an epoch's short last step, on any number of processes.
+
+    ``weigh(batch)`` is the factor for that micro-batch's loss (its items times the accumulation steps
+    ``accelerator.backward`` divides by), so the accumulated gradient is the sum over the step's items;
+    just before the optimizer steps (a step pre-hook on it), the gradients are divided by the step's
+    items summed over the processes (times the processes, which DDP averaged over)::
+
+        weigh = ItemWeights(accelerator, optimizer, count=lambda batch: int(batch["labels"].ne(-100).sum()))
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(weigh(batch) * loss_fn(model, batch))
+                optimizer.step()
+                optimizer.zero_grad()
+
+    Args:
+        accelerator: the script's ``accelerate.Accelerator``.
+        optimizer: the optimizer (before or after ``accelerator.prepare``).
+        count: ``count(batch) -> int``, the items the loss is the mean over.
+
+    Raises:
+        TypeError: ``count`` is not callable.
+    """
+
+    def __init__(self, accelerator: Any, optimizer: torch.optim.Optimizer, count: Any) -> None:
+        if not callable(count):
+            raise TypeError(f"Invalid count {count!r}: give a function count(batch) -> int, the items the loss averages over")
+        self.accelerator, self.count = accelerator, count
+        self._items = 0
+        inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper steps the optimizer it holds
+        self._hook = inner.register_step_pre_hook(self._divide)
+
+    def __call__(self, batch: Any) -> float:
+        """The factor for this micro-batch's loss (and its items counted for the step)."""
+        items = int(self.count(batch))
+        self._items += items
+        return float(items * self.accelerator.gradient_accumulation_steps)
+
+    def _divide(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        items = torch.tensor(float(self._items), dtype=torch.float64, device=self.accelerator.device)
+        processes = int(self.accelerator.num_processes)
+        if processes > 1:
+            items = self.accelerator.reduce(items, reduction="sum")
+        self._items = 0
+        scale = processes / max(float(items), 1.0)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    def remove(self) -> None:
+        """Take the step pre-hook off the optimizer."""
+        self._hook.remove()
