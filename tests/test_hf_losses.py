@@ -355,6 +355,7 @@ def test_trl_preference_trainers_plan_in_pairs_and_step_the_big_batch(tmp_path, 
     prepared = assert_exact(tmp_path, make, datasets.Dataset.from_list(rows), bound=1e-6 if kind == "dpo" else 1e-9, collator=None,
                             trainer_cls=Trainer, config_cls=config, dataset_num_proc=None)
     assert any("2 rows of each sample" in n for n in prepared.settings.notes)
+    assert f"{Trainer.__name__} (for " in exactness(prepared)  # the trainer's own loss, not the model's
 
 
 def test_an_optimizer_given_to_the_trainer_steps_at_the_scaled_learning_rate(tmp_path):
@@ -376,3 +377,54 @@ def test_an_optimizer_given_to_the_trainer_steps_at_the_scaled_learning_rate(tmp
     assert trainer.state.log_history[0]["learning_rate"] == pytest.approx(0.002)
     prepared.restore()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.001) and optimizer.param_groups[0].get("initial_lr", 0.001) == pytest.approx(0.001)
+
+
+def small_lm(tokenizer):
+    from hf_heads import _gpt2_config
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(_gpt2_config())
+    model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model.double()
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_trl_kto_is_said_not_exact_once_the_policy_moves(tmp_path):
+    """KTO takes every sample's loss against a KL estimate over its micro-batch: at the check (policy =
+    reference) that estimate is 0 and the halves agree, but k micro-batches use k estimates later; the
+    note says so instead of "exact"."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from autotune.integrations import hf
+
+    words, rows = preference_rows(48, implicit=False)
+    tokenizer = word_tokenizer(words)
+    unpaired = [{"prompt": r["prompt"], "completion": r["chosen"] if i % 2 else r["rejected"], "label": i % 2 == 1} for i, r in enumerate(rows)]
+    model = small_lm(tokenizer)
+    args = trl.KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=TARGET, max_steps=1, use_cpu=True, report_to=[],
+                         save_strategy="no", disable_tqdm=True, dataset_num_proc=None)
+    trainer = trl.KTOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=datasets.Dataset.from_list(unpaired),
+                             processing_class=tokenizer)
+    prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit="1GiB", progress=False)
+    assert exactness(prepared).startswith("not exact once the policy leaves the reference model"), exactness(prepared)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_trl_grpo_is_refused_clearly_and_nothing_changes(tmp_path):
+    """GRPO's collator hands the prompts over as they are: its batches are generated in training, which no
+    plan of collated batches describes (once: "its batch 0 is not a batch")."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from autotune.integrations import hf
+
+    words, rows = preference_rows(16, implicit=False)
+    tokenizer = word_tokenizer(words)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=4, max_steps=1,
+                          use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    trainer = trl.GRPOTrainer(model=small_lm(tokenizer), args=args, reward_funcs=lambda completions, **kw: [1.0 for _ in completions],
+                              train_dataset=datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows]), processing_class=tokenizer)
+    own = trainer.args
+    with pytest.raises(ValueError, match="GRPOTrainer: its data collator returns no tensors .* generate completions"):
+        hf.prepare(trainer, target_batch=16, memory_limit="1GiB", progress=False)
+    assert trainer.args is own and "_autotune_prepared" not in trainer.__dict__

@@ -46,6 +46,7 @@ from typing import Any, cast
 
 import torch
 
+from autotune.batches import tensors
 from autotune.errors import AutotuneError
 from autotune.integrations.common import (
     TrainerSettings,
@@ -228,7 +229,7 @@ def prepare(
         optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
     dataset = _dataset(trainer)
-    rows = rows_of(_per_sample(trainer.data_collator), [dataset[i] for i in range(min(2, len(dataset)))]) if hasattr(dataset, "__len__") else ONE_ROW
+    rows = _rows(trainer, dataset)
     own_lr = _own_learning_rate(trainer, lr_rule)
 
     def loss_fn(model: Any, batch: Any) -> torch.Tensor:
@@ -261,6 +262,21 @@ def prepare(
                      "batches")
     settings = dataclasses.replace(settings, notes=tuple(notes))
     return _apply(trainer, settings, fix, check, rows, target // world if keep_target else None)
+
+
+def _rows(trainer: Any, dataset: Any) -> Rows:
+    """What the Trainer's collator makes of a sample (:func:`rows_of`); refused when it makes no tensors:
+    a trainer that builds its training batches itself in training (TRL's GRPO and RLOO generate
+    completions from the prompts), which no plan of the collated batches describes."""
+    collate = _per_sample(trainer.data_collator)
+    samples = [dataset[i] for i in range(min(2, len(dataset)))] if hasattr(dataset, "__len__") else []
+    if samples and not tensors(collate(samples[:1])):
+        raise ValueError(
+            f"Invalid trainer {type(trainer).__name__}: its data collator returns no tensors (a "
+            f"{type(collate(samples[:1])).__name__}): such a trainer builds its training batches itself during training (TRL's "
+            "GRPO and RLOO generate completions from the prompts); autotune plans the batches a collator makes, so it cannot "
+            "plan this trainer: set per_device_train_batch_size and gradient_accumulation_steps yourself")
+    return rows_of(collate, samples) if samples else ONE_ROW
 
 
 def _first_two(loader: Any) -> Any:

@@ -221,6 +221,19 @@ _LAST_STEP = "for any split of a step, an epoch's short last step included"
 
 def correction(trainer: Any, model: Any, check: LossCheck | None) -> Correction:
     """The Trainer's loss rule for this model, measured (:class:`LossCheck`), and what makes it exact."""
+    found = _measured(trainer, model, check)
+    if getattr(trainer, "calculate_KL", False) is True and found.exactness.startswith("exact"):
+        # KTO: every sample's loss is taken against a reference point, the KL estimate over the whole (micro-)batch;
+        # at the check the policy is the reference model, so that estimate is 0 on any batch and cannot show
+        return dataclasses.replace(found, exactness=(
+            f"not exact once the policy leaves the reference model: {type(trainer).__name__} takes each sample's loss against "
+            "a KL estimate averaged over its micro-batch (detached), so k micro-batches use k estimates where the big batch "
+            "uses one (not measurable at the start, where the policy is the reference and the estimate is 0); otherwise "
+            + found.exactness))
+    return found
+
+
+def _measured(trainer: Any, model: Any, check: LossCheck | None) -> Correction:
     name = type(model).__name__
     told = _told(trainer)
     world = _world(trainer)
@@ -252,10 +265,12 @@ def correction(trainer: Any, model: Any, check: LossCheck | None) -> Correction:
         return Correction(
             "not checked: the loss depends on num_items_in_batch in a way autotune does not recognise (it neither ignores the "
             "count nor divides by it), so whether a step is the big batch's is not known; the Trainer's rule stands")
+    # a Trainer subclass with its own compute_loss (TRL's) computes the loss itself
+    owner = name if type(trainer).compute_loss.__qualname__ == "Trainer.compute_loss" else f"{type(trainer).__name__} (for {name})"
     if not check.counted:
-        what = f"{name}'s loss (the batches carry no labels tensor, so the Trainer counts no items)"
+        what = f"{owner}'s loss (the batches carry no labels tensor, so the Trainer counts no items)"
     elif told:
-        what = f"{name}'s loss ignores num_items_in_batch (k times the true gradient under the Trainer alone, transformers #47688)"
+        what = f"{owner}'s loss ignores num_items_in_batch (k times the true gradient under the Trainer alone, transformers #47688)"
     else:
         what = f"{name}'s forward takes no loss keywords, so the Trainer divides each micro-batch's loss by the accumulation steps"
     weights = f"the big batch's loss {_LAST_STEP}, on any number of devices, logged loss included (restore() puts the Trainer's rule back)"
