@@ -15,7 +15,12 @@ import re
 import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("float64")
+pytestmark = [
+    pytest.mark.usefixtures("float64"),
+    # inside TRL's configs and trainers (transformers 5 renamed gradient checkpointing)
+    pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
 transformers = pytest.importorskip("transformers")
 
 from hf_heads import HEADS, PAD, VOCAB, Samples, collate, worst_relative  # noqa: E402
@@ -323,7 +328,6 @@ def preference_rows(n, *, implicit):
     return words, rows
 
 
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.parametrize("kind", ["dpo", "reward"])
 def test_trl_preference_trainers_plan_in_pairs_and_step_the_big_batch(tmp_path, kind):
     """The preference collator stacks each pair's chosen and rejected rows (all chosen, then all
@@ -389,7 +393,6 @@ def small_lm(tokenizer):
     return model.double()
 
 
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_trl_kto_is_said_not_exact_once_the_policy_moves(tmp_path):
     """KTO takes every sample's loss against a KL estimate over its micro-batch: at the check (policy =
     reference) that estimate is 0 and the halves agree, but k micro-batches use k estimates later; the
@@ -410,7 +413,6 @@ def test_trl_kto_is_said_not_exact_once_the_policy_moves(tmp_path):
     assert exactness(prepared).startswith("not exact once the policy leaves the reference model"), exactness(prepared)
 
 
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_trl_grpo_is_refused_clearly_and_nothing_changes(tmp_path):
     """GRPO's collator hands the prompts over as they are: its batches are generated in training, which no
     plan of collated batches describes (once: "its batch 0 is not a batch")."""

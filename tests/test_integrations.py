@@ -552,6 +552,7 @@ def test_the_integrations_are_not_imported_by_autotune():
     assert out.strip() == "[]"
 
 
+@pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated")  # Lightning's pytree on dict batches
 @pytest.mark.parametrize("count", [True, False], ids=["count", "no-count"])
 def test_lightning_with_a_token_mean_over_padding_is_exact_with_count(tmp_path, count):
     """A token mean over padded sequences (44 samples: steps of 24 and 20, the last one short): with

@@ -40,7 +40,12 @@ from typing import Any
 import torch
 
 from autotune.checks import check_flag
-from autotune.integrations.common import TrainerSettings, equal_settings, missing
+from autotune.integrations.common import (
+    TrainerSettings,
+    equal_settings,
+    missing,
+    scale_gradients,
+)
 from autotune.planning.options import Probing, check_target, options
 from autotune.planning.planner import plan_with
 from autotune.step import LossFn, normalize_precision
@@ -155,11 +160,7 @@ class ItemWeights:
         if processes > 1:
             items = self.accelerator.reduce(items, reduction="sum")
         self._items = 0
-        scale = processes / max(float(items), 1.0)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        scale_gradients(optimizer, processes / max(float(items), 1.0))
 
     def remove(self) -> None:
         """Take the step pre-hook off the optimizer."""

@@ -10,7 +10,7 @@ from autotune.planning.plans import Plan
 from autotune.planning.report import equal_split
 from autotune.planning.scaling import cap_warmup
 
-__all__ = ["TrainerSettings", "equal_settings", "missing"]
+__all__ = ["TrainerSettings", "equal_settings", "missing", "scale_gradients"]
 
 
 def missing(package: str, extra: str) -> ImportError:
@@ -113,3 +113,12 @@ def equal_settings(plan: Plan, *, lr_rule: str, learning_rate: Any = None, warmu
             "(autotune.fit sets it for you)"
         )
     return TrainerSettings(plan, split.per_device, split.steps, plan.world_size, lr, steps, tuple(notes))
+
+
+def scale_gradients(optimizer: Any, scale: float) -> None:
+    """Multiply the gradients of ``optimizer``'s parameters by ``scale``, in place (a step's sums over
+    items become its mean, in the item-weighted accumulation of the Lightning and Accelerate integrations)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(scale)

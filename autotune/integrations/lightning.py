@@ -59,6 +59,7 @@ from autotune.integrations.common import (
     TrainerSettings,
     equal_settings,
     missing,
+    scale_gradients,
 )
 from autotune.planning.options import Probing, options
 from autotune.planning.planner import plan_with
@@ -262,11 +263,7 @@ class AutotuneCallback(Callback):  # type: ignore[misc,valid-type]
         if world > 1:
             items = trainer.strategy.reduce(items, reduce_op="sum")
         self._items = 0.0
-        scale = world / max(float(items), 1.0)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        scale_gradients(optimizer, world / max(float(items), 1.0))
 
     def _scale_learning_rates(self, trainer: Any, optimizer: torch.optim.Optimizer, scale: float) -> None:
         groups = [(g, g["lr"], g.get("initial_lr")) for g in optimizer.param_groups]
