@@ -6,6 +6,9 @@ every case and checks that nothing changed (model, optimizer, loader order).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -160,6 +163,34 @@ def one_shot(s: Setup) -> Any:
     return autotune.fit(s.model, iter(batches()), plan=manual_plan(), optimizer=s.opt, epochs=2, progress=False)
 
 
+@contextlib.contextmanager
+def in_a_new_folder() -> Any:
+    """A fresh working folder for the call (a checkpoint's file named as a user names it, "run.pt")."""
+    with tempfile.TemporaryDirectory() as folder:
+        here = os.getcwd()
+        os.chdir(folder)
+        try:
+            yield
+        finally:
+            os.chdir(here)
+
+
+def another_runs_checkpoint(s: Setup) -> Any:
+    """A checkpoint that a run of 8 samples per step wrote (in a fresh model's run), given to a fit of 16."""
+    with in_a_new_folder():
+        with torch.random.fork_rng():
+            other = Net()
+            autotune.fit(other, batches(), target_batch=8, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), memory_limit="1GiB",
+                         progress=False, max_steps=1, checkpoint="run.pt")
+        return fit(s, checkpoint="run.pt")
+
+
+def not_a_checkpoint(s: Setup) -> Any:
+    with in_a_new_folder():
+        torch.save(s.model.state_dict(), "weights.pt")
+        return fit(s, checkpoint="weights.pt")
+
+
 def batches_without_tensors(s: Setup) -> Any:
     return autotune.plan(s.model, [{"a": 1}], target_batch=16, optimizer=s.opt)
 
@@ -243,6 +274,12 @@ API: list[Case] = [
     Case("a plan whose micro-batch is above its target", lambda s: fit(s, target_batch=None, plan=manual_plan(micro_batch=32, micro_batches=(32,), accumulation_steps=1)), ValueError, "above the target batch"),
     Case("`Plan.from_dict({})`", lambda s: autotune.Plan.from_dict({}), ValueError, "missing micro_batch"),
     Case("`fit(plan=..., target_batch=64)` for a plan of 16", lambda s: fit(s, plan=manual_plan(), target_batch=64), ValueError, "the plan given trains 16"),
+    Case("`checkpoint=3` (not a path)", lambda s: fit(s, checkpoint=3), TypeError, "Invalid checkpoint 3"),
+    Case("`save_every=0`", lambda s: fit(s, checkpoint="unused.pt", save_every=0), ValueError, "Invalid save_every 0"),
+    Case("a checkpoint of a run with another target", another_runs_checkpoint, ValueError, "its run trains 8 samples per step"),
+    Case("a file that is not a checkpoint", not_a_checkpoint, ValueError, "not a checkpoint autotune.fit wrote"),
+    Case("a one-shot iterator with `checkpoint=`", lambda s: autotune.fit(s.model, iter(batches()), target_batch=16, optimizer=s.opt,
+                                                                      progress=False, checkpoint="unused.pt"), TypeError, "cannot be read again"),
     Case("a one-shot iterator with `epochs=2`", one_shot, TypeError, "one-shot iterator"),
     Case("a one-shot iterator to `plan`", lambda s: autotune.plan(s.model, iter(batches()), target_batch=16, optimizer=s.opt), TypeError, "one-shot iterator"),
     Case("an empty loader", lambda s: autotune.plan(s.model, [], target_batch=16, optimizer=s.opt), ValueError, "yielded no batches"),

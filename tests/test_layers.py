@@ -23,7 +23,7 @@ WINGS = {
     "planning": ["planning", "planning.scaling", "planning.options", "planning.plans", "planning.report", "planning.cache",
                  "planning.whatif", "planning.sharding", "planning.advice", "planning.lengths", "planning.planner"],
     # training at the planned batch: the loop, its windows, BatchNorm, the noise scale, BN tuning
-    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.arguments", "train.caps", "train.run", "train.attempt",
+    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.arguments", "train.caps", "train.run", "train.resume", "train.attempt",
               "train.retry", "train.stepping", "train.single", "train.data_parallel", "train.sharded", "train.fit", "train.tune"],
     # the surfaces
     "surfaces": ["integrations", "integrations.common", "integrations.rows", "integrations.loss_rules", "integrations.hf", "integrations.lightning", "integrations.accelerate",

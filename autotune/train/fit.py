@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 import warnings
 import zlib
@@ -82,6 +83,7 @@ from autotune.train.arguments import check_against_plan, check_count, check_plan
 from autotune.train.bn import BN_MODES, FinishedRun, resolve_bn
 from autotune.train.ramp import BatchRamp, RampChange, plan_for_target, ramp_micro_batch
 from autotune.train.records import FitResult, StepRecord
+from autotune.train.resume import Tracker, tracker_for
 from autotune.train.run import Run
 from autotune.train.stepping import optimizer_step
 
@@ -145,6 +147,8 @@ def fit(
     progress: bool = True,
     plan: Plan | None = None,
     callback: Callable[[StepRecord], Any] | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    save_every: int = 100,
 ) -> FitResult:
     """Probe the device, plan, and train ``target_batch`` samples per optimizer step, exactly.
 
@@ -206,7 +210,13 @@ def fit(
         progress: show what the probe is doing and a tqdm bar (samples/s, loss) when they take
             more than a moment.
         plan: use this plan instead of probing (e.g. one made by :func:`autotune.plan`).
-        callback: called with each :class:`StepRecord`.
+        callback: called with each :class:`StepRecord` (after the checkpoint of that step is written).
+        checkpoint: a file to resume from and to save to (see :mod:`autotune.train.resume`): when it
+            exists, the run continues where it was saved (its model, optimizer, scheduler and
+            scaler states, the plan with what out-of-memory errors taught, the noise meter, the
+            ramp, the samples trained in the epoch); every ``save_every`` optimizer steps and when
+            ``fit`` returns it is written again. ``epochs`` and ``max_steps`` count the whole run.
+        save_every: optimizer steps between two checkpoints.
 
     Returns:
         A :class:`FitResult` with the plan (final micro-batch) and the per-step history.
@@ -226,7 +236,7 @@ def fit(
         max_steps=max_steps, device=device, memory_limit=memory_limit, headroom=headroom, precision=precision,
         clip_grad_norm=clip_grad_norm, lr_rule=lr_rule, base_batch=base_batch, count=count, pad=pad, drop_last=drop_last,
         scheduler=scheduler, scaler=scaler, bn=bn, checkpointing=checkpointing, noise_scale=noise_scale, progress=progress,
-        plan=plan, callback=callback,
+        plan=plan, callback=callback, checkpoint=checkpoint, save_every=save_every,
     )
     _look_and_agree(request)  # the first batches looked at, and what the ranks must share agreed, on every rank
     run = _set_up(request)  # the device, the optimizer, the plan unless given, the Run that puts everything back
@@ -261,6 +271,7 @@ class _Request:
     max_steps: int | None
     noise_scale: bool | int
     callback: Callable[[StepRecord], Any] | None
+    tracker: Tracker | None
 
     @classmethod
     def checked(cls, *, model: Any, loader: Any, target_batch: Any, plan: Any, epochs: Any, max_steps: Any, precision: Any,
@@ -310,6 +321,7 @@ class _Request:
         if rest["optimizer"] is not None:
             check_optimizer(par.inner, rest["optimizer"])
         check_scheduler(rest["scheduler"], rest["optimizer"] if rest["optimizer"] is not None else object())  # type: ignore[arg-type]
+        tracker = tracker_for(rest.pop("checkpoint"), rest.pop("save_every"), par, loader, target, plan)
         name = shared.precision or (plan.precision if plan is not None else "fp32")
         if plan is not None and shared.precision is not None and shared.precision != plan.precision:
             raise ValueError(
@@ -317,7 +329,7 @@ class _Request:
                 "leave precision out, or make a new plan with this precision"
             )
         return cls(model=model, loader=loader, par=par, shared=shared, ramp=ramp, target=target, mode=mode, precision=name,  # type: ignore[arg-type]
-                   plan=plan, epochs=epochs, max_steps=max_steps, **rest)
+                   plan=plan, epochs=epochs, max_steps=max_steps, tracker=tracker, **rest)
 
 
 def _check_with_ranks(par: Any, ramp: BatchRamp | None, mode: Any) -> None:
@@ -379,7 +391,13 @@ def _set_up(r: _Request) -> Run:
     if r.optimizer is None:
         r.optimizer = torch.optim.AdamW(r.model.parameters(), lr=1e-3)
     r.loss_fn = r.loss_fn or default_loss
+    tracker = r.tracker
     plan = r.plan
+    if tracker is not None:
+        tracker.restore(inner, r.optimizer, r.scheduler, None)
+        plan = plan or tracker.plan(r.shared.memory_limit, world(par.group)[1])
+        if r.ramp is not None and tracker.saved is not None and tracker.saved.ramp is not None:
+            r.ramp.load_state_dict(tracker.saved.ramp)
     if plan is None:
         plan = plan_with(r.model, r.loader, dataclasses.replace(r.shared, precision=r.precision), Probing(),
                          optimizer=r.optimizer, loss_fn=r.loss_fn, device=device)
@@ -396,8 +414,10 @@ def _set_up(r: _Request) -> Run:
     _warn_if_larger_than_an_epoch(r.loader, plan.effective_batch)
     if r.scaler is None and r.precision == "fp16":
         r.scaler = torch.amp.GradScaler(device.type)
+    if tracker is not None:
+        tracker.restore(None, None, None, r.scaler)
     ramp, rank = r.ramp, world(par.group)[0]
-    if ramp is not None:  # the plan says what the ramp does with its micro-batch
+    if ramp is not None and not any(n.startswith("batch ramp") for n in plan.notes):  # the plan says what the ramp does
         lines = ramp.describe(ramp_micro_batch(plan, ramp, min_micro), plan.world_size)
         plan = dataclasses.replace(plan, notes=plan.notes + (f"batch ramp {ramp!r}: " + "; ".join(lines),))
     r.plan = plan
@@ -415,6 +435,8 @@ def _set_up(r: _Request) -> Run:
             run.noise.meter = ramp.meter
             run.noise.fixed = run.noise.fixed or 1
             run.noise.every = run.noise.fixed
+    if tracker is not None:
+        tracker.restore_run(run)
     return run
 
 
@@ -427,33 +449,41 @@ def _epochs(run: Run, r: _Request) -> tuple[list[StepRecord], list[RampChange]]:
     min_micro = plan.min_micro_batch
     # One window module per mode: one process, data-parallel ranks (one exchange per window), FSDP2 (lockstep).
     run_window = sharded.run_window if r.par.fsdp else data_parallel.run_window if run.sync is not None else single.run_window
-    first_epoch = sampler_epoch(loader)  # continue where an earlier fit left the sampler
+    tracker, done = r.tracker, r.tracker.steps if r.tracker is not None else 0  # a resumed run: the steps it took before
+    first_epoch = tracker.saved.sampler_epoch - tracker.saved.epoch if tracker and tracker.saved else sampler_epoch(loader)
     # In a single process the short last window is dropped before it runs; with several ranks
     # only the agreement can tell that the global window is short.
     local_drop = r.drop_last and run.world_size == 1
-    for epoch in range(r.epochs):
+    for epoch in range(tracker.epoch if tracker is not None else 0, r.epochs):
         set_epoch(loader, first_epoch + epoch)
         if ramp is not None:
             ramp.begin_epoch()
+        # a resumed epoch: what is left of it, from the window it stopped at
+        source, offset = tracker.begin_epoch(loader, epoch) if tracker is not None else (loader, 0)
         windows = accumulate(
-            run.caps.meeting(loader), plan, count=r.count, drop_last=local_drop, min_micro_batch=min_micro, distributed=False,
-            skip_empty=run.world_size == 1, pad=r.pad, cap=run.caps.cap, shares=run.shares if (run.world_size > 1 or ramp) else None,
+            run.caps.meeting(source), plan, count=r.count, drop_last=local_drop, min_micro_batch=min_micro, distributed=False,
+            skip_empty=run.world_size == 1, pad=r.pad, cap=run.caps.cap,
+            shares=(lambda i: run.shares(i + offset)) if (run.world_size > 1 or ramp) else None,
         )
         seen_samples = seen_items = 0
-        while r.max_steps is None or len(history) < r.max_steps:
+        while r.max_steps is None or done + len(history) < r.max_steps:
             start = time.perf_counter()
             run.begin_window()  # a stop before this window's step puts the model back as it is now
-            done = run_window(run, windows, drop_last=r.drop_last)  # micro-batches, then one agreement
-            if done is None:
+            ran = run_window(run, windows, drop_last=r.drop_last)  # micro-batches, then one agreement
+            if ran is None:
+                if tracker is not None:
+                    tracker.end_epoch()
                 break  # the epoch is over on every rank
-            loss, window, agreed = done
+            loss, window, agreed = ran
+            if tracker is not None:
+                tracker.after_window(sum(m.samples for m in window) if window else 0)
             seen_samples, seen_items = seen_samples + agreed.samples, seen_items + agreed.items
             if agreed.items == 0:  # no loss item on any rank: nothing to learn from, no step
                 run.optimizer.zero_grad(set_to_none=True)
                 if ramp is not None:
                     ramp.skipped(int(agreed.samples))
                 continue
-            run.check_finite(loss, window, step=len(history) + 1, epoch=epoch)
+            run.check_finite(loss, window, step=done + len(history) + 1, epoch=epoch)
             if ramp is not None:  # the learning rate follows the target of the window that ran
                 _follow(run, plan, ramp.trained_target())
             noise = run.measure_noise(agreed)  # the window's gradient, before clipping
@@ -466,7 +496,7 @@ def _epochs(run: Run, r: _Request) -> tuple[list[StepRecord], list[RampChange]]:
                                               agreed.items / max(agreed.samples, 1))
                 changes += [change] if change else []
             record = StepRecord(
-                step=len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
+                step=done + len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
                 loss=loss, lr=lr, micro_batch=max((m.samples for m in window), default=0) if window else 0,
                 seconds=time.perf_counter() - start, micro_batches=tuple(m.samples for m in window) if window else (),
                 noise_scale=noise, skipped=skipped, target=run.plan.effective_batch,
@@ -475,6 +505,8 @@ def _epochs(run: Run, r: _Request) -> tuple[list[StepRecord], list[RampChange]]:
             run.pace_noise(record.seconds)
             history.append(record)
             run.show(record)
+            if tracker is not None and tracker.due(record.step):
+                _save(run, r, record.step, first_epoch)
             if r.callback is not None:
                 r.callback(record)
         if r.count is not None and seen_samples > 0 and seen_items == 0:
@@ -482,10 +514,19 @@ def _epochs(run: Run, r: _Request) -> tuple[list[StepRecord], list[RampChange]]:
                 f"Invalid count: it returned 0 items for every batch of the epoch ({int(seen_samples)} samples on all "
                 "ranks), so there is no loss to train on; check that it counts the loss's items (e.g. labels != -100)"
             )
-        if r.max_steps is not None and len(history) >= r.max_steps:
+        if r.max_steps is not None and done + len(history) >= r.max_steps:
             break
     set_epoch(loader, first_epoch + r.epochs)  # the next fit starts on the next epoch
+    if tracker is not None:
+        _save(run, r, done + len(history), first_epoch)
     return history, changes
+
+
+def _save(run: Run, r: _Request, step: int, first_epoch: int) -> None:
+    """The checkpoint after optimizer step ``step`` of the run."""
+    assert r.tracker is not None and r.plan is not None and r.target is not None
+    r.tracker.write(run, base=r.plan, asked_limit=r.shared.memory_limit, target=r.plan.effective_batch, ramp=r.ramp,
+                    scheduler=r.scheduler, scaler=r.scaler, step=step, sampler_epoch=first_epoch + r.tracker.epoch)
 
 
 def _finish(run: Run, r: _Request, history: list[StepRecord], changes: list[RampChange]) -> FitResult:

@@ -88,6 +88,14 @@ class NoiseMeter:
         self._g = self._t = self._g2 = self._t2 = self._gt = 0.0
         self._w2 = 0.0  # the sum of the squared weights, for the effective number of windows
 
+    def state_dict(self) -> dict[str, float]:
+        """The averages so far, to save with a checkpoint (:meth:`load_state_dict` takes them back)."""
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Take back what :meth:`state_dict` gave."""
+        vars(self).update(state)
+
     def add(self, small_sq: float, small: float, big_sq: float, big: float) -> None:
         """One window: ``|G_b|^2`` of ``small`` items and ``|G_B|^2`` of ``big`` items."""
         if not (big > small > 0) or not (math.isfinite(small_sq) and math.isfinite(big_sq)):
@@ -143,6 +151,19 @@ class NoisePacer:
         # Every `every`-th window is measured, chosen so that it costs at most 1% of the step time.
         self.every, self.count, self.seconds, self.first_seconds = self.fixed or 1, 0, 0.0, 0.0
         self.due = asked is not False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The meter and which window it measures next, to save with a checkpoint."""
+        return {"meter": self.meter.state_dict() if self.meter is not None else None, "every": self.every, "count": self.count,
+                "seconds": self.seconds, "first_seconds": self.first_seconds, "due": self.due}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`state_dict` gave (the meter only where this one measures)."""
+        if self.meter is not None and state["meter"] is not None:
+            self.meter.load_state_dict(state["meter"])
+        if self.meter is not None:
+            self.every, self.count, self.seconds, self.first_seconds, self.due = (
+                state["every"], state["count"], state["seconds"], state["first_seconds"], state["due"])
 
     def first(self, params: list[torch.Tensor], weight: float, items: int) -> None:
         """After a window's first micro-batch the gradient is its own (weighted): keep ``|G_b|^2`` of

@@ -22,6 +22,7 @@ object to a later ``fit`` and it continues where it stopped.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections import deque
@@ -37,6 +38,7 @@ from autotune.planning.plans import (
     rotated_share,
 )
 from autotune.planning.scaling import adjusted_bn_momentum, lr_scale
+from autotune.train.noise import NoiseMeter
 
 __all__ = ["BatchRamp", "RampChange", "plan_for_target", "ramp_micro_batch"]
 
@@ -147,6 +149,38 @@ class BatchRamp:
             return f"BatchRamp.fixed({list(self.stages)!r}, unit={self.unit!r})"
         return (f"BatchRamp.adaptive({self.start}, {self.maximum}, factor={self.factor}, margin={self.margin:g}, windows={self.windows}, "
                 f"unit={self.unit!r})")
+
+    # --- a checkpoint ----------------------------------------------------------------------------
+
+    _SETTINGS = ("stages", "start", "maximum", "factor", "margin", "windows", "unit")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the ramp stands: its settings, target, what it has trained, its changes and an
+        adaptive ramp's noise meter, as plain values to save with a checkpoint (``fit(checkpoint=...)``
+        saves it for you); :meth:`load_state_dict` takes it back."""
+        state = {k: copy.deepcopy(v) for k, v in vars(self).items() if k not in ("meter", "_pending")}
+        state["changes"] = [dataclasses.asdict(c) for c in self.changes]
+        state["meter"] = self.meter.state_dict() if self.meter is not None else None
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what :meth:`state_dict` gave, on a ramp made with the same settings.
+
+        Raises:
+            ValueError: the settings differ (naming them), before anything changes.
+        """
+        differ = [f"{k}={state.get(k)!r} (this ramp: {getattr(self, k)!r})" for k in self._SETTINGS if state.get(k) != getattr(self, k)]
+        if differ:
+            raise ValueError(f"Invalid ramp state: it was saved by a ramp with other settings: {', '.join(differ)}; make the ramp "
+                             "as the saved run made it")
+        for k, v in state.items():
+            if k not in ("meter", "changes"):
+                setattr(self, k, copy.deepcopy(v))
+        self.changes = [RampChange(**c) for c in state["changes"]]
+        if state["meter"] is not None:
+            self.meter = NoiseMeter()
+            self.meter.load_state_dict(state["meter"])
+        self._pending.clear()
 
     # --- inside fit ------------------------------------------------------------------------------
 
