@@ -10,6 +10,7 @@ in a single process.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -311,6 +312,7 @@ def group_broken(error: BaseException | None) -> bool:
 
 
 # What gloo and NCCL say when a peer's process went away in the middle of a collective.
+LOST_SECONDS = 1.0  # how long a rank whose peer's connection broke waits to see that peer's process gone
 _LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited", "ProcessGroupNCCL is aborted")
 
 
@@ -327,6 +329,12 @@ def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseExce
     from autotune.errors import AutotuneError
 
     gone = exited_ranks(group)
+    # A killed process closes its connections before it has exited (its files are closed first): the
+    # reset can arrive a moment before the process is gone. Look again for up to a second.
+    deadline = time.monotonic() + LOST_SECONDS
+    while not gone and peers_here(group) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        gone = exited_ranks(group)
     if gone:
         ranks = ", ".join(str(r) for r in gone)
         return AutotuneError(
