@@ -264,6 +264,17 @@ def train_tokens(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         opt = ZeroesInPlace(inner.parameters(), lr=0.5)
     if c.get("keep_grads"):
         opt = KeepsGradients(inner.parameters(), lr=0.5)
+    if c.get("step_oom_rank") == rank:  # out of memory inside this rank's n-th optimizer step while training
+        steps_taken, step = [], opt.step
+
+        def failing_step(*args: Any, **kwargs: Any) -> Any:
+            if not autotune.is_planning():
+                steps_taken.append(1)
+                if len(steps_taken) == c["step_oom_at"]:
+                    raise torch.OutOfMemoryError("injected: out of memory in the optimizer's step")
+            return step(*args, **kwargs)
+
+        opt.step = failing_step  # type: ignore[method-assign]
     calls = []
 
     def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -424,12 +435,14 @@ def exchange(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     return {"items": items, "local": local, "buckets": len(sync.buckets), "cases": cases}
 
 
-def shard(model: nn.Module) -> nn.Module:
-    """FSDP2: each child block sharded, then the model itself."""
+def shard(model: nn.Module, blocks: tuple[str, ...] | None = None) -> nn.Module:
+    """FSDP2: each child block sharded (only ``blocks`` when given: the rest, such as the embedding and
+    the head, then belongs to the root, as a language model's does), then the model itself."""
     from torch.distributed.fsdp import fully_shard
 
-    for child in model.children():
-        fully_shard(child)
+    for name, child in model.named_children():
+        if blocks is None or name in blocks:
+            fully_shard(child)
     return fully_shard(model)
 
 
@@ -463,7 +476,7 @@ class _RaiseInBackward(torch.autograd.Function):
         raise torch.OutOfMemoryError("injected: out of memory in a backward")
 
 
-def inject_out_of_memory(module: nn.Module, where: str, call: int, *, planning: bool = False) -> None:
+def inject_out_of_memory(module: nn.Module, where: str, call: int, *, planning: bool = False, every: bool = False) -> None:
     """An out-of-memory error in ``module``'s forward (``where="forward"``) or in its backward, at its
     ``call``-th forward while training (or while planning), as a CUDA allocation would raise it; or
     (``where="all_gather"``) in FSDP2's own code, allocating its ``call``-th all-gather."""
@@ -487,7 +500,7 @@ def inject_out_of_memory(module: nn.Module, where: str, call: int, *, planning: 
         if autotune.is_planning() != planning:
             return None
         calls.append(1)
-        if len(calls) != call:
+        if len(calls) != call and not (every and len(calls) >= call):
             return None
         if where == "forward":
             raise torch.OutOfMemoryError("injected: out of memory in a forward")
@@ -519,7 +532,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         first = next(iter(loader))
         parts, activations = estimated(Workload(model=whole, optimizer=whole_opt, loss_fn=token_loss, batch=first, device=torch.device("cpu")), 1)
         estimate = parts.peak(world, activations(c["estimate"]), accumulating=True)
-    model = shard(TokenModel())
+    model = shard(TokenModel(), blocks=("mix",) if c.get("root_owned") else None)
     opt = (torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1) if c.get("optimizer") == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.5))
     loss_fn = token_loss
@@ -540,8 +553,19 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
             exit_if_asked(rank, c)
             return fsdp_loss(model, batch)
 
-    if c.get("oom_rank") == rank:
-        inject_out_of_memory(model.mix, c["oom_in"], c["oom_call"], planning=bool(c.get("oom_in_plan")))
+    if c.get("oom_rank") == rank and c.get("oom_module") == "loss":  # out of memory in the loss, after the model's forward
+        oom_loss, loss_calls = loss_fn, []
+
+        def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:  # noqa: F811
+            out = oom_loss(model, batch)
+            if not autotune.is_planning():
+                loss_calls.append(1)
+                if len(loss_calls) == c["oom_call"]:
+                    raise torch.OutOfMemoryError("injected: out of memory in the loss")
+            return out
+    elif c.get("oom_rank") == rank:
+        where = getattr(model, c.get("oom_module", "mix"))
+        inject_out_of_memory(where, c["oom_in"], c["oom_call"], planning=bool(c.get("oom_in_plan")), every=bool(c.get("oom_every")))
     plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=loss_fn,
                          memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False)
     limit = c.get("train_limits", c["limits"])[rank]

@@ -292,6 +292,19 @@ def test_a_rank_that_exits_mid_run_is_named_by_the_others(tmp_path):
     assert seconds < 40
 
 
+def test_a_rank_whose_optimizer_step_runs_out_of_memory_is_named_with_its_error_by_the_others(tmp_path):
+    """Rank 1 runs out of memory inside its third optimizer step (the step may be partly applied: the run
+    cannot go on) and leaves with that error; rank 0, waiting in the next exchange, names rank 1 and its
+    error (once: "rank 1 exited ... its process is gone")."""
+    config = {**BASE, "n": 96, "target": 24, "limits": ["64MiB", "64MiB"], "step_oom_rank": 1, "step_oom_at": 3}
+    seconds = W.launch(2, str(tmp_path), "tokens", config, timeout=40)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert outs[1]["error"].startswith("AutotuneError: Out of memory inside optimizer.step() at step 3"), outs[1]["error"]
+    assert outs[0]["error"].startswith("AutotuneError: rank 1 stopped on an error of its own, so this rank stops too"), outs[0]["error"]
+    assert "Out of memory inside optimizer.step() at step 3" in outs[0]["error"]
+    assert seconds < 40
+
+
 @pytest.mark.parametrize("wrap", ["compiled", "nested", "plain-perturbed"])
 def test_compiled_nested_and_plain_models_are_recognised(tmp_path, wrap):
     config = {**BASE, "n": 64, "target": 25, "wrap": wrap, "limits": ["64MiB", "64MiB"]}

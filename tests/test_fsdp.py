@@ -98,9 +98,32 @@ def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path
     assert_exact(outs, config, 2)
 
 
+@pytest.mark.parametrize("module, where, rank", [("embed", "forward", 1), ("head", "forward", 0), ("loss", "forward", 1),
+                                                  ("head", "backward", 0), ("embed", "backward", 1)],
+                         ids=["root-forward-before-first-block", "root-forward-after-last-block", "loss",
+                              "root-backward-before-first-block", "root-backward-after-last-block"])
+def test_an_out_of_memory_error_in_the_roots_own_code_is_redone_by_every_rank(tmp_path, module, where, rank):
+    """The block sharded with fully_shard, then the model: the embedding and the head belong to the root,
+    as a language model's embedding, LM head and loss do, where its largest tensors are made. An
+    out-of-memory error in the root's forward before its block (the embedding) or after it (the head),
+    in the loss, or in the backward of the root's own computation before the block's backward (the
+    head's) or after it (the embedding's), at the third micro-batch of a window of several: every rank
+    abandons that micro-batch, the window is redone, that rank with half its micro-batch, and the run
+    equals the big-batch replay of the samples each step saw."""
+    config = {"n": 45, "target": 21, "lengths": (4, 9), "limits": ["40KiB", "40KiB"], "optimizer": "adamw", "root_owned": True,
+              "oom_rank": rank, "oom_module": module, "oom_in": where, "oom_call": 3}
+    outs = launch(tmp_path, config)
+    assert outs[0]["plan"]["accumulation_steps"] > 2
+    assert any(w.startswith("Out of memory at micro_batch=") and "OutOfMemoryError raised on this rank" in w
+               for w in outs[rank]["warnings"]), outs[rank]["warnings"]
+    assert not any("Out of memory" in w for w in outs[1 - rank]["warnings"])
+    assert outs[rank]["final_plan"]["micro_batch"] < outs[rank]["plan"]["micro_batch"]
+    assert_exact(outs, config, 2)
+
+
 def test_the_same_under_torchrun(tmp_path):
-    """The out-of-memory error in a backward, with the ranks started by torchrun (its environment, its
-    rendezvous) instead of the test's own launcher."""
+    """The out-of-memory error in the backward of the root's own head (before its block's backward), with
+    the ranks started by torchrun (its environment, its rendezvous) instead of the test's own launcher."""
     import json
     import shutil
     import subprocess
@@ -109,7 +132,7 @@ def test_the_same_under_torchrun(tmp_path):
     if launcher is None:
         pytest.skip("torchrun is not on PATH")
     config = {"n": 45, "target": 7, "lengths": [4, 9], "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
-              "oom_rank": 1, "oom_in": "backward", "oom_call": 2}
+              "oom_rank": 1, "oom_in": "backward", "oom_call": 2, "root_owned": True, "oom_module": "head"}
     done = subprocess.run([launcher, "--standalone", "--nproc_per_node=2", W.__file__, "fsdp", str(tmp_path), json.dumps(config)],
                           capture_output=True, text=True, timeout=90, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(W.__file__), os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -130,6 +153,18 @@ def test_an_out_of_memory_error_inside_fsdp2s_own_collective_code_stops_every_ra
     assert outs[0]["error"].startswith("AutotuneError: rank 1 failed in this window, so every rank stops")
     assert "allocating an all-gather" in outs[0]["error"]
     assert abs(outs[0]["at"] - outs[1]["at"]) < 10
+
+
+def test_out_of_memory_in_every_planning_trial_of_one_rank_is_named_on_every_rank(tmp_path):
+    """Rank 1 runs out of memory in every trial: no size fits anywhere, and every rank's NothingFits says
+    it was rank 1's, with its error (rank 0 once said its own step ran out of memory "twice")."""
+    config = {"n": 45, "target": 7, "lengths": (4, 9), "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
+              "oom_rank": 1, "oom_in": "forward", "oom_call": 1, "oom_in_plan": True, "oom_every": True}
+    W.launch(2, str(tmp_path), "fsdp", config, timeout=60)
+    for r in range(2):
+        error = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["error"]
+        assert error.startswith("NothingFits: Even micro_batch=1 ran out of memory under FSDP2 on rank 1 (OutOfMemoryError: "
+                                "injected: out of memory in a forward)"), error
 
 
 def test_an_out_of_memory_error_in_a_planning_trial_gives_one_plan_on_every_rank(tmp_path):

@@ -35,6 +35,9 @@ __all__ = [
     "is_distributed",
     "lost_peer",
     "naming_lost_peers",
+    "forget_failure",
+    "tell_failure",
+    "told_causes",
     "parallel",
     "peers_here",
     "process_store",
@@ -328,6 +331,12 @@ def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseExce
         return None
     from autotune.errors import AutotuneError
 
+    causes = told_causes(group)
+    if causes:  # a rank that stopped on an error of its own said why before it left
+        r, cause = next(iter(causes.items()))
+        lost = AutotuneError(f"rank {r} stopped on an error of its own, so this rank stops too (it noticed {what}): {cause}")
+        lost.autotune_elsewhere = True  # type: ignore[attr-defined]
+        return lost
     gone = exited_ranks(group)
     # A killed process closes its connections before it has exited (its files are closed first): the
     # reset can arrive a moment before the process is gone. Look again for up to a second.
@@ -337,13 +346,64 @@ def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseExce
         gone = exited_ranks(group)
     if gone:
         ranks = ", ".join(str(r) for r in gone)
-        return AutotuneError(
+        lost = AutotuneError(
             f"rank {ranks} exited {what} (its process is gone), so this rank stops too: the output of rank {ranks} says why"
         )
-    first = (str(error).strip().splitlines() or [""])[0][:200]
-    return AutotuneError(
-        f"lost the connection to another rank {what} ({first}), so this rank stops: a rank exited or crashed; its output says why"
-    )
+    else:
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        lost = AutotuneError(
+            f"lost the connection to another rank {what} ({first}), so this rank stops: a rank exited or crashed; its output says why"
+        )
+    lost.autotune_elsewhere = True  # type: ignore[attr-defined]
+    return lost
+
+
+_CAUSE = FAILED_KEY + "/cause/"  # below it, by rank: the error a rank stopped on, for the ranks it leaves waiting
+
+
+def tell_failure(error: BaseException, group: Any = None) -> None:
+    """Before this rank leaves on an error of its own (its optimizer step ran out of memory, its code
+    raised): the error in the store, so that a rank whose collective then fails names it
+    (:func:`lost_peer`) instead of "exited". Errors that name another rank's failure are not told again."""
+    if not is_distributed() or getattr(error, "autotune_elsewhere", False) or getattr(error, "autotune_group_broken", False):
+        return
+    store = process_store()
+    if store is None:
+        return
+    try:
+        store.set(f"{_CAUSE}{world(group)[0]}", f"{type(error).__name__}: {error}"[:2000])
+    except Exception:
+        pass
+
+
+def forget_failure(group: Any = None) -> None:
+    """A new run on this rank: an error it told before (and recovered from) is no longer its cause."""
+    store = process_store()
+    if store is None or not is_distributed():
+        return
+    try:
+        store.delete_key(f"{_CAUSE}{world(group)[0]}")
+    except Exception:
+        pass
+
+
+def told_causes(group: Any = None) -> dict[int, str]:
+    """``{rank: its error}`` for the other ranks that told one (:func:`tell_failure`)."""
+    store = process_store()
+    if store is None:
+        return {}
+    rank, size = world(group)
+    causes = {}
+    for r in range(size):
+        key = f"{_CAUSE}{r}"
+        if r == rank:
+            continue
+        try:
+            if store.check([key]):
+                causes[r] = store.get(key).decode()
+        except Exception:
+            continue
+    return causes
 
 
 def peers_here(group: Any = None) -> dict[int, int]:

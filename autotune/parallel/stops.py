@@ -68,7 +68,9 @@ def on_every_rank(fn: Any, *args: Any, device: torch.device | None = None, group
     from autotune.errors import AutotuneError
 
     rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
-    raise AutotuneError(f"rank {rank} failed {what}, so every rank stops: {message}")
+    stopped = AutotuneError(f"rank {rank} failed {what}, so every rank stops: {message}")
+    stopped.autotune_elsewhere = True  # type: ignore[attr-defined]
+    raise stopped
 
 
 def stop_every_rank(own: BaseException, group: Any = None, *, what: str) -> NoReturn:

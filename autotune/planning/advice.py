@@ -30,9 +30,11 @@ def shards_if_resident_too_big(work: Workload, budget: int, target_batch: int) -
 
 def nothing_fits(
     trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
-    table: Any = None, shards: Sequence[Any] = (),
+    table: Any = None, shards: Sequence[Any] = (), out_of_memory_on: dict[int, str] | None = None,
 ) -> NothingFits:
-    """The error for a probe that found no size: measured numbers when a real step ran."""
+    """The error for a probe that found no size: measured numbers when a real step ran.
+    ``out_of_memory_on``: under FSDP2, for each size whose trial ran out of memory on some rank, which
+    ranks and their errors (every rank abandons such a trial, so every rank's error names them)."""
     real = [t for t in trials if not t.estimate]
     pool = real or trials
     smallest = min(t.batch_size for t in pool)
@@ -42,6 +44,15 @@ def nothing_fits(
     advice = _smallest_change(table) or "try precision='bf16', a smaller model, activation checkpointing, or a larger memory_limit"
     if shards:
         advice = _shard_advice(shards) + "; or " + advice
+    where = (out_of_memory_on or {}).get(smallest)
+    if where:
+        # Under FSDP2 every rank abandons a trial that ran out of memory on any rank: say on which.
+        return NothingFits(
+            f"Even micro_batch={smallest} ran out of memory under FSDP2 on {where}; every rank abandons a trial that "
+            f"runs out of memory on any rank, so no size fits (the budget here: {format_bytes(budget)}, limit "
+            f"{format_bytes(limit)},{aside} less {headroom:.0%} headroom): give that rank more memory, or " + advice,
+            needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards,
+        )
     if measured and needed <= budget:
         # The step ran out of memory below its budget, twice: what is missing is not the step's.
         return NothingFits(

@@ -334,7 +334,9 @@ def _probe_every_rank(setup: _Setup, loader: Iterable[Any], shared: Options, pro
     failed = [(r, message) for r, (_, message) in enumerate(statuses) if message is not None]
     if failed:
         r, message = failed[0]
-        raise AutotuneError(f"rank {r} failed while probing, so no rank can train: {message}")
+        stopped = AutotuneError(f"rank {r} failed while probing, so no rank can train: {message}")
+        stopped.autotune_elsewhere = True  # type: ignore[attr-defined]
+        raise stopped
     assert probed is not None
     probed.maxima = [size for size, _ in statuses]
     return probed
@@ -425,7 +427,7 @@ def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, h
         if setup.world_size == 1 and not setup.fsdp:
             shards = shards_if_resident_too_big(work, budget, shared.target_batch)  # type: ignore[arg-type]
     return nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside,
-                        table=table, shards=shards)
+                        table=table, shards=shards, out_of_memory_on=work.oom_ranks)
 
 
 def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Options, probing: Probing) -> Plan:

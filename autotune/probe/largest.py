@@ -33,6 +33,7 @@ from autotune.memory.ledger import ResidentPeak, TensorLedger, is_out_of_memory
 from autotune.parallel.lockstep import in_lockstep
 from autotune.parallel.ranks import (
     announce,
+    gather,
     gather_numbers,
 )
 from autotune.parallel.stops import failure_watch, stop_every_rank
@@ -232,7 +233,12 @@ def _in_lockstep(work: Workload, measure: Callable[[int], Measurement], budget: 
                 measured = measure(b)
         except Exception as exc:  # inside collective forwards: every rank stops within seconds, naming the cause
             stop_every_rank(exc, what=f"in its trial at micro-batch {b}")
-        rows = gather_numbers([float(measured.fits), float(measured.peak - budget)], work.device)
+        rows = gather_numbers([float(measured.fits), float(measured.peak - budget), float(work.own_oom is not None)], work.device)
+        if any(r[2] for r in rows):  # some rank ran out of memory: every rank learns which, and why
+            own = work.own_oom
+            messages = gather(None if own is None else f"{type(own).__name__}: {own}"[:300], work.device)
+            work.oom_ranks[b] = "; ".join(f"rank {r} ({m})" for r, m in enumerate(messages) if m is not None)
+            work.notes = [n.replace(f"at micro-batch {b} on some rank", f"at micro-batch {b} on {work.oom_ranks[b]}") for n in work.notes]
         return Measurement(all(r[0] for r in rows), int(max(r[1] for r in rows)) + common)
 
     return real, common
@@ -286,6 +292,7 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
     resident = ResidentPeak() if (device.type == "cpu" and work.resident) else None
     start = time.perf_counter()
     oom = False
+    work.own_oom = None
     snapshot.prepare_trial()
     step: Callable[[], None] = functools.partial(
         sharded_trial_step if work.fsdp else trial_step, work.model, work.optimizer, work.loss_fn, batch, device.type,
@@ -295,7 +302,8 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
         # Your optimizer's step hooks never see a trial's step (at learning rate 0, not a training step).
         with planning(), without_step_hooks(work.optimizer), ledger, (resident if resident is not None else contextlib.nullcontext()):
             if work.fsdp:
-                oom = in_lockstep(work.model, step, device=device).anywhere
+                outcome = in_lockstep(work.model, step, device=device)
+                oom, work.own_oom = outcome.anywhere, outcome.own
             else:
                 step()
         synchronize(device)  # the step's time includes the device's queued work

@@ -141,6 +141,10 @@ class Workload:
     checkpointing: bool = False
     # Sharded with FSDP2: trials in lockstep with the other ranks (see autotune.train.sharded).
     fsdp: bool = False
+    # Under FSDP2: this rank's own out-of-memory error in the last trial (None: none, or another rank's),
+    # and for each size whose trial ran out of memory somewhere, the ranks it ran out on and their errors.
+    own_oom: BaseException | None = None
+    oom_ranks: dict[int, str] = field(default_factory=dict)
 
     def record(self, trial: Trial) -> None:
         """Keep a trial and tell the ``on_trial`` callback, if any."""

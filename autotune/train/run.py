@@ -28,8 +28,10 @@ from autotune.parallel.exchange import GradientSync
 from autotune.parallel.ranks import (
     Parallel,
     bypass_nested,
+    forget_failure,
     gather,
     is_distributed,
+    tell_failure,
     world,
 )
 from autotune.planning.plans import Plan, rotated_share
@@ -132,6 +134,8 @@ class Run:
         from tqdm.auto import tqdm  # imported here: `import autotune` stays light
 
         stack = self.stack
+        if self.world_size > 1:
+            forget_failure(self.par.group)
         stack.enter_context(self.bnc)
         # Under FSDP2 the limit is counted, not enforced: a capped allocator would raise inside FSDP2's own
         # collective code too, where the error cannot be shared (see autotune.parallel.lockstep).
@@ -150,6 +154,8 @@ class Run:
         return self
 
     def __exit__(self, kind: Any, *exc: Any) -> None:
+        if kind is not None and self.world_size > 1 and isinstance(exc[0], Exception):
+            tell_failure(exc[0], self.par.group)  # the ranks left waiting name it, not "exited"
         if kind is not None and self.before_window is not None:
             # Stopped inside a window: the model goes back to what its last good step left (no partial
             # gradients, no BatchNorm statistics of the window that did not step).
