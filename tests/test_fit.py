@@ -317,3 +317,39 @@ def test_fp16_steps_the_scaler_skipped_are_marked():
     assert [r.skipped for r in result.history] == [True, False]
     assert math.isfinite(result.history[0].loss)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the second step did train
+
+
+def _floor_run(fail_at):
+    """Token batches of 8, one micro-batch of 1 sample (the smallest) at a time; ``fail_at``: the training
+    loss calls that raise torch.OutOfMemoryError (as a CUDA allocation does)."""
+    import dataclasses
+
+    model, loader = TokenModel(), token_loader()[:4]
+    calls = []
+
+    def loss_fn(model, batch):
+        if not autotune.is_planning():
+            calls.append(1)
+            if len(calls) in fail_at:
+                raise torch.OutOfMemoryError("injected: out of memory")
+        return F.cross_entropy(model(batch["tokens"]).flatten(0, 1), batch["targets"].flatten())
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = autotune.plan(model, loader, target_batch=8, optimizer=opt, loss_fn=loss_fn, memory_limit="1GiB", lr_rule="none", progress=False)
+    plan = dataclasses.replace(plan, micro_batch=1, micro_batches=(1,) * 8, accumulation_steps=8)
+    result = autotune.fit(model, loader, optimizer=opt, loss_fn=loss_fn, plan=plan, progress=False)
+    return model, result
+
+
+def test_a_transient_out_of_memory_error_at_the_smallest_micro_batch_is_retried_once():
+    """Out of memory once at micro-batch 1 (nothing smaller exists): the window is retried once at that
+    size, and the run equals the one that never ran out (once: NothingFits at the first error)."""
+    clean, _ = _floor_run(fail_at=())
+    with pytest.warns(autotune.AutotuneWarning, match=r"Out of memory at micro_batch=1, the smallest: retrying the window once") as caught:
+        model, result = _floor_run(fail_at=(11,))
+    assert {w.filename for w in caught} == {__file__}
+    assert [h.samples for h in result.history] == [8] * 4
+    assert all(torch.equal(a, b) for a, b in zip(clean.parameters(), model.parameters()))
+    with pytest.warns(autotune.AutotuneWarning, match="retrying the window once"), \
+            pytest.raises(autotune.NothingFits, match=r"at micro_batch=1, twice \(the window was retried once at that size\)"):
+        _floor_run(fail_at=(11, 14))

@@ -15,7 +15,7 @@ from autotune.planning.plans import even_micro_batches, peak_at
 from autotune.planning.scaling import adjusted_bn_momentum
 from autotune.train.accumulate import Window
 
-__all__ = ["lower", "retry_smaller"]
+__all__ = ["lower", "retry_at_floor", "retry_smaller"]
 
 
 def retry_smaller(run: Any, window: Window, failure: BaseException, bn_saved: list[list[torch.Tensor]]) -> Window:
@@ -34,10 +34,12 @@ def retry_smaller(run: Any, window: Window, failure: BaseException, bn_saved: li
     run.restore_bn(bn_saved)
     release_cached(run.device, collect=True)
     floor = run.plan.min_micro_batch
+    if failed_size <= floor and retry_at_floor(run, failed_size):
+        return window
     if failed_size <= floor:
         raise NothingFits(
-            f"Out of memory while training at micro_batch={failed_size}: a batch of the loader is larger "
-            "than anything the memory allows; shorten the longest samples, use "
+            f"Out of memory while training at micro_batch={failed_size}, twice (the window was retried once at that size): "
+            "a batch of the loader is larger than anything the memory allows; shorten the longest samples, use "
             "precision='bf16', or raise memory_limit",
             needed=0,
             budget=run.plan.budget,
@@ -69,6 +71,22 @@ def retry_smaller(run: Any, window: Window, failure: BaseException, bn_saved: li
         ),
     )
     return window.with_cap(run.caps.cap)
+
+
+def retry_at_floor(run: Any, micro_batch: int) -> bool:
+    """An out-of-memory error at the smallest micro-batch: the first in a window may be transient (memory
+    another process held for a moment, the allocator's fragmentation), so the window is retried once at
+    that size, the cache emptied first (True); a second in the same window is not (False)."""
+    if run.retried_at_floor:
+        return False
+    run.retried_at_floor = True
+    warnings.warn(
+        f"Out of memory at micro_batch={micro_batch}, the smallest: retrying the window once at that size, the cached "
+        "memory freed (the shortage may have been transient)",
+        AutotuneWarning,
+        stacklevel=6,  # here, retry_smaller (or the FSDP2 window's), the mode's window, fit's loop, fit, the caller
+    )
+    return True
 
 
 def lower(run: Any, micro_batch: int) -> None:

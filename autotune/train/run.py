@@ -107,6 +107,7 @@ class Run:
         # replaces the estimated peak in the plan.
         self.measured: int | None = None
         self.lowered = False
+        self.retried_at_floor = False  # the window now running was retried once at the smallest micro-batch
         self.steps = 0  # optimizer steps taken in this run
         self.stepped = False  # the first optimizer step (which creates the optimizer state) has run
         self.agreed: Any = None
@@ -181,6 +182,7 @@ class Run:
     def end_window(self) -> None:
         """The window's step was taken: nothing of it to put back any more."""
         self.before_window = None
+        self.retried_at_floor = False
 
     def undo_window(self) -> None:
         """Put back the BatchNorm buffers of before the window and drop its gradients."""

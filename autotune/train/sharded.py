@@ -56,7 +56,7 @@ from autotune.parallel.ranks import (
 )
 from autotune.parallel.stops import failure_watch, stop_every_rank
 from autotune.step import forward_backward
-from autotune.train.retry import lower
+from autotune.train.retry import lower, retry_at_floor
 
 __all__ = ["run_window"]
 
@@ -126,7 +126,7 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         release_cached(device, collect=True)
         if over or outcome.own is not None:
             failure = _lowered(run, window, peak, outcome.own)
-            if failure is None:
+            if failure is None and window is not None:
                 window = window.with_micro_batch(run.plan.micro_batch)
     loss = sum(r[1] for r in rows) / total_items
     if run.lowered:
@@ -147,13 +147,17 @@ def _lowered(run: Any, window: Any, peak: int, error: BaseException | None) -> B
     from autotune.units import format_bytes
 
     failed = max((m.samples for m in window), default=0) if window is not None else 0
+    if failed == 0 and run.spare is not None:  # this rank had no samples left: only its zero-weight micro-batches ran
+        failed = B.batch_size(run.spare)
     floor = run.plan.min_micro_batch
     what = (f"{type(error).__name__} raised on this rank" if error is not None
             else f"{format_bytes(peak)} counted on this rank, the limit is {format_bytes(run.limit)}")
+    if failed <= floor and retry_at_floor(run, failed):
+        return None
     if failed <= floor:
         return NothingFits(
-            f"Out of memory while training at micro_batch={failed} under FSDP2 ({what}): shard over more ranks, "
-            "use precision='bf16', or raise memory_limit",
+            f"Out of memory while training at micro_batch={failed} under FSDP2 ({what}), twice (the window was retried "
+            "once at that size): shard over more ranks, use precision='bf16', or raise memory_limit",
             needed=peak, budget=run.plan.budget, limit=run.plan.memory_limit, micro_batch=failed,
         )
     smaller = max(floor, failed // 2)
