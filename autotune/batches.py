@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "batch_size",
     "checked_batch",
+    "check_like_first",
     "concat",
     "length_dims",
     "longest_length",
@@ -179,6 +180,27 @@ def repeat_lists(batch: Batch, size: int, to: int) -> Batch:
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Samples ``start:stop`` of ``batch`` (tensor views, no copy; per-sample lists sliced too)."""
     return _map(batch, lambda t: t[start:stop], lambda values: values[start:stop], batch_size(batch))
+
+
+def check_like_first(first: Any, batch: Any, index: int) -> None:
+    """Batch ``index`` of a loader has the dict keys and the dtypes of its first batch (batches that
+    differ cannot be joined into micro-batches, nor trained by one loss and model).
+
+    Raises:
+        ValueError: naming both sets of keys, or of dtypes.
+    """
+    if isinstance(first, Mapping) and isinstance(batch, Mapping) and set(first) != set(batch):
+        missing, extra = sorted(map(str, set(first) - set(batch))), sorted(map(str, set(batch) - set(first)))
+        raise ValueError(
+            f"Invalid loader: its batch {index} has the keys {sorted(map(str, batch))}, its first batch {sorted(map(str, first))} "
+            f"(missing {missing or 'none'}, extra {extra or 'none'}); every batch of the loader needs the same keys"
+        )
+    dtypes, first_dtypes = [str(t.dtype) for t in tensors(batch)], [str(t.dtype) for t in tensors(first)]
+    if dtypes != first_dtypes and len(dtypes) == len(first_dtypes):
+        raise ValueError(
+            f"Invalid loader: its batch {index} holds tensors of dtypes {dtypes}, its first batch {first_dtypes}; make "
+            "every batch the same (e.g. .float() in your dataset or collate_fn)"
+        )
 
 
 def _aligned(first: Any, other: Any, where: str = "") -> Any:

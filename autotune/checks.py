@@ -163,6 +163,12 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> None:
             f"Invalid optimizer of type {type(optimizer).__name__}: pass a torch.optim.Optimizer built on "
             "the model's parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)"
         )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "Invalid optimizer LBFGS: its step needs a closure that re-evaluates the loss on the whole batch, several "
+            "times a step, which accumulated micro-batches cannot give; use a first-order optimizer (SGD, AdamW), or "
+            "train LBFGS on batches that fit without autotune"
+        )
     own = {id(p) for p in model.parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     foreign = [p for p in params if id(p) not in own]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -106,6 +107,13 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         output = model(inputs)
         if not isinstance(output, torch.Tensor):
             output = getattr(output, "logits", output)
+        if not isinstance(output, torch.Tensor):
+            kind = f"a dict with keys {sorted(map(str, output))}" if isinstance(output, dict) else f"a {type(output).__name__}"
+            raise TypeError(
+                f"Invalid model output for the default loss: the model returned {kind}, not a tensor of predictions "
+                "(nor an object with .logits); pass loss_fn=lambda model, batch: ... that picks the predictions, e.g. "
+                "loss_fn=lambda m, b: F.cross_entropy(m(b[0])[0], b[1])"
+            )
         if targets.dtype in (torch.bool,) or targets.is_floating_point() or targets.is_complex():
             if output.shape != targets.shape:
                 raise TypeError(
@@ -240,6 +248,8 @@ class Snapshot:
         self.opt_called = optimizer.__dict__.get("_opt_called", _MISSING)
         self.training = [(m, m.training) for m in model.modules()]
         self.rng = RNGState(loader)
+        self.names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+        self.grown: list[str] = []  # modules and parameters a trial's forward created (removed again by restore)
 
     def prepare_trial(self) -> None:
         """Before a real trial: every param group's learning rate to exactly 0 (zero_lr only)."""
@@ -293,6 +303,30 @@ class Snapshot:
         for m, training in self.training:
             m.training = training
         self.rng.restore()
+        self._remove_grown()
+
+    def _remove_grown(self) -> None:
+        """Modules and parameters the model's forward created during the trial: noted in ``grown`` and
+        taken off the model again (see :meth:`refuse_grown`)."""
+        new = [n for n, _ in [*self.model.named_modules(), *self.model.named_parameters()] if n not in self.names]
+        for name in sorted(new, key=len):  # a parent first: its children go with it
+            parent_name, _, attribute = name.rpartition(".")
+            if parent_name in self.names or not parent_name:
+                parent = self.model.get_submodule(parent_name) if parent_name else self.model
+                if hasattr(parent, attribute):
+                    delattr(parent, attribute)
+        self.grown = sorted(set(self.grown) | set(new))
+
+    def refuse_grown(self) -> None:
+        """Raise when a trial's forward created modules or parameters (taken off again already)."""
+        if self.grown:
+            top = [n for n in self.grown if not any(n.startswith(other + ".") for other in self.grown)]
+            raise ValueError(
+                f"Invalid model {type(self.model).__name__}: its forward created {', '.join(top[:5])} while it ran; made "
+                "after the optimizer, they would never be trained (and each step would make them anew); create every "
+                "layer in __init__ (or use torch.nn.LazyLinear and run one forward before building the optimizer). "
+                "They were taken off again: nothing has changed"
+            )
 
 
 _MISSING = object()
@@ -325,7 +359,10 @@ def check_step(model: nn.Module, loss_fn: LossFn, loader: Any, *, device: torch.
     """
     rng = RNGState(loader)
     try:
-        batch = next(iter(loader), _NONE)
+        batches = iter(loader)
+        batch = next(batches, _NONE)
+        for index, later in enumerate(itertools.islice(batches, 7), start=1):  # the first batches have its keys
+            B.check_like_first(batch, later, index)
     finally:
         rng.restore()
     if batch is _NONE:
@@ -350,6 +387,7 @@ def check_step(model: nn.Module, loss_fn: LossFn, loader: Any, *, device: torch.
         raise
     finally:
         snapshot.restore()
+    snapshot.refuse_grown()
 
 
 _NONE = object()

@@ -80,7 +80,7 @@ def fit(s: Setup, **kw: Any) -> Any:
     kw.setdefault("target_batch", 16)
     kw.setdefault("memory_limit", "1GiB")
     kw.setdefault("progress", False)
-    return autotune.fit(s.model, s.loader, optimizer=s.opt, **kw)
+    return autotune.fit(kw.pop("model", s.model), kw.pop("loader", s.loader), optimizer=kw.pop("optimizer", s.opt), **kw)
 
 
 def manual_plan(**changes: Any) -> autotune.Plan:
@@ -128,6 +128,53 @@ def lazy(s: Setup) -> Any:
     with torch.random.fork_rng():
         model = nn.Sequential(nn.LazyLinear(3))
     return autotune.fit(model, s.loader, 16, optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), progress=False)
+
+
+class Grows(nn.Module):
+    """Setup's model, whose forward adds a second head the first time it runs."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "head2"):
+            self.head2 = nn.Linear(3, 3)
+        return self.head2(self.base(x))
+
+
+def growing(s: Setup) -> dict[str, Any]:
+    """fit's model and optimizer for a model that grows (its optimizer: the base's, as a user's would be)."""
+    return {"model": Grows(s.model), "optimizer": s.opt}
+
+
+def returning(s: Setup, kind: type) -> dict[str, Any]:
+    """A model whose output is a tuple or a dict of its logits."""
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = s.model
+
+        def forward(self, x: torch.Tensor) -> Any:
+            out = self.base(x)
+            return (out, out.detach()) if kind is tuple else {"logits": out}
+
+    return {"model": Wrapped(), "optimizer": s.opt}
+
+
+def keyed(s: Setup) -> tuple[Any, Any, Any]:
+    """Dict batches whose third batch has another key."""
+    g = torch.Generator().manual_seed(3)
+    batches = [{"x": torch.randn(8, 6, generator=g), "y": torch.randint(0, 3, (8,), generator=g)} for _ in range(4)]
+    batches[2] = {"x": batches[2]["x"], "label": batches[2]["y"]}
+    return s.model, batches, lambda m, b: F.cross_entropy(m(b["x"]), b["y"])
+
+
+def mixed_dtypes() -> list[Any]:
+    out = batches()
+    out[2] = (out[2][0].double(), out[2][1])
+    return out
 
 
 def nan_loss(s: Setup) -> Any:
@@ -289,6 +336,25 @@ API: list[Case] = [
     Case("a model whose parameters are all frozen", frozen, ValueError, "are frozen"),
     Case("a model without parameters", lambda s: autotune.plan(nn.ReLU(), s.loader, target_batch=16), ValueError, "no parameters"),
     Case("an uninitialised lazy module (`LazyLinear`)", lazy, ValueError, "not initialised yet"),
+    Case("a model that adds a layer in its forward", lambda s: fit(s, target_batch=16, **growing(s)), ValueError,
+         "its forward created head2 while it ran"),
+    Case("a model that adds a layer in its forward, with `plan=`", lambda s: fit(s, target_batch=None, plan=manual_plan(), **growing(s)),
+         ValueError, "its forward created head2 while it ran"),
+    Case("a model that returns a tuple, with the default loss", lambda s: fit(s, **returning(s, tuple)), TypeError,
+         "the model returned a tuple, not a tensor of predictions"),
+    Case("a model that returns a dict, with the default loss", lambda s: fit(s, **returning(s, dict)), TypeError,
+         r"the model returned a dict with keys \['logits'\]"),
+    Case("`torch.optim.LBFGS`", lambda s: fit(s, optimizer=torch.optim.LBFGS(s.model.parameters())), TypeError,
+         "its step needs a closure"),
+    Case("`precision='bf16'` with a `GradScaler`", lambda s: fit(s, precision="bf16", scaler=torch.amp.GradScaler("cpu")), ValueError,
+         "a GradScaler keeps fp16's small gradients"),
+    Case("batches with different dict keys", lambda s: autotune.plan(keyed(s)[0], keyed(s)[1], loss_fn=keyed(s)[2], target_batch=16,
+                                                                    optimizer=s.opt, progress=False), ValueError, "its batch 2 has the keys"),
+    Case("batches with different dict keys, with `plan=`", lambda s: fit(s, target_batch=None, plan=manual_plan(), **dict(zip(("model", "loader", "loss_fn"), keyed(s)))),
+         ValueError, "its batch 2 has the keys"),
+    Case("a float64 batch among float32 ones", lambda s: autotune.plan(s.model, mixed_dtypes(), target_batch=16, optimizer=s.opt,
+                                                                    progress=False), ValueError, "its batch 2 holds tensors of dtypes"),
+    Case("a target larger than an epoch", lambda s: fit(s, target_batch=100), ValueError, "an epoch has 40 samples, so no step can train 100"),
     Case("`fit` under `torch.no_grad()`", under_no_grad, RuntimeError, r"under torch.no_grad\(\)"),
     Case("`plan` under `torch.inference_mode()`", under_inference_mode, RuntimeError, r"under torch.inference_mode\(\)"),
     Case("a loss that is detached from the model", detached_loss, ValueError, "does not require grad"),

@@ -52,12 +52,13 @@ def test_fit_refuses_what_contradicts_the_plan_before_anything_changes(extra, ma
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not extra["optimizer"].state
 
 
-def test_a_target_larger_than_an_epoch_is_warned_with_the_numbers():
+def test_a_target_larger_than_an_epoch_is_refused_with_the_numbers_before_anything_changes():
+    """Once a warning, and one step of 40 samples at the learning rate scaled x125 for 1000."""
     model, loader, optimizer = setup(n=40)
-    with pytest.warns(autotune.AutotuneWarning, match="target_batch=1000 is more than the 40 samples of an epoch: every epoch trains "
-                                                      "one step of 40 samples, at the learning rate scaled for 1000"):
-        result = autotune.fit(model, loader, 1000, optimizer=optimizer, loss_fn=mse, memory_limit="1GiB", progress=False)
-    assert [r.samples for r in result.history] == [40]
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="Invalid target_batch 1000: an epoch has 40 samples, so no step can train 1000"):
+        autotune.fit(model, loader, 1000, optimizer=optimizer, loss_fn=mse, memory_limit="1GiB", progress=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not optimizer.state
 
 
 @pytest.mark.parametrize("kw, error, match", [

@@ -353,3 +353,21 @@ def test_a_transient_out_of_memory_error_at_the_smallest_micro_batch_is_retried_
     with pytest.warns(autotune.AutotuneWarning, match="retrying the window once"), \
             pytest.raises(autotune.NothingFits, match=r"at micro_batch=1, twice \(the window was retried once at that size\)"):
         _floor_run(fail_at=(11, 14))
+
+
+def test_a_batch_of_another_dtype_in_the_middle_of_an_epoch_stops_before_it_clearly():
+    """A float64 batch after four float32 ones (beyond the batches planning looks at): training stops
+    before it with a message naming the batch and both dtypes (once torch's "mat1 and mat2 must have the
+    same dtype" from inside the model), the weights those of the last step taken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3)).float()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 6, generator=g, dtype=torch.float32), torch.randint(0, 3, (8,), generator=g)) for _ in range(12)]
+    data[10] = (data[10][0].double(), data[10][1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = autotune.plan(model, data[:4], target_batch=16, optimizer=opt, memory_limit="1GiB", lr_rule="none", progress=False)
+    steps = []
+    with pytest.raises(ValueError, match=r"Invalid batch 10 of the epoch: its tensors' dtypes \['torch.float64', 'torch.int64'\] differ"):
+        autotune.fit(model, data, plan=plan, optimizer=opt, progress=False, callback=lambda r: steps.append(copy.deepcopy(model.state_dict())))
+    assert len(steps) == 5  # batches 0-9: five steps of 16, then the stop
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in steps[-1].items())

@@ -324,6 +324,11 @@ def _probe_every_rank(setup: _Setup, loader: Iterable[Any], shared: Options, pro
         error = exc
     finally:
         snapshot.restore()
+    if error is None:
+        try:
+            snapshot.refuse_grown()  # after the restore: what the trials' forwards created is off the model again
+        except ValueError as exc:
+            error = exc
     if group_broken(error):  # every rank already stopped, each naming the cause (FSDP2's fail-fast path)
         assert error is not None
         raise error

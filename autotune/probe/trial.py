@@ -78,8 +78,11 @@ def sample_batch(loader: Iterable[Any], *, max_batches: int = 8) -> Looked:
         )
     worst, worst_numel, first_size, seen = None, -1, 0, 0
     shapes: dict[Any, Any] = {}  # per-sample shapes -> one small template of them
+    first: Any = None
     for batch in loader:
         size, sample_shapes = B.checked_batch(batch, seen)
+        first = batch if seen == 0 else first
+        B.check_like_first(first, batch, seen)
         numel = B.per_sample_numel(batch)
         if seen == 0:
             first_size = size

@@ -47,8 +47,19 @@ class ShapeCaps:
         self.corrections.append((size, micro_batch))
 
     def meeting(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """``loader``'s batches, each :meth:`met <meet>` before it is cut into micro-batches."""
-        for batch in loader:
+        """``loader``'s batches, each :meth:`met <meet>` before it is cut into micro-batches, and each
+        checked to hold the dtypes of the epoch's first (a float64 batch among float32 ones would
+        fail inside the model, after the steps before it were taken, with torch's own message)."""
+        first: tuple[Any, ...] | None = None
+        for index, batch in enumerate(loader):
+            dtypes = tuple(t.dtype for t in B.tensors(batch))
+            first = dtypes if first is None else first
+            if dtypes != first:
+                raise ValueError(
+                    f"Invalid batch {index} of the epoch: its tensors' dtypes {[str(d) for d in dtypes]} differ from the "
+                    f"first batch's {[str(d) for d in first]}; make every batch the same (e.g. .float() in your dataset or "
+                    "collate_fn). Training stopped before it: the weights are those after the last step taken"
+                )
             self.meet(batch)
             yield batch
 

@@ -104,19 +104,18 @@ def _fit_device(model: nn.Module, device: torch.device | str | None) -> torch.de
     return resolved
 
 
-def _warn_if_larger_than_an_epoch(loader: Iterable[Any], target: int) -> None:
-    """A target larger than an epoch's samples trains one short step per epoch at the target's learning rate."""
+def _check_within_an_epoch(loader: Iterable[Any], target: int | None, world_size: int) -> None:
+    """A fixed target larger than an epoch's samples (over all ranks) can never be trained: refused."""
     try:
-        samples = len(loader.dataset)  # type: ignore[attr-defined]
+        sampler = getattr(loader, "sampler", None)
+        samples = (len(sampler) if sampler is not None else len(loader.dataset)) * world_size  # type: ignore[arg-type,attr-defined]
     except (AttributeError, TypeError):
         return
-    if 0 < samples < target:
-        warnings.warn(
-            f"target_batch={target} is more than the {samples} samples of an epoch: every epoch trains one step of "
-            f"{samples} samples, at the learning rate scaled for {target}; give a target of at most {samples}, or more "
-            "data per epoch",
-            AutotuneWarning,
-            stacklevel=4,
+    if target is not None and 0 < samples < target:
+        raise ValueError(
+            f"Invalid target_batch {target}: an epoch has {samples} samples, so no step can train {target} (every epoch "
+            f"would be one step of {samples}, at the learning rate meant for {target}); give a target of at most "
+            f"{samples}, or more data per epoch"
         )
 
 
@@ -317,12 +316,19 @@ class _Request:
         check_device_exists(rest["device"])
         par = parallel(model)  # under DDP: the inner module runs; autotune syncs once per window
         _check_with_ranks(par, ramp, mode)
+        _check_within_an_epoch(loader, None if ramp is not None else (plan.effective_batch if plan is not None else target),
+                               world(par.group)[1])
         check_trainable(par.inner)
         if rest["optimizer"] is not None:
             check_optimizer(par.inner, rest["optimizer"])
         check_scheduler(rest["scheduler"], rest["optimizer"] if rest["optimizer"] is not None else object())  # type: ignore[arg-type]
         tracker = tracker_for(rest.pop("checkpoint"), rest.pop("save_every"), par, loader, target, plan)
         name = shared.precision or (plan.precision if plan is not None else "fp32")
+        if scaler is not None and name != "fp16":
+            raise ValueError(
+                f"Invalid scaler {type(scaler).__name__} for precision={name!r}: a GradScaler keeps fp16's small gradients "
+                f"from underflowing; {name} has float32's range and needs none; drop scaler=, or train with precision='fp16'"
+            )
         if plan is not None and shared.precision is not None and shared.precision != plan.precision:
             raise ValueError(
                 f"Invalid precision {precision!r}: the plan given was made for {plan.precision!r}, whose memory it measured; "
@@ -411,7 +417,6 @@ def _set_up(r: _Request) -> Run:
             AutotuneWarning,
             stacklevel=3,
         )
-    _warn_if_larger_than_an_epoch(r.loader, plan.effective_batch)
     if r.scaler is None and r.precision == "fp16":
         r.scaler = torch.amp.GradScaler(device.type)
     if tracker is not None:
