@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--kill", type=int, default=0)
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--fsdp", action="store_true", help="shard each Linear with fully_shard, then the model (FSDP2)")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     ranks = "RANK" in os.environ
@@ -69,7 +70,14 @@ def main() -> None:
     else:
         loader = DataLoader(dataset, batch_size=10, shuffle=True, generator=torch.Generator().manual_seed(0))
     net = model(args.dropout)
-    if ranks:
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(net)
+    elif ranks:
         net = nn.parallel.DistributedDataParallel(net)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=30)
@@ -81,8 +89,9 @@ def main() -> None:
     result = autotune.fit(net, loader, target(args.case), optimizer=optimizer, loss_fn=mse, epochs=3, scheduler=scheduler,
                           memory_limit=args.limit, headroom=0, lr_rule="none", progress=False, callback=stop,
                           checkpoint=args.checkpoint or str(args.out / "run.pt"), save_every=2)
-    inner = net.module if ranks else net
-    torch.save({"params": [p.detach().clone() for p in inner.parameters()], "micro": result.plan.micro_batch,
+    inner = net.module if ranks and not args.fsdp else net
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in inner.parameters()]
+    torch.save({"params": params, "micro": result.plan.micro_batch,
                 "history": [(h.step, h.samples, h.loss, h.lr, h.target) for h in result.history]},
                args.out / f"result-rank{rank}.pt")
     if ranks:

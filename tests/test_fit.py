@@ -371,3 +371,17 @@ def test_a_batch_of_another_dtype_in_the_middle_of_an_epoch_stops_before_it_clea
         autotune.fit(model, data, plan=plan, optimizer=opt, progress=False, callback=lambda r: steps.append(copy.deepcopy(model.state_dict())))
     assert len(steps) == 5  # batches 0-9: five steps of 16, then the stop
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in steps[-1].items())
+
+
+def test_fp16_without_a_scaler_says_it_made_one():
+    """fp16 with scaler=None gets a GradScaler made for the run, and the plan says so (once no word at
+    all, on a CPU too); a scaler given is used as it is, without the note."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3)).float()
+    data = [(torch.randn(8, 6, dtype=torch.float32), torch.randint(0, 3, (8,))) for _ in range(4)]
+    result = autotune.fit(model, data, 16, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                          memory_limit="1GiB", progress=False)
+    assert any(n.startswith("fp16: a GradScaler made for the run") and "bf16 has float32's range" in n for n in result.plan.notes)
+    given = autotune.fit(model, data, 16, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                         scaler=torch.amp.GradScaler("cpu"), memory_limit="1GiB", progress=False)
+    assert not any("GradScaler made" in n for n in given.plan.notes)

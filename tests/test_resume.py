@@ -81,6 +81,18 @@ def test_a_killed_rank_under_ddp_resumes_bitwise(tmp_path, case):
         assert all(torch.equal(a, b) for a, b in zip(w["params"], r["params"]))
 
 
+@pytest.mark.slow
+def test_a_killed_rank_under_fsdp2_resumes_bitwise(tmp_path):
+    """FSDP2 (each Linear sharded, then the model): the model's and the optimizer's shards saved with
+    torch.distributed.checkpoint by every rank, the rest as under DDP; rank 1 killed after step 7, both
+    relaunched: each rank's history and the gathered parameters are the whole run's."""
+    whole, resumed = whole_and_resumed(tmp_path, "--fsdp", "--limit", "64KiB", kill=7, ranks=2)
+    for w, r in zip(whole, resumed):
+        assert r["history"] == w["history"][6:]
+        assert all(torch.equal(a, b) for a, b in zip(w["params"], r["params"]))
+    assert len(list((tmp_path / "resumed").glob("run.pt.step*"))) == 1  # the shards of earlier steps removed
+
+
 def small_run(tmp_path, **kw):
     from resume_worker import data, model, mse
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["parse_ramp", "DTYPES", "UsageError", "load_callable", "make_parser", "parse_lengths", "parse_shape"]
+__all__ = ["parse_count", "parse_ramp", "DTYPES", "UsageError", "load_callable", "make_parser", "parse_lengths", "parse_shape"]
 
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "long", "int", "bool", "mask")
@@ -61,8 +61,10 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--shard", type=int, metavar="N", help="instead of a plan for one device: estimate an FSDP2 run (fully_shard) over N devices, per rank, for a model too large for one")
     r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
     r.add_argument("--ramp", metavar="SPEC", help="also say what a growing target would do, up to --target-batch: fixed stages "
-                   "TARGET,TARGET@FROM,... (samples seen; the first from 0), e.g. 256,512@2000000,2048@4000000; or adaptive:START")
-    r.add_argument("--samples", type=int, metavar="N", help="with --ramp: the run's samples, to count each stage's optimizer steps")
+                   "TARGET,TARGET@FROM,... (samples seen; the first from 0), e.g. 256,512@2e6,2048@4e6; or "
+                   "adaptive:START[,factor=2][,margin=2][,windows=10]")
+    r.add_argument("--samples", type=_count_arg, metavar="N", help="with --ramp: the run's samples (e.g. 2e7), to count each stage's "
+                   "optimizer steps")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
     r.add_argument("--debug", action="store_true", help="show the traceback of an error in your model or loader")
     return parser
@@ -117,20 +119,63 @@ def parse_lengths(text: str) -> list[int]:
     return sorted(set(lengths))
 
 
+def _count_arg(text: str) -> int:
+    """argparse's type for a count: its own error message on a value that is not one."""
+    try:
+        return parse_count(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: give a whole number, e.g. 20000000 or 2e7") from None
+
+
+def parse_count(text: str) -> int:
+    """A whole number of samples as people write it: ``2000000``, ``2_000_000``, ``2e6``.
+
+    Raises:
+        ValueError: not a whole number (``2.5e3`` is 2500 and fine; ``1.5`` is not).
+    """
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a count (write 2000000, 2_000_000 or 2e6)") from None
+    if not value.is_integer() or value < 0:
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+_ADAPTIVE_OPTIONS = {"factor": int, "margin": float, "windows": int}
+
+
 def parse_ramp(text: str, maximum: int) -> Any:
-    """``--ramp``: fixed stages ``TARGET,TARGET@FROM,...`` or ``adaptive:START``, up to ``maximum``."""
+    """``--ramp``: fixed stages ``TARGET,TARGET@FROM,...`` (``FROM`` a count such as ``2e6``), or
+    ``adaptive:START[,factor=F][,margin=M][,windows=W]``, up to ``maximum``."""
     from autotune.train.ramp import BatchRamp
 
     try:
         if text.startswith("adaptive:"):
-            return BatchRamp.adaptive(int(text.split(":", 1)[1]), maximum)
+            start, *options = text.split(":", 1)[1].split(",")
+            chosen: dict[str, Any] = {}
+            for option in options:
+                name, _, value = option.partition("=")
+                if name not in _ADAPTIVE_OPTIONS or not value:
+                    raise ValueError(f"{option!r} is not an option of the adaptive ramp (factor=, margin=, windows=)")
+                chosen[name] = _ADAPTIVE_OPTIONS[name](value)
+            return _same_maximum(BatchRamp.adaptive(parse_count(start), maximum, **chosen), text, maximum)
         stages = []
         for part in text.split(","):
             target, _, start = part.partition("@")
-            stages.append((int(start) if start else 0, int(target)))
+            stages.append((parse_count(start) if start else 0, parse_count(target)))
         ramp = BatchRamp.fixed(stages)
     except ValueError as exc:
-        raise UsageError(f"Invalid --ramp {text!r}: {exc}; write TARGET,TARGET@FROM,... (e.g. 256,512@2000000) or adaptive:START") from None
+        raise UsageError(f"Invalid --ramp {text!r}: {exc}; write TARGET,TARGET@FROM,... (e.g. 256,512@2e6) or "
+                         "adaptive:START[,factor=2][,margin=2][,windows=10]") from None
+    return _same_maximum(ramp, text, maximum)
+
+
+def _same_maximum(ramp: Any, text: str, maximum: int) -> Any:
     if ramp.maximum != maximum:
         raise UsageError(f"Invalid --ramp {text!r}: its largest target is {ramp.maximum}, and --target-batch is {maximum}; the plan is "
                          "made for the ramp's largest target, so give --target-batch the same")

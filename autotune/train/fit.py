@@ -419,6 +419,9 @@ def _set_up(r: _Request) -> Run:
         )
     if r.scaler is None and r.precision == "fp16":
         r.scaler = torch.amp.GradScaler(device.type)
+        plan = dataclasses.replace(plan, notes=plan.notes + (
+            "fp16: a GradScaler made for the run (scaler=None), its scale starting over; pass scaler= to carry it from one "
+            "fit call to the next" + ("; on the CPU, bf16 has float32's range and needs none" if device.type == "cpu" else ""),))
     if tracker is not None:
         tracker.restore(None, None, None, r.scaler)
     ramp, rank = r.ramp, world(par.group)[0]

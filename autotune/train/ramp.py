@@ -113,8 +113,10 @@ class BatchRamp:
 
     @classmethod
     def fixed(cls, stages: Sequence[tuple[int, int]], *, unit: Unit = "samples") -> BatchRamp:
-        """Stages ``[(from_seen, target), ...]``: from ``from_seen`` samples (or items) trained on, the
-        target is ``target``. The first stage starts at 0; the targets never shrink.
+        """Stages ``[(from_seen, target), ...]``: the windows that start once at least ``from_seen``
+        samples (or items) have been trained have the target ``target`` (windows count whole: a stage
+        begins with the first window that starts at or after its count). The first stage starts at 0;
+        the targets never shrink.
 
         Example:
             >>> ramp = BatchRamp.fixed([(0, 256), (2_000_000, 512), (4_000_000, 1024)])

@@ -2,7 +2,9 @@
 
 Every ``save_every`` optimizer steps, and when the run ends, ``fit`` writes one file (rank 0 writes it,
 a temporary file renamed over the last one, so a kill mid-write leaves the last whole file): the
-model's state (the module inside DDP), the optimizer's, the scheduler's and the scaler's, and
+model's state (the module inside DDP; under FSDP2 every rank's shards, with
+``torch.distributed.checkpoint``, in a folder per step that the file names), the optimizer's, the
+scheduler's and the scaler's, and
 autotune's own (:class:`Saved`): the plan with the micro-batches out-of-memory errors taught, the noise
 meter, a :class:`~autotune.train.ramp.BatchRamp`'s state, the steps taken, the epoch, and for each rank
 where its epoch stands (the samples it trained in it, the random states at the epoch's start and now).
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -212,10 +215,12 @@ class Tracker:
         loaded = self.loaded
         if loaded is None:
             return
-        if model is not None:
+        if model is not None and loaded.get("sharded"):  # FSDP2: every rank loads its shards
+            _load_sharded(model, optimizer, loaded["sharded"])
+        elif model is not None:
             model.load_state_dict(loaded["model"])
-        if optimizer is not None:
-            optimizer.load_state_dict(loaded["optimizer"])
+            if optimizer is not None:
+                optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and loaded["scheduler"] is not None:
             scheduler.load_state_dict(loaded["scheduler"])
         if scaler is not None and loaded["scaler"] is not None:
@@ -265,6 +270,7 @@ class Tracker:
               sampler_epoch: int) -> None:
         """Write the checkpoint (rank 0; every rank calls this together and sends its position)."""
         mine = {"samples": self.samples, "start": self.start, "now": random_state()}
+        sharded = _save_sharded(run.model, run.optimizer, f"{self.path}.step{step}") if run.par.fsdp else None
         ranks = [mine]
         if run.world_size > 1:
             ranks = [None] * run.world_size  # type: ignore[list-item]
@@ -276,9 +282,38 @@ class Tracker:
                       corrections=list(run.caps.corrections), longer=dict(run.caps.longer), ranks=ranks,
                       noise=run.noise.state_dict(), ramp=ramp.state_dict() if ramp is not None else None, unit=run.unit,
                       stepped=run.stepped)
-        save(self.path, {"format": FORMAT, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+        whole = sharded is None
+        save(self.path, {"format": FORMAT, "model": run.model.state_dict() if whole else None,
+                         "optimizer": run.optimizer.state_dict() if whole else None, "sharded": sharded,
                          "scheduler": scheduler.state_dict() if scheduler is not None else None,
                          "scaler": scaler.state_dict() if scaler is not None else None, "autotune": dataclasses.asdict(saved)})
+        if sharded is not None:  # the shards of earlier steps are not needed any more (the file now names these)
+            for old in Path(self.path).parent.glob(Path(self.path).name + ".step*"):
+                if str(old) != sharded and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_sharded(model: Any, optimizer: Any, folder: str) -> str:
+    """FSDP2: the model's and the optimizer's shards, every rank its own, with
+    ``torch.distributed.checkpoint`` in ``folder`` (a folder per step: the checkpoint file names the
+    one that is whole)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    return folder
+
+
+def _load_sharded(model: Any, optimizer: Any, folder: str) -> None:
+    """FSDP2: what :func:`_save_sharded` wrote, loaded shard by shard into the model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def tracker_for(checkpoint: Any, save_every: Any, par: Any, loader: Any, target: int | None, plan: Any) -> Tracker | None:
@@ -291,9 +326,6 @@ def tracker_for(checkpoint: Any, save_every: Any, par: Any, loader: Any, target:
         raise TypeError(f"Invalid checkpoint {checkpoint!r}: give a file path (str or pathlib.Path), or None")
     if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
         raise ValueError(f"Invalid save_every {save_every!r}: give the optimizer steps between two checkpoints, an int >= 1")
-    if par.fsdp:
-        raise ValueError("Invalid checkpoint= for a model sharded with FSDP2: its model and optimizer states are sharded, and fit "
-                         "saves whole ones; save them with torch.distributed.checkpoint yourself, or train it without checkpoint=")
     if is_one_shot(loader):
         raise TypeError(f"Invalid loader of type {type(loader).__name__} with checkpoint=: a one-shot iterator cannot be read "
                         "again from an epoch's start to resume; pass a re-iterable such as a DataLoader")
