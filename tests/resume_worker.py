@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--fsdp", action="store_true", help="shard each Linear with fully_shard, then the model (FSDP2)")
+    parser.add_argument("--term-peer", action="store_true", help="with --kill under torchrun: rank 1 first sends rank 0 SIGTERM, "
+                        "as torchrun does when a rank exits, before rank 0 can notice")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     ranks = "RANK" in os.environ
@@ -84,6 +86,10 @@ def main() -> None:
 
     def stop(record) -> None:
         if record.step == args.kill and (rank == 1 or not ranks):
+            if args.term_peer:
+                from autotune.parallel.ranks import peers_here
+
+                os.kill(peers_here()[0], signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGKILL)
 
     result = autotune.fit(net, loader, target(args.case), optimizer=optimizer, loss_fn=mse, epochs=3, scheduler=scheduler,

@@ -36,6 +36,7 @@ __all__ = [
     "lost_peer",
     "naming_lost_peers",
     "forget_failure",
+    "stopped_by_signal",
     "tell_failure",
     "told_causes",
     "parallel",
@@ -356,6 +357,31 @@ def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseExce
         )
     lost.autotune_elsewhere = True  # type: ignore[attr-defined]
     return lost
+
+
+def stopped_by_signal(group: Any = None) -> BaseException:
+    """The error for a rank the launcher (or the system) stopped with SIGTERM: ``torchrun`` stops the
+    other ranks as soon as one exits, often before they have noticed it themselves, so this says which
+    rank exited (or stopped on an error it told), when it can."""
+    from autotune.errors import AutotuneError
+
+    causes = told_causes(group)
+    gone = exited_ranks(group)
+    deadline = time.monotonic() + LOST_SECONDS
+    while not gone and not causes and peers_here(group) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        gone = exited_ranks(group)
+    if causes:
+        r, cause = next(iter(causes.items()))
+        why = f"rank {r} stopped on an error of its own ({cause})"
+    elif gone:
+        ranks = ", ".join(str(r) for r in gone)
+        why = f"rank {ranks} exited (its process is gone; the output of rank {ranks} says why)"
+    else:
+        why = "no other rank is known to have failed"
+    stopped = AutotuneError(f"this rank was stopped with SIGTERM (by the launcher, or the system): {why}")
+    stopped.autotune_elsewhere = True  # type: ignore[attr-defined]
+    return stopped
 
 
 _CAUSE = FAILED_KEY + "/cause/"  # below it, by rank: the error a rank stopped on, for the ranks it leaves waiting

@@ -13,6 +13,8 @@ ledger for windows of new shapes. The windows (:mod:`autotune.train.single`,
 from __future__ import annotations
 
 import math
+import signal
+import threading
 from collections import OrderedDict
 from contextlib import ExitStack, nullcontext
 from typing import Any
@@ -31,6 +33,7 @@ from autotune.parallel.ranks import (
     forget_failure,
     gather,
     is_distributed,
+    stopped_by_signal,
     tell_failure,
     world,
 )
@@ -137,6 +140,7 @@ class Run:
         stack = self.stack
         if self.world_size > 1:
             forget_failure(self.par.group)
+            self._name_on_sigterm()
         stack.enter_context(self.bnc)
         # Under FSDP2 the limit is counted, not enforced: a capped allocator would raise inside FSDP2's own
         # collective code too, where the error cannot be shared (see autotune.parallel.lockstep).
@@ -153,6 +157,21 @@ class Run:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         return self
+
+    def _name_on_sigterm(self) -> None:
+        """Under a launcher that stops every rank when one exits (``torchrun`` sends SIGTERM), raise an
+        error naming the rank that exited instead of dying without a word; only where SIGTERM has its
+        default action (a handler of yours is left alone), and put back at the end of the run."""
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
+            return
+        group = self.par.group
+
+        def stopped(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+            raise stopped_by_signal(group)
+
+        signal.signal(signal.SIGTERM, stopped)
+        self.stack.callback(signal.signal, signal.SIGTERM, signal.SIG_DFL)
 
     def __exit__(self, kind: Any, *exc: Any) -> None:
         if kind is not None and self.world_size > 1 and isinstance(exc[0], Exception):
