@@ -21,18 +21,21 @@ the one that failed, with the accumulation that keeps the target. Where the Trai
 be wrong for your model (below), the Trainer's loss is corrected. ``prepared.restore()`` puts the
 Trainer back as it was.
 
-Exactness, found out per model, not assumed: :func:`prepare` evaluates the Trainer's loss on one
-batch (no gradient, dropout off) with two different ``num_items_in_batch`` and on two halves of the
-batch, and so learns whether the loss divides by the count the Trainer passes, and whether it is a
-mean over the labelled items the Trainer counts or over samples. In transformers 5.x the Trainer
-stops dividing by the accumulation steps whenever the model's ``forward`` takes ``**kwargs`` and
-trusts the model to divide by ``num_items_in_batch``; most heads (sequence and token classification,
-masked LM, T5, Whisper) ignore it and return their micro-batch mean, so every step would be k times
-the true gradient. For those, the Trainer's ``compute_loss`` is wrapped to weight each micro-batch's
-mean by its items over the step's (``n_i / N``, summed over the devices), which is the big batch's
-loss for any split; a causal LM whose loss shifts the labels while the Trainer counts them unshifted
-gets the Trainer's count corrected. The notes say which rule holds; where none can be made exact they
-say how far from exact, never "exact".
+Exactness, found out per model, not assumed (:mod:`autotune.integrations.loss_rules`): :func:`prepare`
+evaluates the Trainer's own loss on one batch (no gradient, dropout off) with two different
+``num_items_in_batch`` and on two halves collated as micro-batches are, and so learns whether the
+loss divides by the count the Trainer passes, and whether it is a mean over the labelled items
+(shifted or not), over samples, a sum, or none of these. In transformers 5.x the Trainer stops
+dividing by the accumulation steps whenever the model's ``forward`` takes ``**kwargs`` and trusts the
+model to divide by ``num_items_in_batch``; most heads (sequence and token classification, masked LM,
+T5, Whisper) ignore it and return their micro-batch mean, so every step would be k times the true
+gradient. For those, the Trainer's ``compute_loss`` is wrapped to weight each micro-batch by its share
+of the step (its items or samples over the step's, summed over the devices, from the Trainer's own
+``get_batch_samples``), which is the big batch's loss for any split, an epoch's short last step
+included; a causal LM whose loss shifts the labels while the Trainer counts them unshifted gets the
+Trainer's count corrected. Collators whose rows are not samples (TRL's preference pairs) are planned
+in samples (:mod:`autotune.integrations.rows`). The notes say which rule holds; where none can be
+made exact they say how far from exact (a measured factor), never "exact".
 """
 
 from __future__ import annotations
