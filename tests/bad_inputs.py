@@ -323,6 +323,8 @@ API: list[Case] = [
     Case("`fit(plan=..., target_batch=64)` for a plan of 16", lambda s: fit(s, plan=manual_plan(), target_batch=64), ValueError, "the plan given trains 16"),
     Case("`checkpoint=3` (not a path)", lambda s: fit(s, checkpoint=3), TypeError, "Invalid checkpoint 3"),
     Case("`save_every=0`", lambda s: fit(s, checkpoint="unused.pt", save_every=0), ValueError, "Invalid save_every 0"),
+    Case("a checkpoint in a folder that does not exist", lambda s: fit(s, checkpoint="no-such-folder/run.pt"), ValueError,
+         "the folder 'no-such-folder' does not exist"),
     Case("a checkpoint of a run with another target", another_runs_checkpoint, ValueError, "its run trains 8 samples per step"),
     Case("a file that is not a checkpoint", not_a_checkpoint, ValueError, "not a checkpoint autotune.fit wrote"),
     Case("a one-shot iterator with `checkpoint=`", lambda s: autotune.fit(s.model, iter(batches()), target_batch=16, optimizer=s.opt,

@@ -329,6 +329,10 @@ def tracker_for(checkpoint: Any, save_every: Any, par: Any, loader: Any, target:
     if is_one_shot(loader):
         raise TypeError(f"Invalid loader of type {type(loader).__name__} with checkpoint=: a one-shot iterator cannot be read "
                         "again from an epoch's start to resume; pass a re-iterable such as a DataLoader")
+    folder = Path(checkpoint).parent
+    if not folder.is_dir():
+        raise ValueError(f"Invalid checkpoint {str(checkpoint)!r}: the folder {str(folder)!r} does not exist, so the first save would "
+                         "fail after training; create it first, or give a path in a folder that exists")
     loaded = load(checkpoint)
     rank, size = world(par.group)
     if loaded is not None:
