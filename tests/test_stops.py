@@ -97,3 +97,21 @@ def test_only_the_transports_own_errors_read_as_a_lost_rank():
     lost = lost_peer(gloo, what="in this step's exchange")
     assert str(lost).startswith("lost the connection to another rank in this step's exchange")
     assert "a rank exited or crashed" in str(lost)
+
+
+def test_an_fsdp2_out_of_memory_error_in_a_ranks_zero_weight_micro_batch_names_a_micro_batch_that_exists():
+    """Under FSDP2 a rank whose window has no samples left runs zero-weight micro-batches of a spare
+    sample, in lockstep; an out-of-memory error there once gave NothingFits at micro_batch=0. Now the
+    spare's size counts: the window is retried once at it, then NothingFits names it."""
+    import types
+
+    from autotune.train.sharded import _lowered
+
+    run = types.SimpleNamespace(plan=types.SimpleNamespace(min_micro_batch=1, budget=1024, memory_limit=2048), spare=torch.zeros(1, 3),
+                                retried_at_floor=False, limit=None)
+    error = torch.OutOfMemoryError("injected")
+    with pytest.warns(autotune.AutotuneWarning, match="Out of memory at micro_batch=1, the smallest: retrying the window once"):
+        assert _lowered(run, None, 0, error) is None
+    failure = _lowered(run, None, 0, error)
+    assert isinstance(failure, autotune.NothingFits) and failure.micro_batch == 1
+    assert "at micro_batch=1 under FSDP2 (OutOfMemoryError raised on this rank), twice" in str(failure)
