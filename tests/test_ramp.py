@@ -209,8 +209,10 @@ def test_a_ramp_says_what_it_would_do():
     lines = BatchRamp.fixed([(0, 256), (2_000_000, 512), (4_000_000, 2048)]).describe(micro_batch=96, total=6_000_000)
     assert lines[0] == "256 per step from 0 to 2,000,000 samples: 3 micro-batches of 85-86 per step, 7,813 steps"
     assert lines[2] == "2048 per step from 4,000,000 to 6,000,000 samples: 22 micro-batches of 93-94 per step, 977 steps"
+    # an adaptive ramp: at most half of each target's share per micro-batch (two for its meter), up to what fits
     adaptive = BatchRamp.adaptive(64, 512).describe(micro_batch=128, world_size=2)
-    assert adaptive[:2] == ["64 per step: 1 micro-batch of 32 per step per rank", "128 per step: 1 micro-batch of 64 per step per rank"]
+    assert adaptive[:4] == ["64 per step: 2 micro-batches of 16 per step per rank", "128 per step: 2 micro-batches of 32 per step per rank",
+                            "256 per step: 2 micro-batches of 64 per step per rank", "512 per step: 2 micro-batches of 128 per step per rank"]
 
 
 def test_a_ramp_is_refused_for_a_model_sharded_with_fsdp2():
@@ -240,3 +242,22 @@ dist.destroy_process_group()
     message, unchanged = done.stdout.strip().splitlines()[-2:]
     assert message.startswith("Invalid target_batch BatchRamp.fixed([(0, 8), (16, 16)], unit='samples') for a model sharded with FSDP2")
     assert message.endswith("give a fixed target_batch") and unchanged == "True"
+
+
+def test_an_adaptive_ramps_micro_batch_grows_with_its_target():
+    """Each target trains micro-batches of half its share (two per window, for the meter), from the
+    first window cut after the raise: once half the first target for the whole run."""
+    import math
+
+    from resume_worker import data, model, mse
+
+    net = model(0.0)
+    loader = DataLoader(data(), batch_size=10, shuffle=True, generator=torch.Generator().manual_seed(0))
+    result = autotune.fit(net, loader, BatchRamp.adaptive(4, 32, windows=1, margin=1.0), optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
+                          loss_fn=mse, memory_limit="1GiB", headroom=0, lr_rule="none", epochs=3, progress=False)
+    seen: dict[int, list[int]] = {}
+    for h in result.history:
+        seen.setdefault(h.target, []).append(h.micro_batch)
+    assert len(seen) >= 3, seen  # the target was raised at least twice
+    for target, micro in seen.items():
+        assert max(micro) == math.ceil(target / 2), (target, micro)  # an epoch's short last window holds less

@@ -346,10 +346,8 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
 
 
 def _ramp_lines(ramp: Any, plan: Any, samples: int | None) -> list[str]:
-    """What the ramp would do with the plan's micro-batch (an adaptive one: at most half its first target)."""
-    from autotune.train.ramp import ramp_micro_batch
-
-    return ramp.describe(ramp_micro_batch(plan, ramp, plan.min_micro_batch), plan.world_size, samples)
+    """What the ramp would do with the plan's micro-batch (an adaptive one: at most half each target)."""
+    return ramp.describe(plan.micro_batch, plan.world_size, samples)
 
 
 def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any, on_device: bool) -> int:

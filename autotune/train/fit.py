@@ -426,7 +426,7 @@ def _set_up(r: _Request) -> Run:
         tracker.restore(None, None, None, r.scaler)
     ramp, rank = r.ramp, world(par.group)[0]
     if ramp is not None and not any(n.startswith("batch ramp") for n in plan.notes):  # the plan says what the ramp does
-        lines = ramp.describe(ramp_micro_batch(plan, ramp, min_micro), plan.world_size)
+        lines = ramp.describe(plan.micro_batch, plan.world_size)
         plan = dataclasses.replace(plan, notes=plan.notes + (f"batch ramp {ramp!r}: " + "; ".join(lines),))
     r.plan = plan
     run = Run(
@@ -493,7 +493,7 @@ def _epochs(run: Run, r: _Request) -> tuple[list[StepRecord], list[RampChange]]:
                 continue
             run.check_finite(loss, window, step=done + len(history) + 1, epoch=epoch)
             if ramp is not None:  # the learning rate follows the target of the window that ran
-                _follow(run, plan, ramp.trained_target())
+                _follow(run, plan, ramp, ramp.trained_target())
             noise = run.measure_noise(agreed)  # the window's gradient, before clipping
             lr, skipped = optimizer_step(run, int(agreed.samples))  # clip, step at the scaled LR, schedule, zero
             run.end_window()
@@ -512,6 +512,8 @@ def _epochs(run: Run, r: _Request) -> tuple[list[StepRecord], list[RampChange]]:
             )
             run.pace_noise(record.seconds)
             history.append(record)
+            if change is not None:  # the windows cut from here on take the new target's micro-batch
+                _follow(run, plan, ramp, change.target)  # type: ignore[arg-type]
             run.show(record)
             if tracker is not None and tracker.due(record.step):
                 _save(run, r, record.step, first_epoch)
@@ -557,10 +559,13 @@ def _finish(run: Run, r: _Request, history: list[StepRecord], changes: list[Ramp
                      noise_note=_noise_note(measured, run, r.noise_scale), ramp=r.ramp, ramp_changes=tuple(changes))
 
 
-def _follow(run: Run, plan: Plan, target: int) -> None:
-    """The run's plan for a ramp's ``target``: same micro-batch, its accumulation and learning rate."""
-    if target != run.plan.effective_batch:  # the micro-batch stays the run's (or what an OOM lowered it to)
-        run.plan = plan_for_target(plan, target, micro_batch=run.plan.micro_batch, rank=run.rank)
+def _follow(run: Run, plan: Plan, ramp: BatchRamp, target: int) -> None:
+    """The run's plan for a ramp's ``target``: its micro-batch (an adaptive ramp's grows with the target,
+    never above what an out-of-memory error lowered it to), accumulation and learning rate."""
+    if target != run.plan.effective_batch:
+        cap = run.plan.micro_batch if run.lowered else plan.micro_batch
+        micro = min(cap, ramp_micro_batch(plan, ramp, plan.min_micro_batch, target=target))
+        run.plan = plan_for_target(plan, target, micro_batch=micro, rank=run.rank)
 
 
 def _noise_note(noise: Any, run: Run, asked: bool | int) -> str | None:

@@ -257,10 +257,13 @@ class BatchRamp:
         return n
 
     def describe(self, micro_batch: int, world_size: int = 1, total: int | None = None) -> list[str]:
-        """What the ramp would do with micro-batches of at most ``micro_batch`` per rank: per stage,
-        the micro-batches per step and (with ``total`` samples) the optimizer steps."""
+        """What the ramp would do with micro-batches of at most ``micro_batch`` per rank (an adaptive
+        ramp: at most half each target's share, for its meter): per stage, the micro-batches per step
+        and (with ``total`` samples) the optimizer steps."""
         def split(target: int) -> str:
-            sizes = even_micro_batches(largest_share(target, world_size), micro_batch)
+            share = largest_share(target, world_size)
+            micro = min(micro_batch, max(1, math.ceil(share / 2))) if self.adaptive_form else micro_batch
+            sizes = even_micro_batches(share, micro)
             size = f"{sizes[0]}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
             return f"{len(sizes)} micro-batch{'es' if len(sizes) > 1 else ''} of {size} per step" + (" per rank" if world_size > 1 else "")
 
@@ -307,13 +310,14 @@ def _checked_stages(stages: Any) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def ramp_micro_batch(plan: Plan, ramp: BatchRamp, min_micro_batch: int = 1) -> int:
-    """The micro-batch of a ramp's whole run: the plan's (made for the largest target); for an adaptive
-    ramp at most half its first target per rank, so that even its first windows hold two micro-batches
-    for the noise meter to compare."""
+def ramp_micro_batch(plan: Plan, ramp: BatchRamp, min_micro_batch: int = 1, target: int | None = None) -> int:
+    """The micro-batch at a ramp's ``target`` (default: its first): the plan's (made for the largest
+    target); for an adaptive ramp at most half the target's share per rank, so that every window holds
+    two micro-batches for the noise meter to compare. It grows with the target: a raised target trains
+    larger micro-batches, not the first target's halves for the whole run."""
     if not ramp.adaptive_form:
         return plan.micro_batch
-    share = rotated_share(ramp.start, plan.world_size, 0, 0)
+    share = rotated_share(target or ramp.start, plan.world_size, 0, 0)
     return max(1, min(plan.micro_batch, max(min_micro_batch, math.ceil(share / 2))))
 
 
