@@ -13,7 +13,7 @@ from autotune.planning.scaling import auto_lr_rule
 from autotune.rng import RNGState
 from autotune.train.accumulate import Count
 
-__all__ = ["check_against_plan", "check_count", "check_plan"]
+__all__ = ["check_against_plan", "check_count", "check_plan", "check_within_an_epoch"]
 
 
 def check_plan(plan: Any, target_batch: int | None) -> None:
@@ -82,4 +82,19 @@ def check_count(loader: Iterable[Any], count: Count | None, group: Any = None, *
         raise ValueError(
             f"Invalid count: it returned 0 items for each of the first {seen} batches, so there is no loss "
             "to train on; check that it counts the loss's items (e.g. int((labels != -100).sum()))"
+        )
+
+
+def check_within_an_epoch(loader: Iterable[Any], target: int | None, world_size: int) -> None:
+    """A fixed target larger than an epoch's samples (over all ranks) can never be trained: refused."""
+    try:
+        sampler = getattr(loader, "sampler", None)
+        samples = (len(sampler) if sampler is not None else len(loader.dataset)) * world_size  # type: ignore[arg-type,attr-defined]
+    except (AttributeError, TypeError):
+        return
+    if target is not None and 0 < samples < target:
+        raise ValueError(
+            f"Invalid target_batch {target}: an epoch has {samples} samples, so no step can train {target} (every epoch "
+            f"would be one step of {samples}, at the learning rate meant for {target}); give a target of at most "
+            f"{samples}, or more data per epoch"
         )

@@ -79,7 +79,12 @@ from autotune.step import (
 )
 from autotune.train import data_parallel, sharded, single
 from autotune.train.accumulate import Count, Pad, accumulate
-from autotune.train.arguments import check_against_plan, check_count, check_plan
+from autotune.train.arguments import (
+    check_against_plan,
+    check_count,
+    check_plan,
+    check_within_an_epoch,
+)
 from autotune.train.bn import BN_MODES, FinishedRun, resolve_bn
 from autotune.train.ramp import BatchRamp, RampChange, plan_for_target, ramp_micro_batch
 from autotune.train.records import FitResult, StepRecord
@@ -102,21 +107,6 @@ def _fit_device(model: nn.Module, device: torch.device | str | None) -> torch.de
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
-
-
-def _check_within_an_epoch(loader: Iterable[Any], target: int | None, world_size: int) -> None:
-    """A fixed target larger than an epoch's samples (over all ranks) can never be trained: refused."""
-    try:
-        sampler = getattr(loader, "sampler", None)
-        samples = (len(sampler) if sampler is not None else len(loader.dataset)) * world_size  # type: ignore[arg-type,attr-defined]
-    except (AttributeError, TypeError):
-        return
-    if target is not None and 0 < samples < target:
-        raise ValueError(
-            f"Invalid target_batch {target}: an epoch has {samples} samples, so no step can train {target} (every epoch "
-            f"would be one step of {samples}, at the learning rate meant for {target}); give a target of at most "
-            f"{samples}, or more data per epoch"
-        )
 
 
 def fit(
@@ -316,7 +306,7 @@ class _Request:
         check_device_exists(rest["device"])
         par = parallel(model)  # under DDP: the inner module runs; autotune syncs once per window
         _check_with_ranks(par, ramp, mode)
-        _check_within_an_epoch(loader, None if ramp is not None else (plan.effective_batch if plan is not None else target),
+        check_within_an_epoch(loader, None if ramp is not None else (plan.effective_batch if plan is not None else target),
                                world(par.group)[1])
         check_trainable(par.inner)
         if rest["optimizer"] is not None:
