@@ -338,13 +338,7 @@ def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseExce
         lost = AutotuneError(f"rank {r} stopped on an error of its own, so this rank stops too (it noticed {what}): {cause}")
         lost.autotune_elsewhere = True  # type: ignore[attr-defined]
         return lost
-    gone = exited_ranks(group)
-    # A killed process closes its connections before it has exited (its files are closed first): the
-    # reset can arrive a moment before the process is gone. Look again for up to a second.
-    deadline = time.monotonic() + LOST_SECONDS
-    while not gone and peers_here(group) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        gone = exited_ranks(group)
+    gone = exited_soon(group)
     if gone:
         ranks = ", ".join(str(r) for r in gone)
         lost = AutotuneError(
@@ -359,6 +353,18 @@ def lost_peer(error: BaseException, group: Any = None, *, what: str) -> BaseExce
     return lost
 
 
+def exited_soon(group: Any = None) -> list[int]:
+    """:func:`exited_ranks`, looked at again for up to :data:`LOST_SECONDS` while none has: a killed
+    process closes its connections before it has exited (its files are closed first), so the reset a
+    peer sees can arrive a moment before the process is gone."""
+    gone = exited_ranks(group)
+    deadline = time.monotonic() + LOST_SECONDS
+    while not gone and peers_here(group) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        gone = exited_ranks(group)
+    return gone
+
+
 def stopped_by_signal(group: Any = None) -> BaseException:
     """The error for a rank the launcher (or the system) stopped with SIGTERM: ``torchrun`` stops the
     other ranks as soon as one exits, often before they have noticed it themselves, so this says which
@@ -366,11 +372,7 @@ def stopped_by_signal(group: Any = None) -> BaseException:
     from autotune.errors import AutotuneError
 
     causes = told_causes(group)
-    gone = exited_ranks(group)
-    deadline = time.monotonic() + LOST_SECONDS
-    while not gone and not causes and peers_here(group) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        gone = exited_ranks(group)
+    gone = [] if causes else exited_soon(group)
     if causes:
         r, cause = next(iter(causes.items()))
         why = f"rank {r} stopped on an error of its own ({cause})"
