@@ -25,10 +25,10 @@ import autotune
 CASES = ("plain", "fixed", "adaptive")
 
 
-def data(n: int = 100) -> TensorDataset:
+def data(n: int = 100, noise: float = 0.1) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, torch.tanh(x @ torch.randn(8, generator=g)) + 0.1 * torch.randn(n, generator=g))
+    return TensorDataset(x, torch.tanh(x @ torch.randn(8, generator=g)) + noise * torch.randn(n, generator=g))
 
 
 def model(dropout: float) -> nn.Module:
@@ -66,7 +66,7 @@ def main() -> None:
     if ranks:
         torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank() if ranks else 0
-    dataset = data()
+    dataset = data(noise=3.0 if args.case == "adaptive" else 0.1)  # noisy labels: a noise scale the ramp rises to within the run
     if ranks:
         loader = DataLoader(dataset, batch_size=5, sampler=DistributedSampler(dataset, shuffle=True, seed=0))
     else:

@@ -430,7 +430,7 @@ def test_a_ramp_in_the_report_says_what_each_stage_takes(capsys):
     code, _, err = run(capsys, "report", "--demo", "--ramp", "64,128@5000")
     assert code == 2 and "its largest target is 128, and --target-batch is 256" in err
     code, out, _ = run(capsys, "report", "--demo", "--ramp", "adaptive:32", "--json", "--no-cache")
-    assert json.loads(out)["ramp"]["stages"][-1].startswith("raised x2 when the noise scale's lower end is >= 2 x the batch")
+    assert json.loads(out)["ramp"]["stages"][-1].startswith("raised to the largest at or below the noise scale / 4 and its range's lower end")
 
 
 def test_a_ramp_takes_counts_as_people_write_them_and_the_adaptive_options(capsys):
@@ -443,6 +443,6 @@ def test_a_ramp_takes_counts_as_people_write_them_and_the_adaptive_options(capsy
     for spec, says in (("64,256@2.5e3x", "'2.5e3x' is not a count"), ("64,256@1.5", "'1.5' is not a whole number"),
                        ("adaptive:32,speed=2", "'speed=2' is not an option of the adaptive ramp (factor=, margin=, windows=)")):
         code, _, err = run(capsys, "report", "--demo", "--ramp", spec)
-        assert code == 2 and says in err and "adaptive:START[,factor=2][,margin=2][,windows=10]" in err, err
+        assert code == 2 and says in err and "adaptive:START[,factor=2][,margin=4][,windows=10]" in err, err
     code, _, err = run(capsys, "report", "--demo", "--ramp", "64,256@100", "--samples", "1.5e2.0")
     assert code == 2 and "invalid count '1.5e2.0'" in err

@@ -76,9 +76,14 @@ def test_values_accepted_silently_before_are_refused(kw, error, match):
 
 
 class FakeRun:
-    """What ShapeCaps reads of a run: a plan whose micro-batch is 32 for every shape."""
+    """What ShapeCaps reads of a run: a plan whose micro-batch is 32 for every shape, and no window cut
+    in halves for a batch ramp's meter."""
+
+    halves = 0
 
     class plan:  # noqa: N801
+        min_micro_batch = 1
+
         @staticmethod
         def micro_batch_for(size):
             return 32

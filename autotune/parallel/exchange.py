@@ -65,6 +65,7 @@ class Agreement:
             every rank measures the noise scale in the same windows.
         vote: the ranks' mean of the ``vote`` they sent (a batch ramp raises its target only when
             every rank voted 1).
+        proposal: the ranks' mean of the target they proposed with their vote.
     """
 
     status: int
@@ -75,13 +76,14 @@ class Agreement:
     synced: bool
     pace: float = 1.0
     vote: float = 0.0
+    proposal: float = 0.0
 
 
 # Counts travel split in two, each exactly representable in a float32 sum up to 2**24 per part.
 _SPLIT = 4096
 
 
-_HEAD = 11  # fine, oom, failed, items (hi, lo), samples (hi, lo), loss sum, had data, pace, vote
+_HEAD = 12  # fine, oom, failed, items (hi, lo), samples (hi, lo), loss sum, had data, pace, vote, proposal
 
 
 class GradientSync:
@@ -119,7 +121,7 @@ class GradientSync:
         self.collectives = 0  # made so far (for the benchmark and the tests)
 
     def exchange(self, *, status: int, items: int, samples: int, loss_sum: float, had_data: bool, pace: float = 1.0,
-                 unit: float = 0.0, vote: float = 0.0) -> Agreement:
+                 unit: float = 0.0, vote: float = 0.0, proposal: float = 0.0) -> Agreement:
         """Agree on the window and, if every rank is fine, make the gradients the global mean.
 
         ``pace`` is a small number each rank proposes (how often to measure the noise scale); the
@@ -134,11 +136,12 @@ class GradientSync:
         """
         if not self.distributed:
             fine = status == FINE
-            return Agreement(status, items, samples, loss_sum / items if items else float("nan"), int(had_data), fine, pace, vote)
+            return Agreement(status, items, samples, loss_sum / items if items else float("nan"), int(had_data), fine, pace, vote,
+                             proposal)
         fine_here = status == FINE
         head = [float(status == FINE), float(status == OUT_OF_MEMORY), float(status == FAILED),
                 float(items // _SPLIT), float(items % _SPLIT), float(samples // _SPLIT), float(samples % _SPLIT),
-                float(loss_sum), float(had_data and fine_here), float(pace), float(vote)]
+                float(loss_sum), float(had_data and fine_here), float(pace), float(vote), float(proposal)]
         flags = [float(fine_here and p.grad is not None) for p in self.params]
         out = (1.0 if unit else float(items)) if fine_here else 0.0
         flat = self._flat(0, head + flags, out)
@@ -150,9 +153,9 @@ class GradientSync:
         with_data = int(round(values[8]))
         code = FAILED if failed else (OUT_OF_MEMORY if oom else FINE)
         loss = values[7] / total_items if total_items else float("nan")
-        mean_pace, mean_vote = values[9] / self.world_size, values[10] / self.world_size
+        mean_pace, mean_vote, mean_proposal = (v / self.world_size for v in values[9:12])
         if code != FINE or with_data == 0 or total_items == 0:
-            return Agreement(code, total_items, total_samples, loss, with_data, False, mean_pace, mean_vote)
+            return Agreement(code, total_items, total_samples, loss, with_data, False, mean_pace, mean_vote, mean_proposal)
         has_grad = [v > 0 for v in values[_HEAD:]]
         back = unit / total_items if unit else 1.0 / total_items
         self._write_back(0, flat, back, has_grad)
@@ -164,7 +167,7 @@ class GradientSync:
             self._buffers.clear()  # several buckets: keep none between steps (at most one at a time)
             self._views.clear()
             self._lent.clear()
-        return Agreement(code, total_items, total_samples, loss, with_data, True, mean_pace, mean_vote)
+        return Agreement(code, total_items, total_samples, loss, with_data, True, mean_pace, mean_vote, mean_proposal)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small float64 tensor over ranks (BatchNorm statistics)."""

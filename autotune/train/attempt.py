@@ -44,6 +44,7 @@ def run_micro_batches(run: Any, window: Window) -> float:
     run.noise.small = None
     # This rank's share of the global count, carried by the weights (see Run.unit).
     share = window.items / run.unit if run.unit else 1.0
+    measured = run.noise.due and len(window) > 1  # one micro-batch has no smaller gradient to compare with
     for micro in window:
         bnc.before_micro(micro.samples)
         try:
@@ -58,7 +59,7 @@ def run_micro_batches(run: Any, window: Window) -> float:
                 exc.autotune_micro_size = B.per_sample_numel(micro.batch)  # type: ignore[attr-defined]
             raise
         losses.append(loss)
-        if run.noise.due:  # a measured window keeps its first micro-batch's gradient norm
+        if measured:  # a measured window keeps its first micro-batch's gradient norm
             run.noise.first(run.synced, micro.weight * share, micro.items)
     return weighted_sum(losses, [micro.weight for micro in window])
 

@@ -40,6 +40,9 @@ class ShapeCaps:
             # that size and longer ones, and shorter ones at the same product (so slightly shorter sizes
             # do not run out one after another; much shorter ones keep their own).
             cap = min(cap, limit if size >= at else max(limit, (limit * at) // max(size, 1)))
+        half = math.ceil(self.run.halves / 2)  # a batch ramp's window cut in two for its noise meter
+        if half and half < cap and half >= self.run.plan.min_micro_batch:
+            cap = half
         return cap
 
     def correct(self, size: int, micro_batch: int) -> None:

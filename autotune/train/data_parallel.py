@@ -50,7 +50,7 @@ def run_window(run: Any, windows: Iterator[Window], *, drop_last: bool = False) 
         agreed = run.sync.exchange(
             status=status, items=items, samples=window.samples if (window is not None and done) else 0,
             loss_sum=local_loss * items, had_data=window is not None and status == FINE, pace=run.noise.every,
-            unit=run.unit, vote=run.vote,
+            unit=run.unit, vote=run.vote, proposal=run.proposal,
         )
         if agreed.status == FAILED:
             run.raise_failure(failure if status == FAILED else None)

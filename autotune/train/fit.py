@@ -86,7 +86,7 @@ from autotune.train.arguments import (
     check_within_an_epoch,
 )
 from autotune.train.bn import BN_MODES, FinishedRun, resolve_bn
-from autotune.train.ramp import BatchRamp, RampChange, plan_for_target, ramp_micro_batch
+from autotune.train.ramp import BatchRamp, RampChange, plan_for_target
 from autotune.train.records import FitResult, StepRecord
 from autotune.train.resume import Tracker, tracker_for
 from autotune.train.run import Run
@@ -421,7 +421,7 @@ def _set_up(r: _Request) -> Run:
     r.plan = plan
     run = Run(
         par, r.optimizer, r.scheduler, r.loss_fn,
-        plan_for_target(plan, ramp.target, micro_batch=ramp_micro_batch(plan, ramp, min_micro), rank=rank) if ramp else plan,
+        plan_for_target(plan, ramp.target, micro_batch=plan.micro_batch, rank=rank, lr_batch=ramp.lr_batch(ramp.target)) if ramp else plan,
         device, r.precision, r.scaler, r.clip_grad_norm, r.shared.memory_limit, r.mode, bns,
         _total_steps(r.loader, plan, r.epochs, r.max_steps), bool(r.shared.progress),
         checkpointing=r.shared.checkpointing or plan.checkpointing, noise_scale=r.noise_scale,
@@ -489,9 +489,10 @@ def _epochs(run: Run, r: _Request) -> tuple[list[StepRecord], list[RampChange]]:
             run.end_window()
             change = None
             if ramp is not None:  # a stage reached, or every rank voted at this exchange: later windows grow
-                change = ramp.after_step(samples=int(agreed.samples), items=int(agreed.items), vote=agreed.vote)
-                ramp.pending_vote = ramp.vote(run.noise.meter.estimate() if run.noise.meter else None,
-                                              agreed.items / max(agreed.samples, 1))
+                change = ramp.after_step(samples=int(agreed.samples), items=int(agreed.items), vote=agreed.vote,
+                                         proposal=agreed.proposal)
+                ramp.pending_vote, ramp.pending_proposal = ramp.vote(run.noise.meter.estimate() if run.noise.meter else None,
+                                                                     agreed.items / max(agreed.samples, 1), fresh=run.noise.fresh)
                 changes += [change] if change else []
             record = StepRecord(
                 step=done + len(history) + 1, epoch=epoch, samples=int(agreed.samples), items=int(agreed.items),
@@ -550,12 +551,11 @@ def _finish(run: Run, r: _Request, history: list[StepRecord], changes: list[Ramp
 
 
 def _follow(run: Run, plan: Plan, ramp: BatchRamp, target: int) -> None:
-    """The run's plan for a ramp's ``target``: its micro-batch (an adaptive ramp's grows with the target,
-    never above what an out-of-memory error lowered it to), accumulation and learning rate."""
+    """The run's plan for a ramp's ``target``: the plan's micro-batch (never above what an out-of-memory
+    error lowered it to), the accumulation and learning rate of the target."""
     if target != run.plan.effective_batch:
-        cap = run.plan.micro_batch if run.lowered else plan.micro_batch
-        micro = min(cap, ramp_micro_batch(plan, ramp, plan.min_micro_batch, target=target))
-        run.plan = plan_for_target(plan, target, micro_batch=micro, rank=run.rank)
+        micro = run.plan.micro_batch if run.lowered else plan.micro_batch
+        run.plan = plan_for_target(plan, target, micro_batch=micro, rank=run.rank, lr_batch=ramp.lr_batch(target))
 
 
 def _noise_note(noise: Any, run: Run, asked: bool | int) -> str | None:

@@ -88,6 +88,12 @@ class NoiseMeter:
         self._g = self._t = self._g2 = self._t2 = self._gt = 0.0
         self._w2 = 0.0  # the sum of the squared weights, for the effective number of windows
 
+    def forget(self) -> None:
+        """Drop every window measured so far (a batch ramp's meter, at each raise: the noise scale it
+        follows has moved since)."""
+        self.n = 0
+        self._g = self._t = self._g2 = self._t2 = self._gt = self._w2 = 0.0
+
     def state_dict(self) -> dict[str, float]:
         """The averages so far, to save with a checkpoint (:meth:`load_state_dict` takes them back)."""
         return dict(vars(self))
@@ -151,6 +157,7 @@ class NoisePacer:
         # Every `every`-th window is measured, chosen so that it costs at most 1% of the step time.
         self.every, self.count, self.seconds, self.first_seconds = self.fixed or 1, 0, 0.0, 0.0
         self.due = asked is not False
+        self.fresh = False  # whether the last window measured fed the meter
 
     def state_dict(self) -> dict[str, Any]:
         """The meter and which window it measures next, to save with a checkpoint."""
@@ -183,6 +190,7 @@ class NoisePacer:
             return None
         due, self.due = self.due, False
         small, self.small = self.small, None
+        before = self.meter.n
         if due and small is not None:
             start = time.perf_counter()
             small_sq, weight, items = small
@@ -190,6 +198,7 @@ class NoisePacer:
                 big_sq = float(squared_norm(grads))
                 self.meter.add(float(small_sq) / (weight * weight) / scale, items, big_sq / scale, float(window_items))
             self.seconds = time.perf_counter() - start + self.first_seconds
+        self.fresh = self.meter.n > before
         estimate = self.meter.estimate()
         return estimate.value if estimate is not None and math.isfinite(estimate.value) else None
 

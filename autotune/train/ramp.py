@@ -6,18 +6,24 @@ which is why large runs ramp their batch (GPT-3, DeepSeek-V3). :class:`BatchRamp
 target, in one of two forms:
 
 - :meth:`BatchRamp.fixed`: stages in samples (or loss items) seen, e.g. 256 until 2M samples, then 512;
-- :meth:`BatchRamp.adaptive`: start at a batch and multiply it (by 2) when the measured noise scale's
-  whole range lies well above the current batch (its lower end at least ``margin`` times it), never
-  lowering it and never beyond ``maximum``. The meter compares a window's first micro-batch with the
-  whole window, so an adaptive ramp trains micro-batches of at most half its first target (every window
-  then holds two micro-batches at least), the same size all run.
+- :meth:`BatchRamp.adaptive`: start at a batch and raise it to the largest of ``start x factor^k`` at
+  or below both the measured noise scale over ``margin`` and the lower end of its range, once
+  ``windows`` measured windows in a row asked for more than the current batch; never lowering it and
+  never beyond ``maximum``. The meter forgets at each raise (the noise scale it follows has moved). It
+  compares a window's first micro-batch with the whole window, so an adaptive ramp trains micro-batches
+  of at most half the current target's share (every window holds two micro-batches at least).
 
 Every optimizer step stays exact for its own target (the same ``n_i / N`` weights); the micro-batch
 does not change (it is planned for the largest target), the accumulation steps follow the target; the
-learning rate follows the plan's rule for each target; the scheduler steps once per ``start`` samples
+learning rate follows the plan's rule for each target (``lr="follow"``) or stays the first target's
+(``lr="hold"``, as in Smith et al. 2018); the scheduler steps once per ``start`` samples
 seen, so a schedule made for the run's samples ends where the run ends. Under data parallelism the
 ranks agree on each change in the exchange they already make. The ramp keeps its state: pass the same
 object to a later ``fit`` and it continues where it stopped.
+
+Why this is long: :class:`BatchRamp` is one class of about 280 lines: both forms are one object that
+``fit``, its checkpoint and the ranks' exchange read alike (the target of each window cut, the samples
+seen, the vote), and the adaptive rule (``grid``, ``proposed``, ``vote``) sits beside the state it reads.
 """
 
 from __future__ import annotations
@@ -40,9 +46,14 @@ from autotune.planning.plans import (
 from autotune.planning.scaling import adjusted_bn_momentum, lr_scale
 from autotune.train.noise import NoiseMeter
 
-__all__ = ["BatchRamp", "RampChange", "plan_for_target", "ramp_micro_batch"]
+__all__ = ["SPLIT_EVERY", "BatchRamp", "RampChange", "plan_for_target"]
 
 Unit = Literal["samples", "items"]
+# An adaptive ramp's meter compares a window's first micro-batch with the whole window. A window that
+# fits in one micro-batch is cut in two halves for it once every SPLIT_EVERY windows (the others run
+# whole, as a fixed target's would); a window of several micro-batches is measured as it is.
+SPLIT_EVERY = 8
+Coupling = Literal["follow", "hold"]
 
 
 @dataclass(frozen=True)
@@ -78,9 +89,13 @@ class BatchRamp:
     """
 
     def __init__(self, *, stages: Sequence[tuple[int, int]] | None = None, start: int | None = None, maximum: int | None = None,
-                 factor: int = 2, margin: float = 2.0, windows: int = 10, unit: Unit = "samples") -> None:
+                 factor: int = 2, margin: float = 4.0, windows: int = 10, unit: Unit = "samples", lr: Coupling = "follow") -> None:
         if unit not in ("samples", "items"):
             raise ValueError(f"Invalid unit {unit!r}: use 'samples' or 'items' (what fit's count counts)")
+        if lr not in ("follow", "hold"):
+            raise ValueError(f"Invalid lr {lr!r}: use 'follow' (the plan's rule at each target) or 'hold' (the first target's "
+                             "learning rate all run)")
+        self.lr: Coupling = lr
         self.unit: Unit = unit
         self.stages: tuple[tuple[int, int], ...] | None = None
         if stages is not None:
@@ -96,12 +111,12 @@ class BatchRamp:
             if factor < 2:
                 raise ValueError(f"Invalid factor {factor}: a raise must grow the batch; give factor >= 2")
             if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
-                raise ValueError(f"Invalid margin {margin!r}: give a number >= 1 (raise when the noise scale's lower end "
-                                 "is at least margin times the batch)")
+                raise ValueError(f"Invalid margin {margin!r}: give a number >= 1 (the batch is kept at or below the measured "
+                                 "noise scale over margin)")
             windows = check_positive_int("windows", windows, "measured windows in a row that must agree before a raise")
         assert start is not None and maximum is not None
         self.start, self.maximum, self.factor, self.margin, self.windows = start, maximum, factor, float(margin), windows
-        self.measured = 0  # measured windows in a row whose range lay at or above margin x the batch
+        self.measured = 0  # measured windows in a row that asked for more than the current target
         self.target = start
         self.seen = 0
         self.steps = 0
@@ -110,9 +125,12 @@ class BatchRamp:
         self.meter: Any = None  # adaptive: the noise meter, kept across fit calls (see fit)
         self._pending: deque[int] = deque()  # targets of windows cut and not yet trained
         self.pending_vote = 0.0  # the vote cast after the last step, for the next exchange (kept across fit calls)
+        self.pending_proposal = 0.0  # the target proposed with it
+        self.streak_low = 0  # the smallest target proposed in the current run of windows asking for a raise
+        self.split = False  # whether the window cut last is cut in two halves for the meter (see SPLIT_EVERY)
 
     @classmethod
-    def fixed(cls, stages: Sequence[tuple[int, int]], *, unit: Unit = "samples") -> BatchRamp:
+    def fixed(cls, stages: Sequence[tuple[int, int]], *, unit: Unit = "samples", lr: Coupling = "follow") -> BatchRamp:
         """Stages ``[(from_seen, target), ...]``: the windows that start once at least ``from_seen``
         samples (or items) have been trained have the target ``target`` (windows count whole: a stage
         begins with the first window that starts at or after its count). The first stage starts at 0;
@@ -123,23 +141,33 @@ class BatchRamp:
             >>> ramp.target, ramp.maximum
             (256, 1024)
         """
-        return cls(stages=stages, unit=unit)
+        return cls(stages=stages, unit=unit, lr=lr)
 
     @classmethod
-    def adaptive(cls, start: int, maximum: int, *, factor: int = 2, margin: float = 2.0, windows: int = 10,
-                 unit: Unit = "samples") -> BatchRamp:
-        """Start at ``start``; after a step whose measured noise scale's range lies at or above
-        ``margin`` times the batch (its lower end, two standard errors down), multiply the batch by
-        ``factor``, up to ``maximum``. Decided from the range, not the point estimate, and only when it
-        held for ``windows`` measured windows in a row (a range from two or three windows says little,
-        and one range out of many misses by chance), so that noise in the meter cannot raise the
-        batch; never lowered.
+    def adaptive(cls, start: int, maximum: int, *, factor: int = 2, margin: float = 4.0, windows: int = 10,
+                 unit: Unit = "samples", lr: Coupling = "follow") -> BatchRamp:
+        """Start at ``start``; raise the batch to follow the measured noise scale ``B``: to the largest of
+        ``start x factor^k`` (and ``maximum``) at or below both ``B / margin`` and the lower end of
+        ``B``'s range (two standard errors down), once ``windows`` measured windows in a row asked for
+        more than the current batch (to the smallest they asked for). So ``margin`` keeps the batch
+        between ``B / (margin x factor)`` and ``B / margin``: 4 (the default) holds it at most at a
+        quarter of the measured noise scale, which overstates the batch worth taking when the curvature
+        is uneven (chosen on ``benchmarks/batch_ramp.py``; see ``docs/ramp.md``); a larger margin trades
+        steps for loss. Never lowered. A
+        first raise can skip several batches (a start from a measurement); the meter forgets what it
+        measured at the old batch at each raise. ``lr``: ``"follow"`` (the plan's rule at each target)
+        or ``"hold"`` (the first target's learning rate all run).
 
         Example:
             >>> BatchRamp.adaptive(64, 1024).target
             64
         """
-        return cls(start=start, maximum=maximum, factor=factor, margin=margin, windows=windows, unit=unit)
+        return cls(start=start, maximum=maximum, factor=factor, margin=margin, windows=windows, unit=unit, lr=lr)
+
+    def lr_batch(self, target: int) -> int:
+        """The batch whose learning rate (by the plan's rule) a step at ``target`` trains with: ``target``
+        itself (``lr="follow"``), or the first target all run (``lr="hold"``)."""
+        return target if self.lr == "follow" else self.start
 
     @property
     def adaptive_form(self) -> bool:
@@ -148,13 +176,15 @@ class BatchRamp:
 
     def __repr__(self) -> str:
         if self.stages is not None:
-            return f"BatchRamp.fixed({list(self.stages)!r}, unit={self.unit!r})"
+            lr = f", lr={self.lr!r}" if self.lr != "follow" else ""
+            return f"BatchRamp.fixed({list(self.stages)!r}, unit={self.unit!r}{lr})"
+        lr = f", lr={self.lr!r}" if self.lr != "follow" else ""
         return (f"BatchRamp.adaptive({self.start}, {self.maximum}, factor={self.factor}, margin={self.margin:g}, windows={self.windows}, "
-                f"unit={self.unit!r})")
+                f"unit={self.unit!r}{lr})")
 
     # --- a checkpoint ----------------------------------------------------------------------------
 
-    _SETTINGS = ("stages", "start", "maximum", "factor", "margin", "windows", "unit")
+    _SETTINGS = ("stages", "start", "maximum", "factor", "margin", "windows", "unit", "lr")
 
     def state_dict(self) -> dict[str, Any]:
         """Where the ramp stands: its settings, target, what it has trained, its changes and an
@@ -171,7 +201,8 @@ class BatchRamp:
         Raises:
             ValueError: the settings differ (naming them), before anything changes.
         """
-        differ = [f"{k}={state.get(k)!r} (this ramp: {getattr(self, k)!r})" for k in self._SETTINGS if state.get(k) != getattr(self, k)]
+        saved = {"lr": "follow", **state}  # a state saved before the lr setting existed followed the rule
+        differ = [f"{k}={saved.get(k)!r} (this ramp: {getattr(self, k)!r})" for k in self._SETTINGS if saved.get(k) != getattr(self, k)]
         if differ:
             raise ValueError(f"Invalid ramp state: it was saved by a ramp with other settings: {', '.join(differ)}; make the ramp "
                              "as the saved run made it")
@@ -197,6 +228,8 @@ class BatchRamp:
         if self.stages is not None and self.unit == "samples":
             ahead = self.seen + sum(self._pending)
             target = max(t for at, t in self.stages if at <= ahead)
+        # counted from the steps taken, so that a resumed run splits the same windows
+        self.split = self.stages is None and (self.steps + len(self._pending)) % SPLIT_EVERY == 0
         self._pending.append(target)
         return target
 
@@ -210,19 +243,52 @@ class BatchRamp:
         """The target of the window that just ran (the oldest window cut and not yet counted)."""
         return self._pending[0] if self._pending else self.target
 
-    def vote(self, noise: Any, items_per_sample: float) -> float:
-        """This rank's vote after a measured step (1.0: raise), sent in the next exchange."""
+    def grid(self) -> list[int]:
+        """The targets an adaptive ramp can take: ``start`` times powers of ``factor``, and ``maximum``."""
+        out = [self.start]
+        while out[-1] < self.maximum:
+            out.append(min(self.maximum, out[-1] * self.factor))
+        return out
+
+    def proposed(self, noise: Any, items_per_sample: float) -> int:
+        """The target one measurement asks for: the largest of :meth:`grid` whose batch (in the noise
+        scale's unit) is at most both the noise scale over ``margin`` and the lower end of its range, and
+        never below the current target.
+
+        Example:
+            >>> from autotune.train.noise import NoiseScale
+            >>> ramp = BatchRamp.adaptive(16, 1024, margin=2)  # the batches 16, 32, ..., 1024
+            >>> ramp.proposed(NoiseScale(300.0, 40.0, 10.0, 1.0, 300.0, low=200.0, high=420.0), 1.0)
+            128
+        """
+        per_sample = items_per_sample if self.unit == "items" else 1.0
+        bound = min(noise.value / self.margin, noise.low) / per_sample
+        return max([self.target] + [t for t in self.grid() if t <= bound])
+
+    def vote(self, noise: Any, items_per_sample: float, fresh: bool = True) -> tuple[float, float]:
+        """This rank's vote after a step (1.0: raise) and the target it proposes, sent in the next
+        exchange. It votes to raise once :meth:`proposed` has been above the current target for
+        ``windows`` measured windows in a row (``fresh``: this step's window was measured); it proposes
+        the smallest target those windows asked for."""
         if self.stages is not None or noise is None or self.target >= self.maximum:
-            return 0.0
-        batch = self.target * (items_per_sample if self.unit == "items" else 1.0)
+            return 0.0, 0.0
         # Held for `windows` measured windows in a row: a vote at every step is a test at every step, and
         # one range out of many would miss the truth by chance.
-        self.measured = self.measured + 1 if noise.low >= self.margin * batch else 0
-        return 1.0 if self.measured >= self.windows and noise.steps >= self.windows else 0.0
+        if fresh:
+            wanted = self.proposed(noise, items_per_sample)
+            if wanted > self.target:
+                self.measured += 1
+                self.streak_low = min(self.streak_low or wanted, wanted)
+            else:
+                self.measured, self.streak_low = 0, 0
+        if self.measured >= self.windows and noise.steps >= self.windows:
+            return 1.0, float(self.streak_low)
+        return 0.0, 0.0
 
-    def after_step(self, *, samples: int, items: int, vote: float) -> RampChange | None:
-        """A step of ``samples`` (``items``) trained, and the ranks' mean ``vote`` from the exchange:
-        count it and change the target when a stage is reached or every rank voted to raise."""
+    def after_step(self, *, samples: int, items: int, vote: float, proposal: float = 0.0) -> RampChange | None:
+        """A step of ``samples`` (``items``) trained, and the ranks' mean ``vote`` and ``proposal`` from
+        the exchange: count it and change the target when a stage is reached, or when every rank voted to
+        raise (to the largest of :meth:`grid` at or below the ranks' mean proposal)."""
         if self._pending:
             self._pending.popleft()
         self.steps += 1
@@ -240,11 +306,15 @@ class BatchRamp:
         else:
             if vote < 1.0 - 1e-9 or before >= self.maximum:
                 return None
-            now = min(self.maximum, before * self.factor)
-            reason = (f"the noise scale's range lies at or above {self.margin:g} x the batch of {before} "
-                      f"({self.unit}), on every rank")
+            now = max([before] + [t for t in self.grid() if t <= proposal + 1e-6])
+            if now == before:
+                return None
+            reason = (f"the noise scale over {self.margin:g}, and its range's lower end, lay at or above {now} ({self.unit}) "
+                      f"for {self.windows} measured windows in a row, on every rank")
+            if self.meter is not None:
+                self.meter.forget()  # what it measured at the old batch: the noise scale has moved since
         self.target = now
-        self.measured = 0
+        self.measured, self.streak_low = 0, 0
         change = RampChange(self.steps, self.seen, before, now, reason)
         self.changes.append(change)
         return change
@@ -257,15 +327,16 @@ class BatchRamp:
         return n
 
     def describe(self, micro_batch: int, world_size: int = 1, total: int | None = None) -> list[str]:
-        """What the ramp would do with micro-batches of at most ``micro_batch`` per rank (an adaptive
-        ramp: at most half each target's share, for its meter): per stage, the micro-batches per step
-        and (with ``total`` samples) the optimizer steps."""
+        """What the ramp would do with micro-batches of at most ``micro_batch`` per rank: per stage, the
+        micro-batches per step and (with ``total`` samples) the optimizer steps. An adaptive ramp cuts one
+        window in :data:`SPLIT_EVERY` that fits in one micro-batch in two halves, for its meter."""
         def split(target: int) -> str:
             share = largest_share(target, world_size)
-            micro = min(micro_batch, max(1, math.ceil(share / 2))) if self.adaptive_form else micro_batch
-            sizes = even_micro_batches(share, micro)
+            sizes = even_micro_batches(share, micro_batch)
             size = f"{sizes[0]}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
-            return f"{len(sizes)} micro-batch{'es' if len(sizes) > 1 else ''} of {size} per step" + (" per rank" if world_size > 1 else "")
+            halves = f" (one step in {SPLIT_EVERY}: 2 of {math.ceil(share / 2)})" if self.adaptive_form and len(sizes) == 1 else ""
+            return (f"{len(sizes)} micro-batch{'es' if len(sizes) > 1 else ''} of {size} per step" + (" per rank" if world_size > 1 else "")
+                    + halves)
 
         if self.stages is None:
             targets, t = [self.start], self.start
@@ -273,7 +344,8 @@ class BatchRamp:
                 t = min(self.maximum, t * self.factor)
                 targets.append(t)
             return [f"{t} per step: {split(t)}" for t in targets] + [
-                f"raised x{self.factor} when the noise scale's lower end is >= {self.margin:g} x the batch"]
+                f"raised to the largest at or below the noise scale / {self.margin:g} and its range's lower end, after "
+                f"{self.windows} measured windows in a row"]
         lines = []
         for i, (at, target) in enumerate(self.stages):
             end = self.stages[i + 1][0] if i + 1 < len(self.stages) else total
@@ -310,25 +382,15 @@ def _checked_stages(stages: Any) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def ramp_micro_batch(plan: Plan, ramp: BatchRamp, min_micro_batch: int = 1, target: int | None = None) -> int:
-    """The micro-batch at a ramp's ``target`` (default: its first): the plan's (made for the largest
-    target); for an adaptive ramp at most half the target's share per rank, so that every window holds
-    two micro-batches for the noise meter to compare. It grows with the target: a raised target trains
-    larger micro-batches, not the first target's halves for the whole run."""
-    if not ramp.adaptive_form:
-        return plan.micro_batch
-    share = rotated_share(target or ramp.start, plan.world_size, 0, 0)
-    return max(1, min(plan.micro_batch, max(min_micro_batch, math.ceil(share / 2))))
-
-
-def plan_for_target(plan: Plan, target: int, *, micro_batch: int, rank: int = 0) -> Plan:
+def plan_for_target(plan: Plan, target: int, *, micro_batch: int, rank: int = 0, lr_batch: int | None = None) -> Plan:
     """``plan`` (made for the ramp's largest target) at another ``target``: micro-batches of at most
     ``micro_batch`` (the same at every stage), the accumulation steps of this rank's share, the learning
     rate by the plan's rule for this target, the BatchNorm momentum per micro-batch for these steps."""
     share = rotated_share(target, plan.world_size, rank, 0)
+    micro_batch = max(1, min(micro_batch, share))  # a target below the plan's micro-batch: one micro-batch of it
     sizes = even_micro_batches(share, micro_batch)
     rule = plan.lr_rule
-    scale = lr_scale(target / plan.base_batch, rule) if rule in ("linear", "sqrt", "none") else plan.lr_scale  # type: ignore[arg-type]
+    scale = lr_scale((lr_batch or target) / plan.base_batch, rule) if rule in ("linear", "sqrt", "none") else plan.lr_scale  # type: ignore[arg-type]
     momentum = None
     if plan.bn_momentum is not None:
         base = 1 - (1 - plan.bn_momentum) ** plan.accumulation_steps

@@ -110,6 +110,7 @@ class Run:
         # replaces the estimated peak in the plan.
         self.measured: int | None = None
         self.lowered = False
+        self.halves = 0  # an adaptive ramp's window cut in two halves for its meter: its samples here (0: none)
         self.retried_at_floor = False  # the window now running was retried once at the smallest micro-batch
         self.steps = 0  # optimizer steps taken in this run
         self.stepped = False  # the first optimizer step (which creates the optimizer state) has run
@@ -132,7 +133,9 @@ class Run:
         (:func:`autotune.planning.plans.rotated_share`), so that equal shards run out together and only
         an epoch's last step is short."""
         target = self.ramp.window_target() if self.ramp is not None else self.plan.effective_batch
-        return rotated_share(target, self.world_size, self.rank, window)
+        share = rotated_share(target, self.world_size, self.rank, window)
+        self.halves = share if self.ramp is not None and self.ramp.split else 0
+        return share
 
     def __enter__(self) -> Run:
         from tqdm.auto import tqdm  # imported here: `import autotune` stays light
@@ -197,6 +200,11 @@ class Run:
         """This rank's batch-ramp vote for the next exchange (0 without a ramp). It lives in the ramp,
         which carries it to a later ``fit``."""
         return self.ramp.pending_vote if self.ramp is not None else 0.0
+
+    @property
+    def proposal(self) -> float:
+        """The target this rank proposes with its vote (0 without a ramp)."""
+        return self.ramp.pending_proposal if self.ramp is not None else 0.0
 
     def end_window(self) -> None:
         """The window's step was taken: nothing of it to put back any more."""

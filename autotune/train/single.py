@@ -36,5 +36,5 @@ def run_window(run: Any, windows: Iterator[Window], *, drop_last: bool = False) 
         return None
     run.finish_bn(True, 1)
     loss = loss if window.items else float("nan")
-    run.agreed = Agreement(FINE, window.items, window.samples, loss, 1, True, float(run.noise.every), run.vote)
+    run.agreed = Agreement(FINE, window.items, window.samples, loss, 1, True, float(run.noise.every), run.vote, run.proposal)
     return loss, window, run.agreed
