@@ -1,30 +1,42 @@
-"""A batch that grows with the critical batch, against fixed batches, at an equal budget of samples.
+"""A batch that grows, against the whole fixed-batch frontier, at an equal budget of samples.
 
-Two tasks of different kinds, each trained three ways with the same optimizer (Adam, square-root LR
-rule from the small batch) on the same number of samples, over several seeds:
+For each task and learning-rate schedule (constant, cosine to zero), every fixed batch of a sweep and
+every ramp trains on the same samples, over several seeds (digits 5, lm 3). Every fixed batch runs at
+several learning rates: the rule's (square root, from the first batch) times each of ``lr_times``. The
+ramps run at the multiplier that was best for the first fixed batch (tuned at the small batch, as a user
+would). Two frontiers, each the fixed batches' mean held-out loss against their optimizer steps, linear
+in log steps between two batches and made non-increasing (the best loss a fixed batch reaches within
+that many steps):
 
-- ``small``: a fixed small batch (many optimizer steps);
-- ``large``: a fixed large batch, the ramp's maximum (few steps);
-- ``ramp``: ``autotune.BatchRamp.adaptive(small, large)``, raised x2 when the measured noise scale's
-  lower end is at least twice the batch (the default margin) for 10 measured windows in a row;
-- ``ramp-4``: the same with ``margin=4`` (the batch stays further below the noise scale: more steps,
-  fewer samples wasted per step).
+- **A**: every fixed batch at the ramps' multiplier (the same learning rates the ramp steps through);
+- **B**: every fixed batch at its own best multiplier (a learning-rate sweep per batch).
 
-Tasks: ``digits``, an MLP on the 8x8 digits that ship with scikit-learn; ``lm``, a 2-layer causal
-transformer language model on a synthetic corpus (sequences that count in steps of 1 to 3, 10% noise).
-Prints, per task and run, the final training loss, the held-out loss, the optimizer steps and the wall
-time, as mean and spread (min to max) over the seeds, and the ramp's stages.
+For each ramp the table gives its mean held-out loss and steps, its loss **above each frontier at its
+step count** (negative: below it), and the **steps of the fixed batch of equal loss** on it
+(interpolated the same way), with the ramp's saving against them.
 
-    python benchmarks/batch_ramp.py                  # both tasks, 3 seeds (a few minutes on 2 cores)
-    python benchmarks/batch_ramp.py --tasks digits --seeds 1
+Tasks:
+
+- ``digits``: an MLP on the 8x8 digits that ship with scikit-learn, Adam; its noise scale stays flat;
+- ``lm``: a 2-layer causal transformer language model trained from scratch on a synthetic corpus, Adam;
+  its noise scale grows many-fold over the run (``--curve`` measures it).
+
+Ramps (``autotune.BatchRamp.adaptive(16, maximum, ...)``): the default, and the variants in ``RAMPS``,
+each differing from it in one setting.
+
+    python benchmarks/batch_ramp.py                          # both tasks (about 14 minutes on 2 cores)
+    python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 4)"
+    python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import multiprocessing
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,36 +54,46 @@ class Task:
     test: TensorDataset
     make: Any
     loss_fn: Any
-    small: int
-    large: int
+    fixed: tuple[int, ...]
+    start: int
+    maximum: int
     epochs: int
+    optimizer: str
     lr: float
+    rule: str
+    lr_times: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)  # every fixed batch at its rule's learning rate times these
+    seeds: int = 3
+    notes: list[str] = field(default_factory=list)
+
+
+def xent(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
 
 
 def digits() -> Task:
+    """An MLP (64-128-10) on scikit-learn's 8x8 digits: 1,500 training and 297 held-out images, 12
+    epochs, Adam at 1e-3 for batch 16, the square-root rule."""
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x, dtype=torch.float32) / 16.0
     y = torch.tensor(y)
-    g = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(x), generator=g)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
 
     def make() -> nn.Module:
         return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
-    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
-        return F.cross_entropy(model(batch[0]), batch[1])
-
-    return Task("digits (MLP classifier)", TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:]), make, loss_fn,
-                small=16, large=256, epochs=12, lr=1e-3)
+    return Task("digits", TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:]), make, xent,
+                fixed=(16, 24, 32, 48, 64, 96, 128, 256), start=16, maximum=256, epochs=12, optimizer="adam", lr=1e-3, rule="sqrt", seeds=5)
 
 
 VOCAB, LENGTH = 32, 24
 
 
 def corpus(n: int, seed: int) -> torch.Tensor:
+    """Sequences of 24 tokens counting in steps of 1 to 3 modulo 32, each token replaced at random
+    with probability 0.1."""
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(0, VOCAB, (n, 1), generator=g)
     step = torch.randint(1, 4, (n, 1), generator=g)
@@ -81,6 +103,8 @@ def corpus(n: int, seed: int) -> torch.Tensor:
 
 
 class TinyLM(nn.Module):
+    """A 2-layer causal transformer (width 64, 4 heads)."""
+
     def __init__(self, dim: int = 64) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
@@ -95,74 +119,204 @@ class TinyLM(nn.Module):
         return self.head(self.blocks(h, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True))
 
 
-def lm() -> Task:
-    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
-        tokens = batch[0]
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+def next_token(model: nn.Module, batch: Any) -> torch.Tensor:
+    tokens = batch[0]
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
-    train, test = corpus(6000, 1), corpus(1000, 2)
-    return Task("lm (2-layer transformer)", TensorDataset(train), TensorDataset(test), TinyLM, loss_fn,
-                small=16, large=256, epochs=4, lr=1e-3)
+
+def lm() -> Task:
+    """A 2-layer causal transformer language model trained from scratch on :func:`corpus`: 6,000
+    training and 1,000 held-out sequences, 4 epochs, Adam at 1e-3 for batch 16, the square-root rule."""
+    return Task("lm", TensorDataset(corpus(6000, 1)), TensorDataset(corpus(1000, 2)), TinyLM, next_token,
+                fixed=(16, 32, 64, 128, 256, 512), start=16, maximum=512, epochs=4, optimizer="adam", lr=1e-3, rule="sqrt")
+
+
+TASKS = {"digits": digits, "lm": lm}
 
 
 def evaluate(model: nn.Module, data: TensorDataset, loss_fn: Any) -> float:
     model.eval()
     with torch.no_grad():
-        total = sum(float(loss_fn(model, b)) * len(b[0]) for b in DataLoader(data, batch_size=512))
+        total = sum(float(loss_fn(model, b)) * len(b[0]) for b in DataLoader(data, batch_size=2048))
     model.train()
     return total / len(data)
 
 
-def run(task: Task, how: str, seed: int) -> dict[str, Any]:
+# ramp variants: name -> BatchRamp.adaptive's keyword arguments (the default: none)
+RAMPS: dict[str, dict[str, Any]] = {
+    "default (margin 4)": {},
+    "margin 2": {"margin": 2.0},
+    "margin 8": {"margin": 8.0},
+    "margin 16": {"margin": 16.0},
+    "lr hold": {"lr": "hold"},  # the first target's learning rate all run (Smith et al. 2018)
+}
+
+
+def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
+    """One training run: (task, schedule, what: 'fixed N' or a ramp's name, learning-rate multiplier, seed)."""
+    task_name, schedule, what, times, seed = job
+    torch.set_num_threads(1)
+    task = TASKS[task_name]()
     torch.manual_seed(seed)
     model = task.make()
-    optimizer = torch.optim.Adam(model.parameters(), lr=task.lr)
-    loader = DataLoader(task.train, batch_size=task.small, shuffle=True, generator=torch.Generator().manual_seed(seed))
-    target: Any = {"small": task.small, "large": task.large}.get(how) or autotune.BatchRamp.adaptive(
-        task.small, task.large, margin=4.0 if how == "ramp-4" else 2.0)
-    start = time.perf_counter()
-    result = autotune.fit(model, loader, target, optimizer=optimizer, loss_fn=task.loss_fn, epochs=task.epochs, lr_rule="sqrt",
-                          base_batch=task.small, memory_limit="4GiB", progress=False)
-    seconds = time.perf_counter() - start
-    stages = [(c.seen, c.target) for c in result.ramp_changes]
-    return {"train": evaluate(model, task.train, task.loss_fn), "test": evaluate(model, task.test, task.loss_fn),
-            "steps": len(result.history), "seconds": seconds, "samples": result.samples, "stages": stages}
+    optimizer = (torch.optim.Adam if task.optimizer == "adam" else torch.optim.SGD)(model.parameters(), lr=task.lr * times)
+    loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    if what.startswith("fixed "):
+        target: Any = int(what.split()[1])
+    else:
+        target = autotune.BatchRamp.adaptive(task.start, task.maximum, **RAMPS[what])
+    per_step = target if isinstance(target, int) else task.start  # a ramp steps its scheduler once per `start` samples
+    scheduler = None
+    if schedule == "cosine":
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=math.ceil(task.epochs * len(task.train) / per_step))
+    begin = time.perf_counter()
+    try:
+        result = autotune.fit(model, loader, target, optimizer=optimizer, loss_fn=task.loss_fn, epochs=task.epochs, lr_rule=task.rule,
+                              base_batch=task.start, memory_limit="4GiB", scheduler=scheduler, progress=False)
+    except autotune.AutotuneError:  # a non-finite loss: this learning rate diverges at this batch
+        return {"job": job, "test": math.inf, "steps": math.inf, "seconds": time.perf_counter() - begin, "stages": []}
+    return {"job": job, "test": evaluate(model, task.test, task.loss_fn), "steps": len(result.history),
+            "seconds": time.perf_counter() - begin, "stages": [(c.seen, c.target) for c in result.ramp_changes]}
+
+
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(log steps, loss) of the fixed batches, by steps, the loss made non-increasing."""
+    out: list[tuple[float, float]] = []
+    for steps, loss in sorted(points):
+        out.append((math.log(steps), min(loss, out[-1][1]) if out else loss))
+    return out
+
+
+def loss_at(front: list[tuple[float, float]], steps: float) -> float | None:
+    """The frontier's loss at ``steps`` (None outside the fixed batches' range)."""
+    x = math.log(steps)
+    for (x0, y0), (x1, y1) in zip(front, front[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else min(y0, y1)
+    return None
+
+
+def steps_for(front: list[tuple[float, float]], loss: float) -> float | None:
+    """The fewest steps at which the frontier reaches ``loss`` (None: it never does; at most its first
+    point's steps when every fixed batch reaches it)."""
+    if front[0][1] <= loss:
+        return math.exp(front[0][0])
+    for (x0, y0), (x1, y1) in zip(front, front[1:]):
+        if y1 <= loss < y0:
+            return math.exp(x0 + (x1 - x0) * (y0 - loss) / (y0 - y1))
+    return None
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values)
 
 
 def spread(values: list[float], digits: int = 3) -> str:
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    return f"{mean(values):.{digits}f}" + (f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else "")
+
+
+def versus(loss: float, steps: float, front: list[tuple[float, float]]) -> tuple[str, str]:
+    """(loss above the frontier at ``steps``, the steps of the fixed batch of equal loss and the saving)."""
+    at, equal = loss_at(front, steps), steps_for(front, loss)
+    above = f"{loss - at:+.4f}" if at is not None else "outside the sweep"
+    if equal is None:
+        return above, f"none reaches it (> {math.exp(front[-1][0]):.0f}): > {1 - steps / math.exp(front[-1][0]):.0%}"
+    return above, f"{equal:.0f}: {1 - steps / equal:.0%}"
+
+
+def curve(name: str, schedule: str, times: float = 1.0, points: int = 8) -> list[str]:
+    """The noise scale over a run at the task's first batch (its learning rate times ``times``): measured by
+    ``autotune.noise_scale`` (40 windows of 4 micro-batches of that batch, at the current weights) at
+    ``points`` evenly spaced moments, with the held-out loss."""
+    task = TASKS[name]()
+    torch.manual_seed(0)
+    model = task.make()
+    optimizer = (torch.optim.Adam if task.optimizer == "adam" else torch.optim.SGD)(model.parameters(), lr=task.lr * times)
+    loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(0))
+    probe = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(1))
+    total = task.epochs * len(loader)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total) if schedule == "cosine" else None
+    due = {round(i * (total - 1) / (points - 1)) for i in range(points)}
+    out, step = [], 0
+    for _ in range(task.epochs):
+        for batch in loader:
+            if step in due:
+                noise = autotune.noise_scale(model, probe, micro_batch=task.start, micro_batches=4, windows=40, loss_fn=task.loss_fn)
+                out.append(f"step {step} ({step * task.start:,} samples): held-out {evaluate(model, task.test, task.loss_fn):.3f}, "
+                           f"noise scale {noise}")
+            optimizer.zero_grad()
+            task.loss_fn(model, batch).backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            step += 1
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=["digits", "lm"], choices=["digits", "lm"])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--schedules", nargs="+", default=["constant", "cosine"], choices=["constant", "cosine"])
+    parser.add_argument("--ramps", nargs="+", default=list(RAMPS), choices=list(RAMPS))
+    parser.add_argument("--seeds", type=int, default=None, help="default: each task's (digits 5, lm 3)")
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--curve", action="store_true", help="only measure the noise scale over a run at the first batch")
+    parser.add_argument("--times", type=float, default=1.0, help="with --curve: the learning rate's multiplier")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print("| task | run | final training loss | held-out loss | optimizer steps | wall time (s) |")
-    print("|---|---|---|---|---|---|")
-    notes = []
-    for name in args.tasks:
-        task = {"digits": digits, "lm": lm}[name]()
-        rows = {how: [run(task, how, seed) for seed in range(args.seeds)] for how in ("small", "large", "ramp", "ramp-4")}
-        for how, runs in rows.items():
-            label = {"small": f"fixed {task.small}", "large": f"fixed {task.large}", "ramp": f"ramp {task.small} -> {task.large}",
-                     "ramp-4": f"ramp {task.small} -> {task.large}, margin 4"}[how]
-            print(f"| {task.name} | {label} | {spread([r['train'] for r in runs])} | {spread([r['test'] for r in runs])} | "
-                  f"{spread([r['steps'] for r in runs], 0)} | {spread([r['seconds'] for r in runs], 1)} |")
-        small_steps = statistics.fmean(r["steps"] for r in rows["small"])
-        for how in ("ramp", "ramp-4"):
-            steps = statistics.fmean(r["steps"] for r in rows[how])
-            notes.append(f"{task.name}, {how}: {sum(r['samples'] for r in rows['small']) // args.seeds:,} samples a run, "
-                         f"{1 - steps / small_steps:.0%} fewer optimizer steps than the fixed small batch; stages "
-                         f"(samples seen, new target) per seed: " + "; ".join(str(r["stages"]) for r in rows[how]))
+    if args.curve:
+        for name in args.tasks:
+            for schedule in args.schedules:
+                print(f"{name}, {schedule} learning rate x{args.times:g}, batch {TASKS[name]().start}:")
+                for line in curve(name, schedule, args.times):
+                    print(f"- {line}")
+        return
+    tasks = {name: TASKS[name]() for name in args.tasks}
+    seeds = {name: args.seeds or task.seeds for name, task in tasks.items()}
+    begin = time.perf_counter()
+    by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
+        # first the fixed batches, each at several learning rates; then the ramps at the learning rate
+        # that was best for the fixed batch they start from (tuned at the small batch, as a user would)
+        jobs = [(name, schedule, f"fixed {b}", times, seed) for name, task in tasks.items() for schedule in args.schedules
+                for b in task.fixed for times in task.lr_times for seed in range(seeds[name])]
+        for r in pool.map(run, jobs, chunksize=1):
+            by.setdefault(r["job"][:4], []).append(r)
+        best = {(name, schedule, b): min(task.lr_times, key=lambda t: mean([r["test"] for r in by[(name, schedule, f"fixed {b}", t)]]))
+                for name, task in tasks.items() for schedule in args.schedules for b in task.fixed}
+        ramp_jobs = [(name, schedule, what, best[(name, schedule, task.start)], seed) for name, task in tasks.items()
+                     for schedule in args.schedules for what in args.ramps for seed in range(seeds[name])]
+        for r in pool.map(run, ramp_jobs, chunksize=1):
+            by.setdefault(r["job"][:4], []).append(r)
+    print(f"{len(jobs) + len(ramp_jobs)} runs in {time.perf_counter() - begin:.0f} s\n")
+    print("Frontier A: every fixed batch at the learning rate the ramps use (the rule's, from the multiplier best for the first "
+          "batch); frontier B: every fixed batch at its own best multiplier.\n")
+    print("| task | LR | run | held-out loss | optimizer steps | above frontier A | fixed batch of equal loss on A: steps, ramp's saving "
+          "| above frontier B | on B: steps, saving |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    stages = []
+    for name, task in tasks.items():
+        for schedule in args.schedules:
+            times = best[(name, schedule, task.start)]
+            fronts = []
+            for pick in (lambda b: times, lambda b: best[(name, schedule, b)]):
+                rows = [by[(name, schedule, f"fixed {b}", pick(b))] for b in task.fixed]
+                fronts.append(frontier([(mean([r["steps"] for r in rs]), mean([r["test"] for r in rs])) for rs in rows]))
+            for b in task.fixed:
+                a_runs, b_runs = by[(name, schedule, f"fixed {b}", times)], by[(name, schedule, f"fixed {b}", best[(name, schedule, b)])]
+                print(f"| {name} | {schedule} | fixed {b} | A (x{times:g}): {spread([r['test'] for r in a_runs])}; B (x{best[(name, schedule, b)]:g}): "
+                      f"{spread([r['test'] for r in b_runs])} | {spread([r['steps'] for r in a_runs], 0)} | | | | |")
+            for what in args.ramps:
+                rs = by[(name, schedule, what, times)]
+                loss, steps = mean([r["test"] for r in rs]), mean([r["steps"] for r in rs])
+                (above_a, need_a), (above_b, need_b) = versus(loss, steps, fronts[0]), versus(loss, steps, fronts[1])
+                print(f"| {name} | {schedule} | {what} (x{times:g}) | {spread([r['test'] for r in rs])} | {spread([r['steps'] for r in rs], 0)} | "
+                      f"{above_a} | {need_a} | {above_b} | {need_b} |")
+                stages.append(f"{name}, {schedule}, {what}: " + "; ".join(str(r["stages"]) for r in rs))
     print()
-    for note in notes:
-        print(note)
+    print("Stages (samples seen, new target), per seed:")
+    for line in stages:
+        print(f"- {line}")
 
 
 if __name__ == "__main__":

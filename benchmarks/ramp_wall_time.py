@@ -1,21 +1,22 @@
 """What an adaptive batch ramp costs in wall time of its own, against a fixed batch of the same optimizer
 steps, measured side by side in one run (interleaved, so that the machine's state weighs on both alike).
 
-The ramp's micro-batch follows its current target (half of each target's share, for the noise meter's
-two micro-batches per window, up to what fits). It once stayed at half its first target for the whole
-run, so a ramp that had grown 16x trained micro-batches 16x smaller than it could. The comparison:
+An adaptive ramp trains the micro-batches that fit, as a fixed target does; its noise meter compares a
+window's first micro-batch with the whole window, so when a window fits in one micro-batch, one window
+in ``autotune.train.ramp.SPLIT_EVERY`` (8) is cut in two halves for it. The comparison:
 
 - ``ramp``: ``autotune.BatchRamp.adaptive(start, maximum)`` on an MLP over synthetic classification
   data, several epochs; its optimizer steps ``S`` and samples ``N`` are recorded;
 - ``fixed``: ``fit`` at a fixed target of ``N / S`` (the ramp's mean batch), the same epochs, so that
   it takes about the same optimizer steps over the same samples;
-- ``half-first``: the ramp again, with micro-batches held at half its first target, as before
-  (``plan=`` a plan whose micro-batch is that), to show what following the target saves.
+- ``halves``: the ramp with every window cut in two halves (``SPLIT_EVERY = 1``), as it ran before,
+  against a fixed target of its own mean batch (its meter sees more windows, so it raises sooner);
+- ``half-first``: the ramp with micro-batches held at half its first target, as it ran at first
+  (``plan=`` a plan whose micro-batch is that).
 
-Prints, per repetition and as medians, the seconds of each, the steps, and the ratios ramp / fixed
-and half-first / fixed.
+Prints, per repetition and as medians, the seconds of each, the steps, and the ratios to ``fixed``.
 
-    python benchmarks/ramp_wall_time.py               # 5 repetitions (about two minutes on 2 cores)
+    python benchmarks/ramp_wall_time.py               # 9 repetitions (about two minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
+import autotune.train.ramp as ramps
 from autotune.train.ramp import plan_for_target
 
 START, MAXIMUM, EPOCHS = 16, 512, 4
@@ -65,7 +67,7 @@ def run(target, *, plan=None) -> tuple[float, int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     ramp = lambda: autotune.BatchRamp.adaptive(START, MAXIMUM, windows=2, margin=1.0)  # noqa: E731
     _, steps, samples = run(ramp())
@@ -78,17 +80,33 @@ def main() -> None:
     held = plan_for_target(base, MAXIMUM, micro_batch=START // 2)
     print(f"ramp {START} -> {MAXIMUM}: {steps} steps over {samples} samples; fixed target {mean_batch} (its mean batch); "
           f"largest micro-batch that fits: {base.micro_batch}")
+    every = ramps.SPLIT_EVERY
+
+    def halves() -> tuple[float, int, int]:
+        ramps.SPLIT_EVERY = 1
+        try:
+            return run(ramp())
+        finally:
+            ramps.SPLIT_EVERY = every
+
+    _, halves_steps, halves_samples = halves()
+    halves_batch = round(halves_samples / halves_steps)
+    print(f"halves: {halves_steps} steps; fixed target {halves_batch} (its mean batch)")
     rows = []
     for i in range(args.repeats):
         ramp_s, ramp_steps, _ = run(ramp())
         fixed_s, fixed_steps, _ = run(mean_batch)
+        halves_s, _, _ = halves()
+        fixed_h, fixed_h_steps, _ = run(halves_batch)
         held_s, _, _ = run(ramp(), plan=held)
-        rows.append((ramp_s, fixed_s, held_s))
-        print(f"  repeat {i + 1}: ramp {ramp_s:.2f} s ({ramp_steps} steps), fixed {fixed_s:.2f} s ({fixed_steps} steps), "
-              f"half-first {held_s:.2f} s; ramp / fixed {ramp_s / fixed_s:.2f}, half-first / fixed {held_s / fixed_s:.2f}")
-    # the median of the ratios of each interleaved repetition
-    print(f"median: ramp / fixed {statistics.median(r / f for r, f, _ in rows):.2f}, "
-          f"half-first / fixed {statistics.median(h / f for _, f, h in rows):.2f}")
+        rows.append((ramp_s / fixed_s, halves_s / fixed_h, held_s / fixed_s))
+        print(f"  repeat {i + 1}: ramp {ramp_s:.2f} s ({ramp_steps} steps), fixed {fixed_s:.2f} s ({fixed_steps} steps); halves "
+              f"{halves_s:.2f} s, its fixed {fixed_h:.2f} s ({fixed_h_steps} steps); half-first {held_s:.2f} s; ratios "
+              f"{rows[-1][0]:.2f}, {rows[-1][1]:.2f}, {rows[-1][2]:.2f}")
+    # the median of the ratios of each interleaved repetition, and their range
+    for k, name in enumerate(("ramp / fixed", "halves / its fixed", "half-first / fixed")):
+        ratios = [r[k] for r in rows]
+        print(f"{name}: median {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 if __name__ == "__main__":
