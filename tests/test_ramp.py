@@ -111,6 +111,25 @@ def test_the_learning_rate_follows_the_square_root_rule_and_the_scheduler_advanc
     assert scheduler.last_epoch == 400 // 16
 
 
+def test_a_ramp_that_holds_the_learning_rate_keeps_the_first_targets_all_run():
+    """lr="hold" (Smith et al. 2018: raise the batch instead of decaying the learning rate): every step at
+    the first target's learning rate by the rule, whatever its own target; a saved state of another
+    coupling is refused, and one saved before the setting existed loads as "follow"."""
+    dataset, model = data(), mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ramp = BatchRamp.fixed([(0, 16), (96, 64)], lr="hold")
+    result = autotune.fit(model, DataLoader(dataset, batch_size=16), ramp, optimizer=optimizer, loss_fn=mse,
+                          memory_limit="1GiB", progress=False, lr_rule="sqrt", base_batch=8)
+    assert {r.target for r in result.history} == {16, 64}
+    assert all(r.lr == pytest.approx(1e-3 * math.sqrt(16 / 8)) for r in result.history)
+    with pytest.raises(ValueError, match="lr='hold' \\(this ramp: 'follow'\\)"):
+        BatchRamp.fixed([(0, 16), (96, 64)]).load_state_dict(ramp.state_dict())
+    old = {k: v for k, v in BatchRamp.fixed([(0, 16), (96, 64)]).state_dict().items() if k != "lr"}
+    follow = BatchRamp.fixed([(0, 16), (96, 64)])
+    follow.load_state_dict(old)
+    assert follow.lr == "follow"
+
+
 def test_an_adaptive_ramp_raises_the_batch_while_the_noise_scale_is_far_above_it_and_stops_below_it():
     """Linear regression with B_simple = 49 in closed form (tests/test_noise.py), parameters held
     still: from 4, raised to the ramp's batches at or below 49 / 2 (the margin), so to 16 and not to 32
@@ -206,10 +225,11 @@ def test_fit_called_again_continues_the_ramp_bitwise(form):
     (lambda: BatchRamp.adaptive(64, 32), "Invalid maximum 32: it is below start=64"),
     (lambda: BatchRamp.adaptive(16.0, 64), "Invalid start 16.0"),
     (lambda: BatchRamp.adaptive(16, 64, factor=1), "Invalid factor 1"),
+    (lambda: BatchRamp.adaptive(16, 64, lr="sqrt"), "Invalid lr 'sqrt': use 'follow'"),
     (lambda: BatchRamp.adaptive(16, 64, margin=0.5), "Invalid margin 0.5"),
     (lambda: BatchRamp.fixed([(0, 16)], unit="tokens"), "Invalid unit 'tokens'"),
 ], ids=["shrinks", "not-from-0", "unordered", "float-target", "bool-target", "not-a-list", "max-below-start", "float-start",
-        "factor-1", "margin-below-1", "unit"])
+        "factor-1", "lr-coupling", "margin-below-1", "unit"])
 def test_a_bad_ramp_is_refused_with_the_value_and_the_fix(make, match):
     with pytest.raises(ValueError, match=match):
         make()
@@ -238,13 +258,14 @@ def test_a_ramp_says_what_it_would_do():
     lines = BatchRamp.fixed([(0, 256), (2_000_000, 512), (4_000_000, 2048)]).describe(micro_batch=96, total=6_000_000)
     assert lines[0] == "256 per step from 0 to 2,000,000 samples: 3 micro-batches of 85-86 per step, 7,813 steps"
     assert lines[2] == "2048 per step from 4,000,000 to 6,000,000 samples: 22 micro-batches of 93-94 per step, 977 steps"
-    # an adaptive ramp: the micro-batches that fit, one window in eight cut in two halves for its meter when the
-    # share fits in one
-    adaptive = BatchRamp.adaptive(64, 512).describe(micro_batch=128, world_size=2)
-    assert adaptive[:4] == ["64 per step: 1 micro-batch of 32 per step per rank (one step in 8: 2 of 16)",
-                            "128 per step: 1 micro-batch of 64 per step per rank (one step in 8: 2 of 32)",
-                            "256 per step: 1 micro-batch of 128 per step per rank (one step in 8: 2 of 64)",
-                            "512 per step: 2 micro-batches of 128 per step per rank"]
+    # an adaptive ramp: the micro-batches that fit; in one process one window in eight cut in two halves for
+    # its meter when the target fits in one micro-batch; with ranks, each rank's own gradient is the smaller one
+    adaptive = BatchRamp.adaptive(64, 512).describe(micro_batch=128)
+    assert adaptive[:4] == ["64 per step: 1 micro-batch of 64 per step (one step in 8: 2 of 32)",
+                            "128 per step: 1 micro-batch of 128 per step (one step in 8: 2 of 64)",
+                            "256 per step: 2 micro-batches of 128 per step", "512 per step: 4 micro-batches of 128 per step"]
+    ranks = BatchRamp.adaptive(64, 512).describe(micro_batch=128, world_size=2)
+    assert ranks[:2] == ["64 per step: 1 micro-batch of 32 per step per rank", "128 per step: 1 micro-batch of 64 per step per rank"]
 
 
 def test_a_ramp_is_refused_for_a_model_sharded_with_fsdp2():

@@ -44,7 +44,9 @@ def run_micro_batches(run: Any, window: Window) -> float:
     run.noise.small = None
     # This rank's share of the global count, carried by the weights (see Run.unit).
     share = window.items / run.unit if run.unit else 1.0
-    measured = run.noise.due and len(window) > 1  # one micro-batch has no smaller gradient to compare with
+    # A window of one micro-batch in one process has no smaller gradient to compare with; with several
+    # ranks, a rank's own gradient is one (against the global window's).
+    measured = run.noise.due and (len(window) > 1 or run.world_size > 1)
     for micro in window:
         bnc.before_micro(micro.samples)
         try:

@@ -49,9 +49,10 @@ from autotune.train.noise import NoiseMeter
 __all__ = ["SPLIT_EVERY", "BatchRamp", "RampChange", "plan_for_target"]
 
 Unit = Literal["samples", "items"]
-# An adaptive ramp's meter compares a window's first micro-batch with the whole window. A window that
-# fits in one micro-batch is cut in two halves for it once every SPLIT_EVERY windows (the others run
-# whole, as a fixed target's would); a window of several micro-batches is measured as it is.
+# An adaptive ramp's meter compares a window's first micro-batch with the whole window. In one process, a
+# window that fits in one micro-batch is cut in two halves for it once every SPLIT_EVERY windows (the
+# others run whole, as a fixed target's would); a window of several micro-batches is measured as it is,
+# and so is every window with several ranks (a rank's own gradient against the global one).
 SPLIT_EVERY = 8
 Coupling = Literal["follow", "hold"]
 
@@ -328,13 +329,15 @@ class BatchRamp:
 
     def describe(self, micro_batch: int, world_size: int = 1, total: int | None = None) -> list[str]:
         """What the ramp would do with micro-batches of at most ``micro_batch`` per rank: per stage, the
-        micro-batches per step and (with ``total`` samples) the optimizer steps. An adaptive ramp cuts one
-        window in :data:`SPLIT_EVERY` that fits in one micro-batch in two halves, for its meter."""
+        micro-batches per step and (with ``total`` samples) the optimizer steps. An adaptive ramp in one
+        process cuts one window in :data:`SPLIT_EVERY` that fits in one micro-batch in two halves, for its
+        meter."""
         def split(target: int) -> str:
             share = largest_share(target, world_size)
             sizes = even_micro_batches(share, micro_batch)
             size = f"{sizes[0]}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
-            halves = f" (one step in {SPLIT_EVERY}: 2 of {math.ceil(share / 2)})" if self.adaptive_form and len(sizes) == 1 else ""
+            one = self.adaptive_form and len(sizes) == 1 and world_size == 1
+            halves = f" (one step in {SPLIT_EVERY}: 2 of {math.ceil(share / 2)})" if one else ""
             return (f"{len(sizes)} micro-batch{'es' if len(sizes) > 1 else ''} of {size} per step" + (" per rank" if world_size > 1 else "")
                     + halves)
 

@@ -134,7 +134,8 @@ class Run:
         an epoch's last step is short."""
         target = self.ramp.window_target() if self.ramp is not None else self.plan.effective_batch
         share = rotated_share(target, self.world_size, self.rank, window)
-        self.halves = share if self.ramp is not None and self.ramp.split else 0
+        # in one process only: with several ranks a rank's own gradient is the meter's smaller one
+        self.halves = share if self.ramp is not None and self.ramp.split and self.world_size == 1 else 0
         return share
 
     def __enter__(self) -> Run:
