@@ -36,7 +36,7 @@ import math
 import multiprocessing
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,7 +63,6 @@ class Task:
     rule: str
     lr_times: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)  # every fixed batch at its rule's learning rate times these
     seeds: int = 3
-    notes: list[str] = field(default_factory=list)
 
 
 def xent(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -346,7 +346,8 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
 
 
 def _ramp_lines(ramp: Any, plan: Any, samples: int | None) -> list[str]:
-    """What the ramp would do with the plan's micro-batch (an adaptive one: at most half each target)."""
+    """What the ramp would do with the plan's micro-batch (an adaptive one also says which windows it
+    cuts in halves for its meter)."""
     return ramp.describe(plan.micro_batch, plan.world_size, samples)
 
 

@@ -10,8 +10,8 @@ target, in one of two forms:
   or below both the measured noise scale over ``margin`` and the lower end of its range, once
   ``windows`` measured windows in a row asked for more than the current batch; never lowering it and
   never beyond ``maximum``. The meter forgets at each raise (the noise scale it follows has moved). It
-  compares a window's first micro-batch with the whole window, so an adaptive ramp trains micro-batches
-  of at most half the current target's share (every window holds two micro-batches at least).
+  compares a window's first micro-batch with the whole window: see :data:`SPLIT_EVERY` for the windows
+  it cuts in halves for that.
 
 Every optimizer step stays exact for its own target (the same ``n_i / N`` weights); the micro-batch
 does not change (it is planned for the largest target), the accumulation steps follow the target; the
@@ -154,9 +154,8 @@ class BatchRamp:
         between ``B / (margin x factor)`` and ``B / margin``: 4 (the default) holds it at most at a
         quarter of the measured noise scale, which overstates the batch worth taking when the curvature
         is uneven (chosen on ``benchmarks/batch_ramp.py``; see ``docs/ramp.md``); a larger margin trades
-        steps for loss. Never lowered. A
-        first raise can skip several batches (a start from a measurement); the meter forgets what it
-        measured at the old batch at each raise. ``lr``: ``"follow"`` (the plan's rule at each target)
+        steps for loss. Never lowered. A first raise can skip several batches (a start from a
+        measurement); the meter forgets what it measured at the old batch at each raise. ``lr``: ``"follow"`` (the plan's rule at each target)
         or ``"hold"`` (the first target's learning rate all run).
 
         Example:
@@ -176,10 +175,9 @@ class BatchRamp:
         return self.stages is None
 
     def __repr__(self) -> str:
-        if self.stages is not None:
-            lr = f", lr={self.lr!r}" if self.lr != "follow" else ""
-            return f"BatchRamp.fixed({list(self.stages)!r}, unit={self.unit!r}{lr})"
         lr = f", lr={self.lr!r}" if self.lr != "follow" else ""
+        if self.stages is not None:
+            return f"BatchRamp.fixed({list(self.stages)!r}, unit={self.unit!r}{lr})"
         return (f"BatchRamp.adaptive({self.start}, {self.maximum}, factor={self.factor}, margin={self.margin:g}, windows={self.windows}, "
                 f"unit={self.unit!r}{lr})")
 
@@ -263,7 +261,10 @@ class BatchRamp:
             128
         """
         per_sample = items_per_sample if self.unit == "items" else 1.0
-        bound = min(noise.value / self.margin, noise.low) / per_sample
+        return self._grid_at_most(min(noise.value / self.margin, noise.low) / per_sample)
+
+    def _grid_at_most(self, bound: float) -> int:
+        """The largest of :meth:`grid` at or below ``bound``, never below the current target."""
         return max([self.target] + [t for t in self.grid() if t <= bound])
 
     def vote(self, noise: Any, items_per_sample: float, fresh: bool = True) -> tuple[float, float]:
@@ -307,7 +308,7 @@ class BatchRamp:
         else:
             if vote < 1.0 - 1e-9 or before >= self.maximum:
                 return None
-            now = max([before] + [t for t in self.grid() if t <= proposal + 1e-6])
+            now = self._grid_at_most(proposal + 1e-6)
             if now == before:
                 return None
             reason = (f"the noise scale over {self.margin:g}, and its range's lower end, lay at or above {now} ({self.unit}) "
