@@ -22,9 +22,11 @@ Tasks:
   its noise scale grows many-fold over the run (``--curve`` measures it).
 
 Ramps (``autotune.BatchRamp.adaptive(16, maximum, ...)``): the default, and the variants in ``RAMPS``,
-each differing from it in one setting.
+each differing from it in one or two settings; and fixed stages chosen with hindsight (``STAGES``: when
+to raise, fixed in advance at fractions of the run), which bound what a rule deciding when to raise could
+reach with the same learning-rate coupling.
 
-    python benchmarks/batch_ramp.py                          # both tasks (about 14 minutes on 2 cores)
+    python benchmarks/batch_ramp.py                          # both tasks (about 20 minutes on 2 cores)
     python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 4)"
     python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
 """
@@ -149,6 +151,17 @@ RAMPS: dict[str, dict[str, Any]] = {
     "margin 8": {"margin": 8.0},
     "margin 16": {"margin": 16.0},
     "lr hold": {"lr": "hold"},  # the first target's learning rate all run (Smith et al. 2018)
+    "lr linear": {"lr": "linear"},  # the first target's learning rate times target / start
+    "margin 2, lr linear": {"margin": 2.0, "lr": "linear"},
+}
+
+# fixed stages chosen with hindsight (not by a measurement): name -> ((fraction of the run's samples, target), ...) and
+# BatchRamp.fixed's keyword arguments; what any rule that decides when to raise could at best have picked among
+STAGES: dict[str, tuple[tuple[tuple[float, int], ...], dict[str, Any]]] = {
+    "stages x2 each quarter": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {}),
+    "stages x2 each quarter, lr linear": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {"lr": "linear"}),
+    "stages 16, then 64 from half": (((0, 16), (0.5, 64)), {}),
+    "stages early: 32 from 1/12, 64 from 1/4": (((0, 16), (1 / 12, 32), (0.25, 64)), {}),
 }
 
 
@@ -163,6 +176,10 @@ def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
     loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(seed))
     if what.startswith("fixed "):
         target: Any = int(what.split()[1])
+    elif what in STAGES:
+        stages, options = STAGES[what]
+        total = task.epochs * len(task.train)
+        target = autotune.BatchRamp.fixed([(round(f * total), b) for f, b in stages], **options)
     else:
         target = autotune.BatchRamp.adaptive(task.start, task.maximum, **RAMPS[what])
     per_step = target if isinstance(target, int) else task.start  # a ramp steps its scheduler once per `start` samples
@@ -257,7 +274,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--schedules", nargs="+", default=["constant", "cosine"], choices=["constant", "cosine"])
-    parser.add_argument("--ramps", nargs="+", default=list(RAMPS), choices=list(RAMPS))
+    parser.add_argument("--ramps", nargs="+", default=[*RAMPS, *STAGES], choices=[*RAMPS, *STAGES])
     parser.add_argument("--seeds", type=int, default=None, help="default: each task's (digits 5, lm 3)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--curve", action="store_true", help="only measure the noise scale over a run at the first batch")

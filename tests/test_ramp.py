@@ -130,6 +130,25 @@ def test_a_ramp_that_holds_the_learning_rate_keeps_the_first_targets_all_run():
     assert follow.lr == "follow"
 
 
+def test_a_ramp_coupled_linearly_scales_the_learning_rate_by_target_over_start_whatever_the_rule():
+    """lr="linear": the first target's learning rate by the plan's rule (sqrt here, from base 8), times
+    target / start at every later target; under a schedule the factor multiplies what the schedule holds."""
+    dataset, model = data(), mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 / (1 + k))
+    ramp = BatchRamp.fixed([(0, 16), (96, 32), (192, 64)], lr="linear")
+    result = autotune.fit(model, DataLoader(dataset, batch_size=16), ramp, optimizer=optimizer, scheduler=scheduler, loss_fn=mse,
+                          memory_limit="1GiB", progress=False, lr_rule="sqrt", base_batch=8)
+    assert {r.target for r in result.history} == {16, 32, 64}
+    seen = 0
+    for r in result.history:
+        assert r.lr == pytest.approx(1e-3 / (1 + seen // 16) * math.sqrt(16 / 8) * r.target / 16)
+        seen += r.samples
+    assert repr(ramp).endswith("lr='linear')")
+    with pytest.raises(ValueError, match="lr='linear' \\(this ramp: 'hold'\\)"):
+        BatchRamp.fixed([(0, 16), (96, 32), (192, 64)], lr="hold").load_state_dict(ramp.state_dict())
+
+
 def test_an_adaptive_ramp_raises_the_batch_while_the_noise_scale_is_far_above_it_and_stops_below_it():
     """Linear regression with B_simple = 49 in closed form (tests/test_noise.py), parameters held
     still: from 4, raised to the ramp's batches at or below 49 / 2 (the margin), so to 16 and not to 32
@@ -225,7 +244,7 @@ def test_fit_called_again_continues_the_ramp_bitwise(form):
     (lambda: BatchRamp.adaptive(64, 32), "Invalid maximum 32: it is below start=64"),
     (lambda: BatchRamp.adaptive(16.0, 64), "Invalid start 16.0"),
     (lambda: BatchRamp.adaptive(16, 64, factor=1), "Invalid factor 1"),
-    (lambda: BatchRamp.adaptive(16, 64, lr="sqrt"), "Invalid lr 'sqrt': use 'follow'"),
+    (lambda: BatchRamp.adaptive(16, 64, lr="sqrt"), "Invalid lr 'sqrt': use 'follow' .*, 'hold' .* or 'linear'"),
     (lambda: BatchRamp.adaptive(16, 64, margin=0.5), "Invalid margin 0.5"),
     (lambda: BatchRamp.fixed([(0, 16)], unit="tokens"), "Invalid unit 'tokens'"),
 ], ids=["shrinks", "not-from-0", "unordered", "float-target", "bool-target", "not-a-list", "max-below-start", "float-start",

@@ -421,7 +421,7 @@ def _set_up(r: _Request) -> Run:
     r.plan = plan
     run = Run(
         par, r.optimizer, r.scheduler, r.loss_fn,
-        plan_for_target(plan, ramp.target, micro_batch=plan.micro_batch, rank=rank, lr_batch=ramp.lr_batch(ramp.target)) if ramp else plan,
+        plan_for_target(plan, ramp.target, micro_batch=plan.micro_batch, rank=rank, ramp=ramp) if ramp else plan,
         device, r.precision, r.scaler, r.clip_grad_norm, r.shared.memory_limit, r.mode, bns,
         _total_steps(r.loader, plan, r.epochs, r.max_steps), bool(r.shared.progress),
         checkpointing=r.shared.checkpointing or plan.checkpointing, noise_scale=r.noise_scale,
@@ -555,7 +555,7 @@ def _follow(run: Run, plan: Plan, ramp: BatchRamp, target: int) -> None:
     error lowered it to), the accumulation and learning rate of the target."""
     if target != run.plan.effective_batch:
         micro = run.plan.micro_batch if run.lowered else plan.micro_batch
-        run.plan = plan_for_target(plan, target, micro_batch=micro, rank=run.rank, lr_batch=ramp.lr_batch(target))
+        run.plan = plan_for_target(plan, target, micro_batch=micro, rank=run.rank, ramp=ramp)
 
 
 def _noise_note(noise: Any, run: Run, asked: bool | int) -> str | None:

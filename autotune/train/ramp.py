@@ -15,8 +15,9 @@ target, in one of two forms:
 
 Every optimizer step stays exact for its own target (the same ``n_i / N`` weights); the micro-batch
 does not change (it is planned for the largest target), the accumulation steps follow the target; the
-learning rate follows the plan's rule for each target (``lr="follow"``) or stays the first target's
-(``lr="hold"``, as in Smith et al. 2018); the scheduler steps once per ``start`` samples
+learning rate follows the plan's rule for each target (``lr="follow"``), stays the first target's
+(``lr="hold"``, as in Smith et al. 2018), or grows in proportion to the target from the first target's
+(``lr="linear"``); the scheduler steps once per ``start`` samples
 seen, so a schedule made for the run's samples ends where the run ends. Under data parallelism the
 ranks agree on each change in the exchange they already make. The ramp keeps its state: pass the same
 object to a later ``fit`` and it continues where it stopped.
@@ -43,7 +44,7 @@ from autotune.planning.plans import (
     largest_share,
     rotated_share,
 )
-from autotune.planning.scaling import adjusted_bn_momentum, lr_scale
+from autotune.planning.scaling import LRRule, adjusted_bn_momentum, lr_scale
 from autotune.train.noise import NoiseMeter
 
 __all__ = ["SPLIT_EVERY", "BatchRamp", "RampChange", "plan_for_target"]
@@ -54,7 +55,7 @@ Unit = Literal["samples", "items"]
 # others run whole, as a fixed target's would); a window of several micro-batches is measured as it is,
 # and so is every window with several ranks (a rank's own gradient against the global one).
 SPLIT_EVERY = 8
-Coupling = Literal["follow", "hold"]
+Coupling = Literal["follow", "hold", "linear"]
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,9 @@ class BatchRamp:
                  factor: int = 2, margin: float = 4.0, windows: int = 10, unit: Unit = "samples", lr: Coupling = "follow") -> None:
         if unit not in ("samples", "items"):
             raise ValueError(f"Invalid unit {unit!r}: use 'samples' or 'items' (what fit's count counts)")
-        if lr not in ("follow", "hold"):
-            raise ValueError(f"Invalid lr {lr!r}: use 'follow' (the plan's rule at each target) or 'hold' (the first target's "
-                             "learning rate all run)")
+        if lr not in ("follow", "hold", "linear"):
+            raise ValueError(f"Invalid lr {lr!r}: use 'follow' (the plan's rule at each target), 'hold' (the first target's "
+                             "learning rate all run) or 'linear' (the first target's, times target / start)")
         self.lr: Coupling = lr
         self.unit: Unit = unit
         self.stages: tuple[tuple[int, int], ...] | None = None
@@ -155,8 +156,9 @@ class BatchRamp:
         quarter of the measured noise scale, which overstates the batch worth taking when the curvature
         is uneven (chosen on ``benchmarks/batch_ramp.py``; see ``docs/ramp.md``); a larger margin trades
         steps for loss. Never lowered. A first raise can skip several batches (a start from a
-        measurement); the meter forgets what it measured at the old batch at each raise. ``lr``: ``"follow"`` (the plan's rule at each target)
-        or ``"hold"`` (the first target's learning rate all run).
+        measurement); the meter forgets what it measured at the old batch at each raise. ``lr``: ``"follow"`` (the plan's rule at each target),
+        ``"hold"`` (the first target's learning rate all run) or ``"linear"`` (the first target's times
+        ``target / start``), see :meth:`lr_factor`.
 
         Example:
             >>> BatchRamp.adaptive(64, 1024).target
@@ -164,10 +166,15 @@ class BatchRamp:
         """
         return cls(start=start, maximum=maximum, factor=factor, margin=margin, windows=windows, unit=unit, lr=lr)
 
-    def lr_batch(self, target: int) -> int:
-        """The batch whose learning rate (by the plan's rule) a step at ``target`` trains with: ``target``
-        itself (``lr="follow"``), or the first target all run (``lr="hold"``)."""
-        return target if self.lr == "follow" else self.start
+    def lr_factor(self, target: int, base_batch: int, rule: LRRule) -> float:
+        """What a step at ``target`` multiplies the scheduled learning rate by: the plan's rule at
+        ``target`` (``lr="follow"``), at the first target all run (``"hold"``), or at the first target times
+        ``target / start`` (``"linear"``: in proportion to the batch from the first target on, whatever
+        the rule)."""
+        if self.lr == "follow":
+            return lr_scale(target / base_batch, rule)
+        first = lr_scale(self.start / base_batch, rule)
+        return first if self.lr == "hold" else first * target / self.start
 
     @property
     def adaptive_form(self) -> bool:
@@ -386,15 +393,18 @@ def _checked_stages(stages: Any) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def plan_for_target(plan: Plan, target: int, *, micro_batch: int, rank: int = 0, lr_batch: int | None = None) -> Plan:
+def plan_for_target(plan: Plan, target: int, *, micro_batch: int, rank: int = 0, ramp: BatchRamp | None = None) -> Plan:
     """``plan`` (made for the ramp's largest target) at another ``target``: micro-batches of at most
     ``micro_batch`` (the same at every stage), the accumulation steps of this rank's share, the learning
-    rate by the plan's rule for this target, the BatchNorm momentum per micro-batch for these steps."""
+    rate by the plan's rule for this target (as ``ramp`` couples it, see :meth:`BatchRamp.lr_factor`),
+    the BatchNorm momentum per micro-batch for these steps."""
     share = rotated_share(target, plan.world_size, rank, 0)
     micro_batch = max(1, min(micro_batch, share))  # a target below the plan's micro-batch: one micro-batch of it
     sizes = even_micro_batches(share, micro_batch)
     rule = plan.lr_rule
-    scale = lr_scale((lr_batch or target) / plan.base_batch, rule) if rule in ("linear", "sqrt", "none") else plan.lr_scale  # type: ignore[arg-type]
+    scale = plan.lr_scale
+    if rule in ("linear", "sqrt", "none"):
+        scale = ramp.lr_factor(target, plan.base_batch, rule) if ramp is not None else lr_scale(target / plan.base_batch, rule)  # type: ignore[arg-type]
     momentum = None
     if plan.bn_momentum is not None:
         base = 1 - (1 - plan.bn_momentum) ** plan.accumulation_steps
