@@ -1,6 +1,7 @@
 """A batch that grows, against the whole fixed-batch frontier, at an equal budget of samples.
 
-For each task and learning-rate schedule (constant, cosine to zero), every fixed batch of a sweep and
+For each task and learning-rate schedule (constant; cosine to zero; warmup-stable-decay: constant for
+80% of the run, then linear to zero), every fixed batch of a sweep and
 every ramp trains on the same samples, over several seeds (digits 5, lm 3). Every fixed batch runs at
 several learning rates: the rule's (square root, from the first batch) times each of ``lr_times``. The
 ramps run at the multiplier that was best for the first fixed batch (tuned at the small batch, as a user
@@ -26,7 +27,7 @@ each differing from it in one or two settings; and fixed stages chosen with hind
 to raise, fixed in advance at fractions of the run), which bound what a rule deciding when to raise could
 reach with the same learning-rate coupling.
 
-    python benchmarks/batch_ramp.py                          # both tasks (about 20 minutes on 2 cores)
+    python benchmarks/batch_ramp.py                          # both tasks (about 30 minutes on 2 cores)
     python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 4)"
     python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
 """
@@ -34,6 +35,7 @@ reach with the same learning-rate coupling.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import multiprocessing
 import statistics
@@ -165,6 +167,23 @@ STAGES: dict[str, tuple[tuple[tuple[float, int], ...], dict[str, Any]]] = {
 }
 
 
+SCHEDULES = ("constant", "cosine", "wsd")
+
+
+def stable_then_decay(total: int, step: int) -> float:
+    """The "wsd" schedule's factor: 1 for the first 80% of ``total`` steps, then linear to 0."""
+    return min(1.0, max(0.0, (total - step) / (0.2 * total)))
+
+
+def make_schedule(optimizer: torch.optim.Optimizer, schedule: str, total: int) -> Any:
+    """The scheduler of ``schedule`` over ``total`` scheduler steps (None: a constant learning rate)."""
+    if schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    if schedule == "wsd":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(stable_then_decay, total))
+    return None
+
+
 def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
     """One training run: (task, schedule, what: 'fixed N' or a ramp's name, learning-rate multiplier, seed)."""
     task_name, schedule, what, times, seed = job
@@ -183,9 +202,7 @@ def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
     else:
         target = autotune.BatchRamp.adaptive(task.start, task.maximum, **RAMPS[what])
     per_step = target if isinstance(target, int) else task.start  # a ramp steps its scheduler once per `start` samples
-    scheduler = None
-    if schedule == "cosine":
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=math.ceil(task.epochs * len(task.train) / per_step))
+    scheduler = make_schedule(optimizer, schedule, math.ceil(task.epochs * len(task.train) / per_step))
     begin = time.perf_counter()
     try:
         result = autotune.fit(model, loader, target, optimizer=optimizer, loss_fn=task.loss_fn, epochs=task.epochs, lr_rule=task.rule,
@@ -252,7 +269,7 @@ def curve(name: str, schedule: str, times: float = 1.0, points: int = 8) -> list
     loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(0))
     probe = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(1))
     total = task.epochs * len(loader)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total) if schedule == "cosine" else None
+    scheduler = make_schedule(optimizer, schedule, total)
     due = {round(i * (total - 1) / (points - 1)) for i in range(points)}
     out, step = [], 0
     for _ in range(task.epochs):
@@ -273,7 +290,7 @@ def curve(name: str, schedule: str, times: float = 1.0, points: int = 8) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--schedules", nargs="+", default=["constant", "cosine"], choices=["constant", "cosine"])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--ramps", nargs="+", default=[*RAMPS, *STAGES], choices=[*RAMPS, *STAGES])
     parser.add_argument("--seeds", type=int, default=None, help="default: each task's (digits 5, lm 3)")
     parser.add_argument("--processes", type=int, default=2)
