@@ -27,7 +27,7 @@ each differing from it in one or two settings; and fixed stages chosen with hind
 to raise, fixed in advance at fractions of the run), which bound what a rule deciding when to raise could
 reach with the same learning-rate coupling.
 
-    python benchmarks/batch_ramp.py                          # both tasks (about 30 minutes on 2 cores)
+    python benchmarks/batch_ramp.py                          # both tasks (about 35 minutes on 2 cores)
     python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 4)"
     python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
 """
@@ -155,6 +155,8 @@ RAMPS: dict[str, dict[str, Any]] = {
     "lr hold": {"lr": "hold"},  # the first target's learning rate all run (Smith et al. 2018)
     "lr linear": {"lr": "linear"},  # the first target's learning rate times target / start
     "margin 2, lr linear": {"margin": 2.0, "lr": "linear"},
+    "lr restore": {"lr": "restore"},  # the rule, plus what the schedule decayed, up to linear
+    "margin 2, lr restore": {"margin": 2.0, "lr": "restore"},
 }
 
 # fixed stages chosen with hindsight (not by a measurement): name -> ((fraction of the run's samples, target), ...) and
@@ -162,6 +164,7 @@ RAMPS: dict[str, dict[str, Any]] = {
 STAGES: dict[str, tuple[tuple[tuple[float, int], ...], dict[str, Any]]] = {
     "stages x2 each quarter": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {}),
     "stages x2 each quarter, lr linear": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {"lr": "linear"}),
+    "stages x2 each quarter, lr restore": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {"lr": "restore"}),
     "stages 16, then 64 from half": (((0, 16), (0.5, 64)), {}),
     "stages early: 32 from 1/12, 64 from 1/4": (((0, 16), (1 / 12, 32), (0.25, 64)), {}),
 }

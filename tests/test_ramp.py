@@ -149,6 +149,35 @@ def test_a_ramp_coupled_linearly_scales_the_learning_rate_by_target_over_start_w
         BatchRamp.fixed([(0, 16), (96, 32), (192, 64)], lr="hold").load_state_dict(ramp.state_dict())
 
 
+def test_a_ramp_that_restores_takes_back_what_the_schedule_decayed_up_to_linear():
+    """lr="restore": at the first target, and whenever the schedule still holds its first rate, the rule
+    (sqrt here, from base 8); above the first target, as the schedule decays, the step's rate rises
+    toward the linear coupling (first target's rate x target / 16) and never above the rule's rate at the
+    schedule's first value. Without a scheduler it is the rule throughout."""
+    dataset = data()
+
+    def steps(schedule):
+        model = mlp()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
+        ramp = BatchRamp.fixed([(0, 16), (96, 32), (192, 64)], lr="restore")
+        result = autotune.fit(model, DataLoader(dataset, batch_size=16), ramp, optimizer=optimizer, scheduler=scheduler, loss_fn=mse,
+                              memory_limit="1GiB", progress=False, lr_rule="sqrt", base_batch=8)
+        assert {r.target for r in result.history} == {16, 32, 64}
+        return result.history
+
+    seen, lifted = 0, 0
+    for r in steps(lambda k: 1 / (1 + k)):
+        scheduled = 1e-3 / (1 + seen // 16)
+        rule, linear = math.sqrt(r.target / 8), math.sqrt(16 / 8) * r.target / 16
+        expected = max(scheduled * rule, min(scheduled * linear, 1e-3 * rule))
+        assert r.lr == pytest.approx(expected)
+        lifted += r.lr > scheduled * rule * 1.001
+        seen += r.samples
+    assert lifted >= 5  # the decayed schedule let the raised targets take more than the rule
+    assert all(r.lr == pytest.approx(1e-3 * math.sqrt(r.target / 8)) for r in steps(None))
+
+
 def test_an_adaptive_ramp_raises_the_batch_while_the_noise_scale_is_far_above_it_and_stops_below_it():
     """Linear regression with B_simple = 49 in closed form (tests/test_noise.py), parameters held
     still: from 4, raised to the ramp's batches at or below 49 / 2 (the margin), so to 16 and not to 32
@@ -244,7 +273,7 @@ def test_fit_called_again_continues_the_ramp_bitwise(form):
     (lambda: BatchRamp.adaptive(64, 32), "Invalid maximum 32: it is below start=64"),
     (lambda: BatchRamp.adaptive(16.0, 64), "Invalid start 16.0"),
     (lambda: BatchRamp.adaptive(16, 64, factor=1), "Invalid factor 1"),
-    (lambda: BatchRamp.adaptive(16, 64, lr="sqrt"), "Invalid lr 'sqrt': use 'follow' .*, 'hold' .* or 'linear'"),
+    (lambda: BatchRamp.adaptive(16, 64, lr="sqrt"), "Invalid lr 'sqrt': use 'follow' .*, 'hold' .*, 'linear' .* or 'restore'"),
     (lambda: BatchRamp.adaptive(16, 64, margin=0.5), "Invalid margin 0.5"),
     (lambda: BatchRamp.fixed([(0, 16)], unit="tokens"), "Invalid unit 'tokens'"),
 ], ids=["shrinks", "not-from-0", "unordered", "float-target", "bool-target", "not-a-list", "max-below-start", "float-start",

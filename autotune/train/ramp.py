@@ -16,8 +16,9 @@ target, in one of two forms:
 Every optimizer step stays exact for its own target (the same ``n_i / N`` weights); the micro-batch
 does not change (it is planned for the largest target), the accumulation steps follow the target; the
 learning rate follows the plan's rule for each target (``lr="follow"``), stays the first target's
-(``lr="hold"``, as in Smith et al. 2018), or grows in proportion to the target from the first target's
-(``lr="linear"``); the scheduler steps once per ``start`` samples
+(``lr="hold"``, as in Smith et al. 2018), grows in proportion to the target from the first target's
+(``lr="linear"``), or follows the rule and takes back, up to the linear coupling, what a decaying schedule
+has taken (``lr="restore"``); the scheduler steps once per ``start`` samples
 seen, so a schedule made for the run's samples ends where the run ends. Under data parallelism the
 ranks agree on each change in the exchange they already make. The ramp keeps its state: pass the same
 object to a later ``fit`` and it continues where it stopped.
@@ -55,7 +56,7 @@ Unit = Literal["samples", "items"]
 # others run whole, as a fixed target's would); a window of several micro-batches is measured as it is,
 # and so is every window with several ranks (a rank's own gradient against the global one).
 SPLIT_EVERY = 8
-Coupling = Literal["follow", "hold", "linear"]
+Coupling = Literal["follow", "hold", "linear", "restore"]
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,10 @@ class BatchRamp:
                  factor: int = 2, margin: float = 4.0, windows: int = 10, unit: Unit = "samples", lr: Coupling = "follow") -> None:
         if unit not in ("samples", "items"):
             raise ValueError(f"Invalid unit {unit!r}: use 'samples' or 'items' (what fit's count counts)")
-        if lr not in ("follow", "hold", "linear"):
+        if lr not in ("follow", "hold", "linear", "restore"):
             raise ValueError(f"Invalid lr {lr!r}: use 'follow' (the plan's rule at each target), 'hold' (the first target's "
-                             "learning rate all run) or 'linear' (the first target's, times target / start)")
+                             "learning rate all run), 'linear' (the first target's, times target / start) or 'restore' "
+                             "(linear while the schedule has decayed, up to the rule's at the schedule's first rate)")
         self.lr: Coupling = lr
         self.unit: Unit = unit
         self.stages: tuple[tuple[int, int], ...] | None = None
@@ -157,8 +159,9 @@ class BatchRamp:
         is uneven (chosen on ``benchmarks/batch_ramp.py``; see ``docs/ramp.md``); a larger margin trades
         steps for loss. Never lowered. A first raise can skip several batches (a start from a
         measurement); the meter forgets what it measured at the old batch at each raise. ``lr``: ``"follow"`` (the plan's rule at each target),
-        ``"hold"`` (the first target's learning rate all run) or ``"linear"`` (the first target's times
-        ``target / start``), see :meth:`lr_factor`.
+        ``"hold"`` (the first target's learning rate all run), ``"linear"`` (the first target's times
+        ``target / start``) or ``"restore"`` (as ``"follow"`` while the schedule holds its first rate,
+        up to ``"linear"`` as it decays), see :meth:`lr_factor` and :meth:`step_factor`.
 
         Example:
             >>> BatchRamp.adaptive(64, 1024).target
@@ -171,10 +174,23 @@ class BatchRamp:
         ``target`` (``lr="follow"``), at the first target all run (``"hold"``), or at the first target times
         ``target / start`` (``"linear"``: in proportion to the batch from the first target on, whatever
         the rule)."""
-        if self.lr == "follow":
+        if self.lr in ("follow", "restore"):
             return lr_scale(target / base_batch, rule)
         first = lr_scale(self.start / base_batch, rule)
         return first if self.lr == "hold" else first * target / self.start
+
+    def step_factor(self, plan: Plan, group: dict[str, Any]) -> float:
+        """What this step multiplies ``group``'s scheduled learning rate by: ``plan.lr_scale``, except
+        with ``lr="restore"``, where a target above the first takes back, up to the linear coupling,
+        what the schedule has decayed, never beyond the rule's scale at the schedule's first rate
+        (``group["initial_lr"]``, which torch's schedulers set): ``max(rule, min(linear, rule x first /
+        scheduled))``. Without a schedule, or while it holds its first rate, that is the rule."""
+        rule = plan.lr_scale
+        scheduled, first = group["lr"], group.get("initial_lr", group["lr"])
+        if self.lr != "restore" or plan.lr_rule not in ("linear", "sqrt", "none") or not scheduled > 0:
+            return rule
+        linear = lr_scale(self.start / plan.base_batch, plan.lr_rule) * plan.effective_batch / self.start  # type: ignore[arg-type]
+        return max(rule, min(linear, rule * first / scheduled))
 
     @property
     def adaptive_form(self) -> bool:

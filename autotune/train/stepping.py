@@ -50,7 +50,7 @@ def optimizer_step(run: Any, samples: int = 0) -> tuple[float, bool]:
         for g in optimizer.param_groups:
             if settings is not None:
                 g.update(settings.apply(g))
-            g["lr"] = g["lr"] * run.plan.lr_scale
+            g["lr"] = g["lr"] * (run.ramp.step_factor(run.plan, g) if run.ramp is not None else run.plan.lr_scale)
         lr = float(optimizer.param_groups[0]["lr"])
         skipped = False
         if scaler is not None:
