@@ -1,6 +1,7 @@
 """The optimizer step at the planned batch: unscale (fp16), clip, step at ``plan.lr_scale`` times the
-learning rate the schedule holds (a ramp's ``step_factor``, which is that unless it restores a decayed rate), schedule, zero the gradients. Only the step sees the scaled rate: the
-optimizer's param groups and the scheduler keep the unscaled values, whatever the schedule does."""
+learning rate the schedule holds (or a ramp's ``step_factor``, the same unless it restores a decayed
+rate), schedule, zero the gradients. Only the step sees the scaled rate: the optimizer's param groups
+and the scheduler keep the unscaled values, whatever the schedule does."""
 
 from __future__ import annotations
 
