@@ -29,6 +29,7 @@ reach with the same learning-rate coupling.
 
     python benchmarks/batch_ramp.py                          # both tasks (about 35 minutes on 2 cores)
     python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 4)"
+    python benchmarks/batch_ramp.py --every-window --tasks lm --ramps "default (margin 4)" "margin 2"   # the meter sees every window
     python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
 """
 
@@ -187,6 +188,14 @@ def make_schedule(optimizer: torch.optim.Optimizer, schedule: str, total: int) -
     return None
 
 
+def measure_every_window() -> None:
+    """A worker's setting for ``--every-window``: the meter sees every window (each cut in halves), as
+    it does when the target takes several micro-batches, or under data parallelism."""
+    from autotune.train import ramp
+
+    ramp.SPLIT_EVERY = 1
+
+
 def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
     """One training run: (task, schedule, what: 'fixed N' or a ramp's name, learning-rate multiplier, seed)."""
     task_name, schedule, what, times, seed = job
@@ -297,6 +306,8 @@ def main() -> None:
     parser.add_argument("--ramps", nargs="+", default=[*RAMPS, *STAGES], choices=[*RAMPS, *STAGES])
     parser.add_argument("--seeds", type=int, default=None, help="default: each task's (digits 5, lm 3)")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--every-window", action="store_true", help="the ramps' meter sees every window (as with several "
+                        "micro-batches per target, or under data parallelism), not one in eight")
     parser.add_argument("--curve", action="store_true", help="only measure the noise scale over a run at the first batch")
     parser.add_argument("--times", type=float, default=1.0, help="with --curve: the learning rate's multiplier")
     args = parser.parse_args()
@@ -311,7 +322,7 @@ def main() -> None:
     seeds = {name: args.seeds or task.seeds for name, task in tasks.items()}
     begin = time.perf_counter()
     by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
+    with multiprocessing.get_context("spawn").Pool(args.processes, measure_every_window if args.every_window else None) as pool:
         # first the fixed batches, each at several learning rates; then the ramps at the learning rate
         # that was best for the fixed batch they start from (tuned at the small batch, as a user would)
         jobs = [(name, schedule, f"fixed {b}", times, seed) for name, task in tasks.items() for schedule in args.schedules
