@@ -139,6 +139,11 @@ def lm() -> Task:
 TASKS = {"digits": digits, "lm": lm}
 
 
+def make_optimizer(task: Task, model: nn.Module, times: float) -> torch.optim.Optimizer:
+    """The task's optimizer at its learning rate times ``times``."""
+    return (torch.optim.Adam if task.optimizer == "adam" else torch.optim.SGD)(model.parameters(), lr=task.lr * times)
+
+
 def evaluate(model: nn.Module, data: TensorDataset, loss_fn: Any) -> float:
     model.eval()
     with torch.no_grad():
@@ -203,7 +208,7 @@ def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
     task = TASKS[task_name]()
     torch.manual_seed(seed)
     model = task.make()
-    optimizer = (torch.optim.Adam if task.optimizer == "adam" else torch.optim.SGD)(model.parameters(), lr=task.lr * times)
+    optimizer = make_optimizer(task, model, times)
     loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(seed))
     if what.startswith("fixed "):
         target: Any = int(what.split()[1])
@@ -277,7 +282,7 @@ def curve(name: str, schedule: str, times: float = 1.0, points: int = 8) -> list
     task = TASKS[name]()
     torch.manual_seed(0)
     model = task.make()
-    optimizer = (torch.optim.Adam if task.optimizer == "adam" else torch.optim.SGD)(model.parameters(), lr=task.lr * times)
+    optimizer = make_optimizer(task, model, times)
     loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(0))
     probe = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(1))
     total = task.epochs * len(loader)

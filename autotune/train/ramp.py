@@ -178,8 +178,11 @@ class BatchRamp:
         the rule). ``"restore"`` is ``"follow"`` here; :meth:`step_factor` lifts it step by step."""
         if self.lr in ("follow", "restore"):
             return lr_scale(target / base_batch, rule)
-        first = lr_scale(self.start / base_batch, rule)
-        return first if self.lr == "hold" else first * target / self.start
+        return lr_scale(self.start / base_batch, rule) if self.lr == "hold" else self._linear(target, base_batch, rule)
+
+    def _linear(self, target: int, base_batch: int, rule: LRRule) -> float:
+        """The linear coupling's factor at ``target``: the rule's at the first target, times ``target / start``."""
+        return lr_scale(self.start / base_batch, rule) * target / self.start
 
     def step_factor(self, plan: Plan, group: dict[str, Any]) -> float:
         """What this step multiplies ``group``'s scheduled learning rate by: ``plan.lr_scale``, except
@@ -191,7 +194,7 @@ class BatchRamp:
         scheduled, first = group["lr"], group.get("initial_lr", group["lr"])
         if self.lr != "restore" or plan.lr_rule not in ("linear", "sqrt", "none") or not scheduled > 0:
             return rule
-        linear = lr_scale(self.start / plan.base_batch, plan.lr_rule) * plan.effective_batch / self.start  # type: ignore[arg-type]
+        linear = self._linear(plan.effective_batch, plan.base_batch, plan.lr_rule)  # type: ignore[arg-type]
         return max(rule, min(linear, rule * first / scheduled))
 
     @property
@@ -368,11 +371,7 @@ class BatchRamp:
                     + halves)
 
         if self.stages is None:
-            targets, t = [self.start], self.start
-            while t < self.maximum:
-                t = min(self.maximum, t * self.factor)
-                targets.append(t)
-            return [f"{t} per step: {split(t)}" for t in targets] + [
+            return [f"{t} per step: {split(t)}" for t in self.grid()] + [
                 f"raised to the largest at or below the noise scale / {self.margin:g} and its range's lower end, after "
                 f"{self.windows} measured windows in a row"]
         lines = []
