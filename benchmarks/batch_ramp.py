@@ -27,7 +27,7 @@ each differing from it in one or two settings; and fixed stages chosen with hind
 to raise, fixed in advance at fractions of the run), which bound what a rule deciding when to raise could
 reach with the same learning-rate coupling.
 
-    python benchmarks/batch_ramp.py                          # both tasks (about 35 minutes on 2 cores)
+    python benchmarks/batch_ramp.py                          # both tasks (1,032 runs: 27 minutes on 2 cores)
     python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 4)"
     python benchmarks/batch_ramp.py --every-window --tasks lm --ramps "default (margin 4)" "margin 2"   # the meter sees every window
     python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
