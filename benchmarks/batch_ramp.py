@@ -28,8 +28,9 @@ to raise, fixed in advance at fractions of the run), which bound what a rule dec
 reach with the same learning-rate coupling.
 
     python benchmarks/batch_ramp.py                          # both tasks (1,032 runs: 27 minutes on 2 cores)
-    python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 4)"
-    python benchmarks/batch_ramp.py --every-window --tasks lm --ramps "default (margin 4)" "margin 2"   # the meter sees every window
+    python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 3)"
+    python benchmarks/batch_ramp.py --tasks lm --first-seed 3                # lm on three other seeds
+    python benchmarks/batch_ramp.py --meter both --tasks lm --ramps "default (margin 3)" "margin 2"   # also every window measured
     python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
 """
 
@@ -50,6 +51,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
+from autotune.train.ramp import SPLIT_EVERY
 
 
 @dataclass
@@ -154,10 +156,10 @@ def evaluate(model: nn.Module, data: TensorDataset, loss_fn: Any) -> float:
 
 # ramp variants: name -> BatchRamp.adaptive's keyword arguments (the default: none)
 RAMPS: dict[str, dict[str, Any]] = {
-    "default (margin 4)": {},
+    "default (margin 3)": {},
     "margin 2": {"margin": 2.0},
+    "margin 4": {"margin": 4.0},
     "margin 8": {"margin": 8.0},
-    "margin 16": {"margin": 16.0},
     "lr hold": {"lr": "hold"},  # the first target's learning rate all run (Smith et al. 2018)
     "lr linear": {"lr": "linear"},  # the first target's learning rate times target / start
     "margin 2, lr linear": {"margin": 2.0, "lr": "linear"},
@@ -193,18 +195,24 @@ def make_schedule(optimizer: torch.optim.Optimizer, schedule: str, total: int) -
     return None
 
 
-def measure_every_window() -> None:
-    """A worker's setting for ``--every-window``: the meter sees every window (each cut in halves), as
-    it does when the target takes several micro-batches, or under data parallelism."""
+EVERY = " [every window]"  # a ramp's name with this suffix: its meter sees every window (--meter)
+
+
+def measure(every: bool) -> None:
+    """How the ramp's meter measures in this run: one window in eight (as ``fit`` does in one process
+    when the target fits in one micro-batch) or, with ``every``, every window (each cut in halves), as it
+    does when the target takes several micro-batches, or under data parallelism."""
     from autotune.train import ramp
 
-    ramp.SPLIT_EVERY = 1
+    ramp.SPLIT_EVERY = 1 if every else SPLIT_EVERY
 
 
 def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
     """One training run: (task, schedule, what: 'fixed N' or a ramp's name, learning-rate multiplier, seed)."""
     task_name, schedule, what, times, seed = job
     torch.set_num_threads(1)
+    measure(what.endswith(EVERY))
+    what = what.removesuffix(EVERY)
     task = TASKS[task_name]()
     torch.manual_seed(seed)
     model = task.make()
@@ -310,9 +318,12 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--ramps", nargs="+", default=[*RAMPS, *STAGES], choices=[*RAMPS, *STAGES])
     parser.add_argument("--seeds", type=int, default=None, help="default: each task's (digits 5, lm 3)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the seeds run are FIRST_SEED onwards (3: a second set "
+                        "of seeds for lm, to check a choice made on the first)")
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--every-window", action="store_true", help="the ramps' meter sees every window (as with several "
-                        "micro-batches per target, or under data parallelism), not one in eight")
+    parser.add_argument("--meter", default="eighth", choices=("eighth", "every", "both"), help="the ramps' meter sees one window "
+                        "in eight (as here, the target fitting in one micro-batch), every window (as with several micro-batches per "
+                        "target, or under data parallelism), or both (each ramp run both ways)")
     parser.add_argument("--curve", action="store_true", help="only measure the noise scale over a run at the first batch")
     parser.add_argument("--times", type=float, default=1.0, help="with --curve: the learning rate's multiplier")
     args = parser.parse_args()
@@ -324,20 +335,21 @@ def main() -> None:
                     print(f"- {line}")
         return
     tasks = {name: TASKS[name]() for name in args.tasks}
+    ramps = {"eighth": args.ramps, "every": [r + EVERY for r in args.ramps], "both": [*args.ramps, *(r + EVERY for r in args.ramps)]}[args.meter]
     seeds = {name: args.seeds or task.seeds for name, task in tasks.items()}
     begin = time.perf_counter()
     by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    with multiprocessing.get_context("spawn").Pool(args.processes, measure_every_window if args.every_window else None) as pool:
+    with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
         # first the fixed batches, each at several learning rates; then the ramps at the learning rate
         # that was best for the fixed batch they start from (tuned at the small batch, as a user would)
         jobs = [(name, schedule, f"fixed {b}", times, seed) for name, task in tasks.items() for schedule in args.schedules
-                for b in task.fixed for times in task.lr_times for seed in range(seeds[name])]
+                for b in task.fixed for times in task.lr_times for seed in range(args.first_seed, args.first_seed + seeds[name])]
         for r in pool.map(run, jobs, chunksize=1):
             by.setdefault(r["job"][:4], []).append(r)
         best = {(name, schedule, b): min(task.lr_times, key=lambda t: mean([r["test"] for r in by[(name, schedule, f"fixed {b}", t)]]))
                 for name, task in tasks.items() for schedule in args.schedules for b in task.fixed}
         ramp_jobs = [(name, schedule, what, best[(name, schedule, task.start)], seed) for name, task in tasks.items()
-                     for schedule in args.schedules for what in args.ramps for seed in range(seeds[name])]
+                     for schedule in args.schedules for what in ramps for seed in range(args.first_seed, args.first_seed + seeds[name])]
         for r in pool.map(run, ramp_jobs, chunksize=1):
             by.setdefault(r["job"][:4], []).append(r)
     print(f"{len(jobs) + len(ramp_jobs)} runs in {time.perf_counter() - begin:.0f} s\n")
@@ -358,7 +370,7 @@ def main() -> None:
                 a_runs, b_runs = by[(name, schedule, f"fixed {b}", times)], by[(name, schedule, f"fixed {b}", best[(name, schedule, b)])]
                 print(f"| {name} | {schedule} | fixed {b} | A (x{times:g}): {spread([r['test'] for r in a_runs])}; B (x{best[(name, schedule, b)]:g}): "
                       f"{spread([r['test'] for r in b_runs])} | {spread([r['steps'] for r in a_runs], 0)} | | | | |")
-            for what in args.ramps:
+            for what in ramps:
                 rs = by[(name, schedule, what, times)]
                 loss, steps = mean([r["test"] for r in rs]), mean([r["steps"] for r in rs])
                 (above_a, need_a), (above_b, need_b) = versus(loss, steps, fronts[0]), versus(loss, steps, fronts[1])

@@ -430,19 +430,22 @@ def test_a_ramp_in_the_report_says_what_each_stage_takes(capsys):
     code, _, err = run(capsys, "report", "--demo", "--ramp", "64,128@5000")
     assert code == 2 and "its largest target is 128, and --target-batch is 256" in err
     code, out, _ = run(capsys, "report", "--demo", "--ramp", "adaptive:32", "--json", "--no-cache")
-    assert json.loads(out)["ramp"]["stages"][-1].startswith("raised to the largest at or below the noise scale / 4 and its range's lower end")
+    assert json.loads(out)["ramp"]["stages"][-1].startswith("raised to the largest at or below the noise scale / 3 and its range's lower end")
 
 
 def test_a_ramp_takes_counts_as_people_write_them_and_the_adaptive_options(capsys):
     """``2e4`` and ``2_000`` for sample counts (once a raw int() message), and the adaptive form's factor,
-    margin and windows; a bad count or option named with the forms that work."""
+    margin, windows and learning-rate coupling; a bad count or option named with the forms that work."""
     code, out, _ = run(capsys, "report", "--demo", "--ramp", "64,128@5e3,256@2e4", "--samples", "4e4", "--no-cache")
     assert code == 0 and "128 per step from 5,000 to 20,000 samples" in out
     code, out, _ = run(capsys, "report", "--demo", "--ramp", "adaptive:32,factor=4,margin=3,windows=5", "--json", "--no-cache")
     assert code == 0 and json.loads(out)["ramp"]["spec"] == "BatchRamp.adaptive(32, 256, factor=4, margin=3, windows=5, unit='samples')"
+    code, out, _ = run(capsys, "report", "--demo", "--ramp", "adaptive:32,margin=2,lr=linear", "--json", "--no-cache")
+    assert code == 0 and json.loads(out)["ramp"]["spec"] == "BatchRamp.adaptive(32, 256, factor=2, margin=2, windows=10, unit='samples', lr='linear')"
     for spec, says in (("64,256@2.5e3x", "'2.5e3x' is not a count"), ("64,256@1.5", "'1.5' is not a whole number"),
-                       ("adaptive:32,speed=2", "'speed=2' is not an option of the adaptive ramp (factor=, margin=, windows=)")):
+                       ("adaptive:32,speed=2", "'speed=2' is not an option of the adaptive ramp (factor=, margin=, windows=, lr=)"),
+                       ("adaptive:32,lr=sqrt", "Invalid lr 'sqrt': use 'follow'")):
         code, _, err = run(capsys, "report", "--demo", "--ramp", spec)
-        assert code == 2 and says in err and "adaptive:START[,factor=2][,margin=4][,windows=10]" in err, err
+        assert code == 2 and says in err and "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=follow]" in err, err
     code, _, err = run(capsys, "report", "--demo", "--ramp", "64,256@100", "--samples", "1.5e2.0")
     assert code == 2 and "invalid count '1.5e2.0'" in err

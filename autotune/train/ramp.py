@@ -36,7 +36,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from autotune.checks import check_positive_int
 from autotune.planning.plans import (
@@ -92,7 +92,7 @@ class BatchRamp:
     """
 
     def __init__(self, *, stages: Sequence[tuple[int, int]] | None = None, start: int | None = None, maximum: int | None = None,
-                 factor: int = 2, margin: float = 4.0, windows: int = 10, unit: Unit = "samples", lr: Coupling = "follow") -> None:
+                 factor: int = 2, margin: float = 3.0, windows: int = 10, unit: Unit = "samples", lr: Coupling = "follow") -> None:
         if unit not in ("samples", "items"):
             raise ValueError(f"Invalid unit {unit!r}: use 'samples' or 'items' (what fit's count counts)")
         if lr not in ("follow", "hold", "linear", "restore"):
@@ -148,22 +148,25 @@ class BatchRamp:
         return cls(stages=stages, unit=unit, lr=lr)
 
     @classmethod
-    def adaptive(cls, start: int, maximum: int, *, factor: int = 2, margin: float = 4.0, windows: int = 10,
+    def adaptive(cls, start: int, maximum: int, *, factor: int = 2, margin: float = 3.0, windows: int = 10,
                  unit: Unit = "samples", lr: Coupling = "follow") -> BatchRamp:
         """Start at ``start``; raise the batch to follow the measured noise scale ``B``: to the largest of
         ``start x factor^k`` (and ``maximum``) at or below both ``B / margin`` and the lower end of
         ``B``'s range (two standard errors down), once ``windows`` measured windows in a row asked for
         more than the current batch (to the smallest they asked for). So ``margin`` keeps the batch
-        between ``B / (margin x factor)`` and ``B / margin``: 4 (the default) holds it at most at a
-        quarter of the measured noise scale, which overstates the batch worth taking when the curvature
-        is uneven (chosen on ``benchmarks/batch_ramp.py``; see ``docs/ramp.md``); a larger margin trades
-        steps for loss. Never lowered. A first raise can skip several batches (a start from a
+        between ``B / (margin x factor)`` and ``B / margin``: 3 (the default) holds it at most at a
+        third of the measured noise scale, which overstates the batch worth taking when the curvature
+        is uneven. The default was chosen on ``benchmarks/batch_ramp.py`` over six seeds and both ways the
+        meter measures (one window in eight, every window): margin 2 lost loss where every window is
+        measured, margin 4 saved the fewest steps where one in eight is (see ``docs/ramp.md``); a larger
+        margin trades steps for loss. Never lowered. A first raise can skip several batches (a start from a
         measurement); the meter forgets what it measured at the old batch at each raise. ``lr``:
         ``"follow"`` (the plan's rule at each target), ``"hold"`` (the first target's learning rate all
         run), ``"linear"`` (the first target's times ``target / start``) or ``"restore"`` (as
         ``"follow"`` while the schedule holds its first rate, up to ``"linear"`` as it decays), see
-        :meth:`lr_factor` and :meth:`step_factor`; with a cosine schedule, ``margin=2, lr="restore"``
-        saved the most steps on the benchmark, and lost loss with warmup-stable-decay.
+        :meth:`lr_factor` and :meth:`step_factor`; with a cosine schedule, ``margin=2, lr="linear"``
+        saved the most steps on the benchmark, and lost loss with a constant learning rate and with
+        warmup-stable-decay.
 
         Example:
             >>> BatchRamp.adaptive(64, 1024).target
@@ -190,11 +193,11 @@ class BatchRamp:
         what the schedule has decayed, never beyond the rule's scale at the schedule's first rate
         (``group["initial_lr"]``, which torch's schedulers set): ``max(rule, min(linear, rule x first /
         scheduled))``. Without a schedule, or while it holds its first rate, that is the rule."""
-        rule = plan.lr_scale
+        rule, known = plan.lr_scale, _known_rule(plan)
         scheduled, first = group["lr"], group.get("initial_lr", group["lr"])
-        if self.lr != "restore" or plan.lr_rule not in ("linear", "sqrt", "none") or not scheduled > 0:
+        if self.lr != "restore" or known is None or not scheduled > 0:
             return rule
-        linear = self._linear(plan.effective_batch, plan.base_batch, plan.lr_rule)  # type: ignore[arg-type]
+        linear = self._linear(plan.effective_batch, plan.base_batch, known)
         return max(rule, min(linear, rule * first / scheduled))
 
     @property
@@ -410,6 +413,12 @@ def _checked_stages(stages: Any) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _known_rule(plan: Plan) -> LRRule | None:
+    """The plan's learning-rate rule where it is one the ramp can apply at another target (None: the plan
+    keeps its own scale at every target)."""
+    return plan.lr_rule if plan.lr_rule in get_args(LRRule) else None  # type: ignore[return-value]
+
+
 def plan_for_target(plan: Plan, target: int, *, micro_batch: int, rank: int = 0, ramp: BatchRamp | None = None) -> Plan:
     """``plan`` (made for the ramp's largest target) at another ``target``: micro-batches of at most
     ``micro_batch`` (the same at every stage), the accumulation steps of this rank's share, the learning
@@ -418,10 +427,9 @@ def plan_for_target(plan: Plan, target: int, *, micro_batch: int, rank: int = 0,
     share = rotated_share(target, plan.world_size, rank, 0)
     micro_batch = max(1, min(micro_batch, share))  # a target below the plan's micro-batch: one micro-batch of it
     sizes = even_micro_batches(share, micro_batch)
-    rule = plan.lr_rule
-    scale = plan.lr_scale
-    if rule in ("linear", "sqrt", "none"):
-        scale = ramp.lr_factor(target, plan.base_batch, rule) if ramp is not None else lr_scale(target / plan.base_batch, rule)  # type: ignore[arg-type]
+    scale, rule = plan.lr_scale, _known_rule(plan)
+    if rule is not None:
+        scale = ramp.lr_factor(target, plan.base_batch, rule) if ramp is not None else lr_scale(target / plan.base_batch, rule)
     momentum = None
     if plan.bn_momentum is not None:
         base = 1 - (1 - plan.bn_momentum) ** plan.accumulation_steps
