@@ -336,20 +336,20 @@ def main() -> None:
         return
     tasks = {name: TASKS[name]() for name in args.tasks}
     ramps = {"eighth": args.ramps, "every": [r + EVERY for r in args.ramps], "both": [*args.ramps, *(r + EVERY for r in args.ramps)]}[args.meter]
-    seeds = {name: args.seeds or task.seeds for name, task in tasks.items()}
+    seeds = {name: range(args.first_seed, args.first_seed + (args.seeds or task.seeds)) for name, task in tasks.items()}
     begin = time.perf_counter()
     by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
         # first the fixed batches, each at several learning rates; then the ramps at the learning rate
         # that was best for the fixed batch they start from (tuned at the small batch, as a user would)
         jobs = [(name, schedule, f"fixed {b}", times, seed) for name, task in tasks.items() for schedule in args.schedules
-                for b in task.fixed for times in task.lr_times for seed in range(args.first_seed, args.first_seed + seeds[name])]
+                for b in task.fixed for times in task.lr_times for seed in seeds[name]]
         for r in pool.map(run, jobs, chunksize=1):
             by.setdefault(r["job"][:4], []).append(r)
         best = {(name, schedule, b): min(task.lr_times, key=lambda t: mean([r["test"] for r in by[(name, schedule, f"fixed {b}", t)]]))
                 for name, task in tasks.items() for schedule in args.schedules for b in task.fixed}
         ramp_jobs = [(name, schedule, what, best[(name, schedule, task.start)], seed) for name, task in tasks.items()
-                     for schedule in args.schedules for what in ramps for seed in range(args.first_seed, args.first_seed + seeds[name])]
+                     for schedule in args.schedules for what in ramps for seed in seeds[name]]
         for r in pool.map(run, ramp_jobs, chunksize=1):
             by.setdefault(r["job"][:4], []).append(r)
     print(f"{len(jobs) + len(ramp_jobs)} runs in {time.perf_counter() - begin:.0f} s\n")
