@@ -28,9 +28,9 @@ to raise, fixed in advance at fractions of the run), which bound what a rule dec
 reach with the same learning-rate coupling.
 
     python benchmarks/batch_ramp.py                          # both tasks (1,032 runs: 27 minutes on 2 cores)
-    python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 3)"
+    python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 3, lr peak)"
     python benchmarks/batch_ramp.py --tasks lm --first-seed 3                # lm on three other seeds
-    python benchmarks/batch_ramp.py --meter both --tasks lm --ramps "default (margin 3)" "margin 2"   # also every window measured
+    python benchmarks/batch_ramp.py --meter both --tasks lm --ramps "default (margin 3, lr peak)" "margin 2"   # also every window measured
     python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
 """
 
@@ -156,23 +156,22 @@ def evaluate(model: nn.Module, data: TensorDataset, loss_fn: Any) -> float:
 
 # ramp variants: name -> BatchRamp.adaptive's keyword arguments (the default: none)
 RAMPS: dict[str, dict[str, Any]] = {
-    "default (margin 3)": {},
+    "default (margin 3, lr peak)": {},
     "margin 2": {"margin": 2.0},
     "margin 4": {"margin": 4.0},
-    "margin 8": {"margin": 8.0},
+    "lr follow": {"lr": "follow"},  # the rule at every raise, whatever the schedule (the default before)
     "lr hold": {"lr": "hold"},  # the first target's learning rate all run (Smith et al. 2018)
     "lr linear": {"lr": "linear"},  # the first target's learning rate times target / start
     "margin 2, lr linear": {"margin": 2.0, "lr": "linear"},
     "lr restore": {"lr": "restore"},  # the rule, plus what the schedule decayed, up to linear
-    "margin 2, lr restore": {"margin": 2.0, "lr": "restore"},
 }
 
 # fixed stages chosen with hindsight (not by a measurement): name -> ((fraction of the run's samples, target), ...) and
 # BatchRamp.fixed's keyword arguments; what any rule that decides when to raise could at best have picked among
 STAGES: dict[str, tuple[tuple[tuple[float, int], ...], dict[str, Any]]] = {
     "stages x2 each quarter": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {}),
+    "stages x2 each quarter, lr follow": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {"lr": "follow"}),
     "stages x2 each quarter, lr linear": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {"lr": "linear"}),
-    "stages x2 each quarter, lr restore": (((0, 16), (0.25, 32), (0.5, 64), (0.75, 128)), {"lr": "restore"}),
     "stages 16, then 64 from half": (((0, 16), (0.5, 64)), {}),
     "stages early: 32 from 1/12, 64 from 1/4": (((0, 16), (1 / 12, 32), (0.25, 64)), {}),
 }

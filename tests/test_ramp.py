@@ -98,10 +98,11 @@ def test_a_fixed_ramp_changes_the_target_at_its_sample_counts_and_every_step_is_
 
 
 def test_the_learning_rate_follows_the_square_root_rule_and_the_scheduler_advances_by_samples():
+    """lr="follow": the rule at every target, under a schedule that decays from its first step."""
     dataset, model = data(), mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
-    ramp = BatchRamp.fixed([(0, 16), (96, 64)])
+    ramp = BatchRamp.fixed([(0, 16), (96, 64)], lr="follow")
     result = autotune.fit(model, DataLoader(dataset, batch_size=16), ramp, optimizer=optimizer, scheduler=scheduler, loss_fn=mse,
                           memory_limit="1GiB", progress=False, lr_rule="sqrt", base_batch=16)
     seen = 0
@@ -114,7 +115,8 @@ def test_the_learning_rate_follows_the_square_root_rule_and_the_scheduler_advanc
 def test_a_ramp_that_holds_the_learning_rate_keeps_the_first_targets_all_run():
     """lr="hold" (Smith et al. 2018: raise the batch instead of decaying the learning rate): every step at
     the first target's learning rate by the rule, whatever its own target; a saved state of another
-    coupling is refused, and one saved before the setting existed loads as "follow"."""
+    coupling is refused, and one saved before the setting existed loads as "follow" (and is refused by a
+    ramp made with the default, "peak")."""
     dataset, model = data(), mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     ramp = BatchRamp.fixed([(0, 16), (96, 64)], lr="hold")
@@ -122,10 +124,13 @@ def test_a_ramp_that_holds_the_learning_rate_keeps_the_first_targets_all_run():
                           memory_limit="1GiB", progress=False, lr_rule="sqrt", base_batch=8)
     assert {r.target for r in result.history} == {16, 64}
     assert all(r.lr == pytest.approx(1e-3 * math.sqrt(16 / 8)) for r in result.history)
-    with pytest.raises(ValueError, match="lr='hold' \\(this ramp: 'follow'\\)"):
+    with pytest.raises(ValueError, match="lr='hold' \\(this ramp: 'peak'\\)"):
         BatchRamp.fixed([(0, 16), (96, 64)]).load_state_dict(ramp.state_dict())
-    old = {k: v for k, v in BatchRamp.fixed([(0, 16), (96, 64)]).state_dict().items() if k != "lr"}
-    follow = BatchRamp.fixed([(0, 16), (96, 64)])
+    old = {k: v for k, v in BatchRamp.fixed([(0, 16), (96, 64)], lr="follow").state_dict().items()
+           if k not in ("lr", "schedule_peak", "pivot")}  # as saved before these existed
+    with pytest.raises(ValueError, match="lr='follow' \\(this ramp: 'peak'\\)"):
+        BatchRamp.fixed([(0, 16), (96, 64)]).load_state_dict(old)
+    follow = BatchRamp.fixed([(0, 16), (96, 64)], lr="follow")
     follow.load_state_dict(old)
     assert follow.lr == "follow"
 
@@ -176,6 +181,48 @@ def test_a_ramp_that_restores_takes_back_what_the_schedule_decayed_up_to_linear(
         seen += r.samples
     assert lifted >= 5  # the decayed schedule let the raised targets take more than the rule
     assert all(r.lr == pytest.approx(1e-3 * math.sqrt(r.target / 8)) for r in steps(None))
+
+
+def peak_then_decay(k):
+    """A schedule in scheduler steps (one per 16 samples): a warmup over two steps, its peak until step 9
+    (144 samples), then halving every step down to a floor."""
+    return (k + 1) / 3 if k < 2 else 1.0 if k < 9 else max(0.5 ** (k - 8), 1e-3)
+
+
+def test_a_ramp_coupled_at_the_peak_follows_the_rule_there_and_scales_linearly_above_the_pivot_once_the_schedule_decays():
+    """lr="peak" in closed form (sqrt rule from base 8, targets 16 / 32 / 64 / 128 from 0 / 96 / 192 / 500
+    samples): the warmup and the peak follow the rule, so 16 and 32 step at sqrt(16 / 8) and sqrt(32 / 8)
+    times the schedule; 32 is the last target trained at the peak (the pivot), so once the schedule has
+    decayed, 64 steps at sqrt(32 / 8) x 64 / 32 = 4 and 128 at 8 (the rule would give 2.83 and 4). The
+    pivot is kept in the ramp's state: a run resumed from it after the first epoch steps at the same
+    rates. Without a scheduler (the peak held all run) it is the rule at every target."""
+    dataset = data()
+    stages = [(0, 16), (96, 32), (192, 64), (500, 128)]
+    closed_form = {16: math.sqrt(2), 32: 2.0, 64: 4.0, 128: 8.0}
+
+    def run(epochs, schedule=peak_then_decay):
+        model = mlp()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
+        history, ramp = [], BatchRamp.fixed(stages, lr="peak")
+        for _ in range(epochs):
+            if history:  # a killed run resumed from its checkpoint: a new ramp loaded with the saved state
+                saved, ramp = ramp.state_dict(), BatchRamp.fixed(stages, lr="peak")
+                ramp.load_state_dict(saved)
+            result = autotune.fit(model, DataLoader(dataset, batch_size=16), ramp, optimizer=optimizer, scheduler=scheduler,
+                                  loss_fn=mse, memory_limit="1GiB", progress=False, lr_rule="sqrt", base_batch=8,
+                                  epochs=2 if epochs == 1 else 1)
+            history += result.history
+        return history
+
+    seen = 0
+    whole = run(1)
+    assert {r.target for r in whole} == {16, 32, 64, 128}
+    for r in whole:
+        assert r.lr == pytest.approx(1e-3 * peak_then_decay(seen // 16) * closed_form[r.target])
+        seen += r.samples
+    assert [r.lr for r in run(2)] == [r.lr for r in whole]
+    assert all(r.lr == pytest.approx(1e-3 * math.sqrt(r.target / 8)) for r in run(1, schedule=None))
 
 
 def test_an_adaptive_ramp_raises_the_batch_while_the_noise_scale_is_far_above_it_and_stops_below_it():
@@ -273,7 +320,7 @@ def test_fit_called_again_continues_the_ramp_bitwise(form):
     (lambda: BatchRamp.adaptive(64, 32), "Invalid maximum 32: it is below start=64"),
     (lambda: BatchRamp.adaptive(16.0, 64), "Invalid start 16.0"),
     (lambda: BatchRamp.adaptive(16, 64, factor=1), "Invalid factor 1"),
-    (lambda: BatchRamp.adaptive(16, 64, lr="sqrt"), "Invalid lr 'sqrt': use 'follow' .*, 'hold' .*, 'linear' .* or 'restore'"),
+    (lambda: BatchRamp.adaptive(16, 64, lr="sqrt"), "Invalid lr 'sqrt': use 'follow' .*, 'hold' .*, 'linear' .*, 'restore' .* or 'peak'"),
     (lambda: BatchRamp.adaptive(16, 64, margin=0.5), "Invalid margin 0.5"),
     (lambda: BatchRamp.fixed([(0, 16)], unit="tokens"), "Invalid unit 'tokens'"),
 ], ids=["shrinks", "not-from-0", "unordered", "float-target", "bool-target", "not-a-list", "max-below-start", "float-start",

@@ -14,14 +14,16 @@ target, in one of two forms:
   it cuts in halves for that.
 
 Every optimizer step stays exact for its own target (the same ``n_i / N`` weights); the micro-batch
-does not change (it is planned for the largest target), the accumulation steps follow the target; the
-learning rate follows the plan's rule for each target (``lr="follow"``), stays the first target's
-(``lr="hold"``, as in Smith et al. 2018), grows in proportion to the target from the first target's
-(``lr="linear"``), or follows the rule and takes back, up to the linear coupling, what a decaying schedule
-has taken (``lr="restore"``); the scheduler steps once per ``start`` samples
-seen, so a schedule made for the run's samples ends where the run ends. Under data parallelism the
-ranks agree on each change in the exchange they already make. The ramp keeps its state: pass the same
-object to a later ``fit`` and it continues where it stopped.
+does not change (it is planned for the largest target), the accumulation steps follow the target. The
+learning rate at a raise (``lr``): by default (``"peak"``) the plan's rule while the schedule holds its
+peak (a constant rate, a warmup, a stable phase) and, once the schedule decays, in proportion to the
+target above the last target trained at the peak; or the rule at every target (``"follow"``), the first
+target's all run (``"hold"``, as in Smith et al. 2018), in proportion to the target from the first
+target's (``"linear"``), or the rule plus what a decaying schedule has taken, up to the linear coupling
+(``"restore"``). The scheduler steps once per ``start`` samples seen, so a schedule made for the run's
+samples ends where the run ends. Under data parallelism the ranks agree on each change in the exchange
+they already make. The ramp keeps its state: pass the same object to a later ``fit`` and it continues
+where it stopped.
 
 Why this is long: :class:`BatchRamp` is one class of about 300 lines: both forms are one object that
 ``fit``, its checkpoint and the ranks' exchange read alike (the target of each window cut, the samples
@@ -48,7 +50,7 @@ from autotune.planning.plans import (
 from autotune.planning.scaling import LRRule, adjusted_bn_momentum, lr_scale
 from autotune.train.noise import NoiseMeter
 
-__all__ = ["SPLIT_EVERY", "BatchRamp", "RampChange", "plan_for_target"]
+__all__ = ["PEAK_TOLERANCE", "SPLIT_EVERY", "BatchRamp", "RampChange", "plan_for_target"]
 
 Unit = Literal["samples", "items"]
 # An adaptive ramp's meter compares a window's first micro-batch with the whole window. In one process, a
@@ -56,7 +58,9 @@ Unit = Literal["samples", "items"]
 # others run whole, as a fixed target's would); a window of several micro-batches is measured as it is,
 # and so is every window with several ranks (a rank's own gradient against the global one).
 SPLIT_EVERY = 8
-Coupling = Literal["follow", "hold", "linear", "restore"]
+Coupling = Literal["follow", "hold", "linear", "restore", "peak"]
+# lr="peak": the schedule holds its peak while its rate is within this fraction of the highest it has held
+PEAK_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -92,13 +96,14 @@ class BatchRamp:
     """
 
     def __init__(self, *, stages: Sequence[tuple[int, int]] | None = None, start: int | None = None, maximum: int | None = None,
-                 factor: int = 2, margin: float = 3.0, windows: int = 10, unit: Unit = "samples", lr: Coupling = "follow") -> None:
+                 factor: int = 2, margin: float = 3.0, windows: int = 10, unit: Unit = "samples", lr: Coupling = "peak") -> None:
         if unit not in ("samples", "items"):
             raise ValueError(f"Invalid unit {unit!r}: use 'samples' or 'items' (what fit's count counts)")
-        if lr not in ("follow", "hold", "linear", "restore"):
+        if lr not in get_args(Coupling):
             raise ValueError(f"Invalid lr {lr!r}: use 'follow' (the plan's rule at each target), 'hold' (the first target's "
-                             "learning rate all run), 'linear' (the first target's, times target / start) or 'restore' "
-                             "(linear while the schedule has decayed, up to the rule's at the schedule's first rate)")
+                             "learning rate all run), 'linear' (the first target's, times target / start), 'restore' "
+                             "(linear while the schedule has decayed, up to the rule's at the schedule's first rate) or 'peak' "
+                             "(the rule while the schedule holds its peak, linear above the last target trained there once it decays)")
         self.lr: Coupling = lr
         self.unit: Unit = unit
         self.stages: tuple[tuple[int, int], ...] | None = None
@@ -132,13 +137,15 @@ class BatchRamp:
         self.pending_proposal = 0.0  # the target proposed with it
         self.streak_low = 0  # the smallest target proposed in the current run of windows asking for a raise
         self.split = False  # whether the window cut last is cut in two halves for the meter (see SPLIT_EVERY)
+        self.schedule_peak = 0.0  # lr="peak": the highest rate the schedule has held (first param group)
+        self.pivot = start  # lr="peak": the target of the last step taken while the schedule held its peak
 
     @classmethod
-    def fixed(cls, stages: Sequence[tuple[int, int]], *, unit: Unit = "samples", lr: Coupling = "follow") -> BatchRamp:
+    def fixed(cls, stages: Sequence[tuple[int, int]], *, unit: Unit = "samples", lr: Coupling = "peak") -> BatchRamp:
         """Stages ``[(from_seen, target), ...]``: the windows that start once at least ``from_seen``
         samples (or items) have been trained have the target ``target`` (windows count whole: a stage
         begins with the first window that starts at or after its count). The first stage starts at 0;
-        the targets never shrink.
+        the targets never shrink. ``lr``: the learning rate at a raise, as in :meth:`adaptive`.
 
         Example:
             >>> ramp = BatchRamp.fixed([(0, 256), (2_000_000, 512), (4_000_000, 1024)])
@@ -149,7 +156,7 @@ class BatchRamp:
 
     @classmethod
     def adaptive(cls, start: int, maximum: int, *, factor: int = 2, margin: float = 3.0, windows: int = 10,
-                 unit: Unit = "samples", lr: Coupling = "follow") -> BatchRamp:
+                 unit: Unit = "samples", lr: Coupling = "peak") -> BatchRamp:
         """Start at ``start``; raise the batch to follow the measured noise scale ``B``: to the largest of
         ``start x factor^k`` (and ``maximum``) at or below both ``B / margin`` and the lower end of
         ``B``'s range (two standard errors down), once ``windows`` measured windows in a row asked for
@@ -160,13 +167,15 @@ class BatchRamp:
         meter measures (one window in eight, every window): margin 2 lost loss where every window is
         measured, margin 4 saved the fewest steps where one in eight is (see ``docs/ramp.md``); a larger
         margin trades steps for loss. Never lowered. A first raise can skip several batches (a start from a
-        measurement); the meter forgets what it measured at the old batch at each raise. ``lr``:
-        ``"follow"`` (the plan's rule at each target), ``"hold"`` (the first target's learning rate all
-        run), ``"linear"`` (the first target's times ``target / start``) or ``"restore"`` (as
-        ``"follow"`` while the schedule holds its first rate, up to ``"linear"`` as it decays), see
-        :meth:`lr_factor` and :meth:`step_factor`; with a cosine schedule, ``margin=2, lr="linear"``
-        saved the most steps on the benchmark, and lost loss with a constant learning rate and with
-        warmup-stable-decay.
+        measurement); the meter forgets what it measured at the old batch at each raise. ``lr``: how the
+        learning rate couples to the batch, see :meth:`lr_factor` and :meth:`step_factors`: ``"peak"``
+        (the default: the plan's rule while the schedule holds its peak, in proportion to the batch above
+        the last target trained there once it decays), ``"follow"`` (the rule at every target),
+        ``"hold"`` (the first target's learning rate all run), ``"linear"`` (the first target's times
+        ``target / start``) or ``"restore"`` (the rule, lifted toward ``"linear"`` as the schedule
+        decays). On the benchmark ``"peak"`` kept what ``"follow"`` saved with a constant learning rate
+        (the two are one there) and what ``"linear"`` saved with a cosine schedule, where the rule at
+        every raise anneals twice.
 
         Example:
             >>> BatchRamp.adaptive(64, 1024).target
@@ -178,8 +187,9 @@ class BatchRamp:
         """What a step at ``target`` multiplies the scheduled learning rate by: the plan's rule at
         ``target`` (``lr="follow"``), at the first target all run (``"hold"``), or at the first target times
         ``target / start`` (``"linear"``: in proportion to the batch from the first target on, whatever
-        the rule). ``"restore"`` is ``"follow"`` here; :meth:`step_factor` lifts it step by step."""
-        if self.lr in ("follow", "restore"):
+        the rule). ``"restore"`` and ``"peak"`` are ``"follow"`` here; :meth:`step_factors` moves them step
+        by step, as they read the schedule."""
+        if self.lr in ("follow", "restore", "peak"):
             return lr_scale(target / base_batch, rule)
         return lr_scale(self.start / base_batch, rule) if self.lr == "hold" else self._linear(target, base_batch, rule)
 
@@ -187,18 +197,36 @@ class BatchRamp:
         """The linear coupling's factor at ``target``: the rule's at the first target, times ``target / start``."""
         return lr_scale(self.start / base_batch, rule) * target / self.start
 
-    def step_factor(self, plan: Plan, group: dict[str, Any]) -> float:
-        """What this step multiplies ``group``'s scheduled learning rate by: ``plan.lr_scale``, except
-        with ``lr="restore"``, where a target above the first takes back, up to the linear coupling,
-        what the schedule has decayed, never beyond the rule's scale at the schedule's first rate
-        (``group["initial_lr"]``, which torch's schedulers set): ``max(rule, min(linear, rule x first /
-        scheduled))``. Without a schedule, or while it holds its first rate, that is the rule."""
+    def step_factors(self, plan: Plan, groups: Sequence[dict[str, Any]]) -> list[float]:
+        """What this step multiplies each param group's scheduled learning rate by (call it once per step):
+        ``plan.lr_scale``, except with the two couplings that read the schedule.
+
+        - ``lr="restore"``: a target above the first takes back, up to the linear coupling, what the
+          schedule has decayed, never beyond the rule's scale at the schedule's first rate
+          (``group["initial_lr"]``, which torch's schedulers set): ``max(rule, min(linear, rule x first /
+          scheduled))``. Without a schedule, or while it holds its first rate, that is the rule.
+        - ``lr="peak"``: the rule while the schedule holds its peak (the first param group's rate within
+          :data:`PEAK_TOLERANCE` of the highest it has held: a constant rate, a warmup, the stable phase of
+          warmup-stable-decay); once it has decayed, the rule's scale at the last target trained at the peak
+          (the pivot) times ``target / pivot``: a raise then keeps the learning rate per sample, as
+          ``"linear"`` does, where the schedule anneals already. Without a schedule that is the rule.
+        """
         rule, known = plan.lr_scale, _known_rule(plan)
-        scheduled, first = group["lr"], group.get("initial_lr", group["lr"])
-        if self.lr != "restore" or known is None or not scheduled > 0:
-            return rule
-        linear = self._linear(plan.effective_batch, plan.base_batch, known)
-        return max(rule, min(linear, rule * first / scheduled))
+        if known is None or self.lr not in ("restore", "peak"):
+            return [rule] * len(groups)
+        target = plan.effective_batch
+        if self.lr == "peak":
+            scheduled = float(groups[0]["lr"])
+            self.schedule_peak = max(self.schedule_peak, scheduled)
+            if scheduled >= self.schedule_peak * (1 - PEAK_TOLERANCE):
+                self.pivot = target
+            return [lr_scale(self.pivot / plan.base_batch, known) * target / self.pivot] * len(groups)
+        linear = self._linear(target, plan.base_batch, known)
+        factors = []
+        for group in groups:
+            scheduled, first = group["lr"], group.get("initial_lr", group["lr"])
+            factors.append(max(rule, min(linear, rule * first / scheduled)) if scheduled > 0 else rule)
+        return factors
 
     @property
     def adaptive_form(self) -> bool:
@@ -206,7 +234,7 @@ class BatchRamp:
         return self.stages is None
 
     def __repr__(self) -> str:
-        lr = f", lr={self.lr!r}" if self.lr != "follow" else ""
+        lr = f", lr={self.lr!r}" if self.lr != "peak" else ""
         if self.stages is not None:
             return f"BatchRamp.fixed({list(self.stages)!r}, unit={self.unit!r}{lr})"
         return (f"BatchRamp.adaptive({self.start}, {self.maximum}, factor={self.factor}, margin={self.margin:g}, windows={self.windows}, "

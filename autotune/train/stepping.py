@@ -1,6 +1,6 @@
 """The optimizer step at the planned batch: unscale (fp16), clip, step at ``plan.lr_scale`` times the
-learning rate the schedule holds (or a ramp's ``step_factor``, the same unless it restores a decayed
-rate), schedule, zero the gradients. Only the step sees the scaled rate: the optimizer's param groups
+learning rate the schedule holds (or a ramp's ``step_factors``, the same unless its coupling reads the
+schedule), schedule, zero the gradients. Only the step sees the scaled rate: the optimizer's param groups
 and the scheduler keep the unscaled values, whatever the schedule does."""
 
 from __future__ import annotations
@@ -48,10 +48,12 @@ def optimizer_step(run: Any, samples: int = 0) -> tuple[float, bool]:
         # Only the step sees the scaled LR (and, with follow_batch, the moved betas, eps and
         # weight decay): the scheduler and the param groups keep the unscaled values, whatever
         # the schedule does with them.
-        for g in optimizer.param_groups:
+        groups = optimizer.param_groups
+        factors = run.ramp.step_factors(run.plan, groups) if run.ramp is not None else [run.plan.lr_scale] * len(groups)
+        for g, factor in zip(groups, factors):
             if settings is not None:
                 g.update(settings.apply(g))
-            g["lr"] = g["lr"] * (run.ramp.step_factor(run.plan, g) if run.ramp is not None else run.plan.lr_scale)
+            g["lr"] = g["lr"] * factor
         lr = float(optimizer.param_groups[0]["lr"])
         skipped = False
         if scaler is not None:
