@@ -27,7 +27,7 @@ each differing from it in one or two settings; and fixed stages chosen with hind
 to raise, fixed in advance at fractions of the run), which bound what a rule deciding when to raise could
 reach with the same learning-rate coupling.
 
-    python benchmarks/batch_ramp.py                          # both tasks (1,032 runs: 27 minutes on 2 cores)
+    python benchmarks/batch_ramp.py                          # both tasks (1,008 runs; with --meter both 1,320: 77 minutes on 2 cores)
     python benchmarks/batch_ramp.py --tasks digits --seeds 1 --ramps "default (margin 3, lr peak)"
     python benchmarks/batch_ramp.py --tasks lm --first-seed 3                # lm on three other seeds
     python benchmarks/batch_ramp.py --meter both --tasks lm --ramps "default (margin 3, lr peak)" "margin 2"   # also every window measured

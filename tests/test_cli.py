@@ -446,6 +446,6 @@ def test_a_ramp_takes_counts_as_people_write_them_and_the_adaptive_options(capsy
                        ("adaptive:32,speed=2", "'speed=2' is not an option of the adaptive ramp (factor=, margin=, windows=, lr=)"),
                        ("adaptive:32,lr=sqrt", "Invalid lr 'sqrt': use 'follow'")):
         code, _, err = run(capsys, "report", "--demo", "--ramp", spec)
-        assert code == 2 and says in err and "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=follow]" in err, err
+        assert code == 2 and says in err and "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=peak]" in err, err
     code, _, err = run(capsys, "report", "--demo", "--ramp", "64,256@100", "--samples", "1.5e2.0")
     assert code == 2 and "invalid count '1.5e2.0'" in err

@@ -62,7 +62,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
     r.add_argument("--ramp", metavar="SPEC", help="also say what a growing target would do, up to --target-batch: fixed stages "
                    "TARGET,TARGET@FROM,... (samples seen; the first from 0), e.g. 256,512@2e6,2048@4e6; or "
-                   "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=follow]")
+                   "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=peak]")
     r.add_argument("--samples", type=_count_arg, metavar="N", help="with --ramp: the run's samples (e.g. 2e7), to count each stage's "
                    "optimizer steps")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
@@ -171,7 +171,7 @@ def parse_ramp(text: str, maximum: int) -> Any:
         ramp = BatchRamp.fixed(stages)
     except ValueError as exc:
         raise UsageError(f"Invalid --ramp {text!r}: {exc}; write TARGET,TARGET@FROM,... (e.g. 256,512@2e6) or "
-                         "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=follow]") from None
+                         "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=peak]") from None
     return _same_maximum(ramp, text, maximum)
 
 
