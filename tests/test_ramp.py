@@ -200,18 +200,18 @@ def test_a_ramp_coupled_at_the_peak_follows_the_rule_there_and_scales_linearly_a
     stages = [(0, 16), (96, 32), (192, 64), (500, 128)]
     closed_form = {16: math.sqrt(2), 32: 2.0, 64: 4.0, 128: 8.0}
 
-    def run(epochs, schedule=peak_then_decay):
+    def run(calls, schedule=peak_then_decay):  # two epochs in one fit call, or one epoch in each of two
         model = mlp()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
         history, ramp = [], BatchRamp.fixed(stages, lr="peak")
-        for _ in range(epochs):
+        for _ in range(calls):
             if history:  # a killed run resumed from its checkpoint: a new ramp loaded with the saved state
                 saved, ramp = ramp.state_dict(), BatchRamp.fixed(stages, lr="peak")
                 ramp.load_state_dict(saved)
             result = autotune.fit(model, DataLoader(dataset, batch_size=16), ramp, optimizer=optimizer, scheduler=scheduler,
                                   loss_fn=mse, memory_limit="1GiB", progress=False, lr_rule="sqrt", base_batch=8,
-                                  epochs=2 if epochs == 1 else 1)
+                                  epochs=2 // calls)
             history += result.history
         return history
 

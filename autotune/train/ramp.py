@@ -193,9 +193,11 @@ class BatchRamp:
             return lr_scale(target / base_batch, rule)
         return lr_scale(self.start / base_batch, rule) if self.lr == "hold" else self._linear(target, base_batch, rule)
 
-    def _linear(self, target: int, base_batch: int, rule: LRRule) -> float:
-        """The linear coupling's factor at ``target``: the rule's at the first target, times ``target / start``."""
-        return lr_scale(self.start / base_batch, rule) * target / self.start
+    def _linear(self, target: int, base_batch: int, rule: LRRule, origin: int | None = None) -> float:
+        """The linear coupling's factor at ``target``: the rule's at ``origin`` (the first target unless
+        given), times ``target / origin``."""
+        origin = self.start if origin is None else origin
+        return lr_scale(origin / base_batch, rule) * target / origin
 
     def step_factors(self, plan: Plan, groups: Sequence[dict[str, Any]]) -> list[float]:
         """What this step multiplies each param group's scheduled learning rate by (call it once per step):
@@ -220,7 +222,7 @@ class BatchRamp:
             self.schedule_peak = max(self.schedule_peak, scheduled)
             if scheduled >= self.schedule_peak * (1 - PEAK_TOLERANCE):
                 self.pivot = target
-            return [lr_scale(self.pivot / plan.base_batch, known) * target / self.pivot] * len(groups)
+            return [self._linear(target, plan.base_batch, known, origin=self.pivot)] * len(groups)
         linear = self._linear(target, plan.base_batch, known)
         factors = []
         for group in groups:
