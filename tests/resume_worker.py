@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,6 +61,8 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true", help="shard each Linear with fully_shard, then the model (FSDP2)")
     parser.add_argument("--term-peer", action="store_true", help="with --kill under torchrun: rank 1 first sends rank 0 SIGTERM, "
                         "as torchrun does when a rank exits, before rank 0 can notice")
+    parser.add_argument("--term-late", action="store_true", help="with --kill under torchrun: rank 0 catches fit's error and "
+                        "sends itself SIGTERM, as torchrun may while the error is on its way out, before Python prints it")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     ranks = "RANK" in os.environ
@@ -92,9 +95,15 @@ def main() -> None:
                 os.kill(peers_here()[0], signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    result = autotune.fit(net, loader, target(args.case), optimizer=optimizer, loss_fn=mse, epochs=3, scheduler=scheduler,
-                          memory_limit=args.limit, headroom=0, lr_rule="none", progress=False, callback=stop,
-                          checkpoint=args.checkpoint or str(args.out / "run.pt"), save_every=2)
+    try:
+        result = autotune.fit(net, loader, target(args.case), optimizer=optimizer, loss_fn=mse, epochs=3, scheduler=scheduler,
+                              memory_limit=args.limit, headroom=0, lr_rule="none", progress=False, callback=stop,
+                              checkpoint=args.checkpoint or str(args.out / "run.pt"), save_every=2)
+    except Exception:
+        if args.term_late:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # SIGTERM ends the process before this does
+        raise
     inner = net.module if ranks and not args.fsdp else net
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in inner.parameters()]
     torch.save({"params": params, "micro": result.plan.micro_batch,

@@ -4,14 +4,18 @@ others waiting in a collective until the process group's timeout.
 Before training, a step that touches the data runs on every rank and one all-reduce says whether it
 raised anywhere (:func:`on_every_rank`). Inside a lockstep step (FSDP2: every forward and backward
 is collective) the failing rank writes its error to the store and breaks its communication
-(:func:`stop_every_rank`; with NCCL, :class:`failure_watch` on the others). Everything here is a
-no-op in a single process.
+(:func:`stop_every_rank`; with NCCL, :class:`failure_watch` on the others). Under a launcher that
+stops every rank with SIGTERM as soon as one exits, a rank says which one did (:class:`naming_sigterm`).
+Everything here is a no-op in a single process.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -25,10 +29,11 @@ from autotune.parallel.ranks import (
     lost_peer,
     peers_here,
     process_store,
+    stopped_by_signal,
     world,
 )
 
-__all__ = ["ACK_SECONDS", "failure_watch", "on_every_rank", "stop_every_rank"]
+__all__ = ["ACK_SECONDS", "failure_watch", "last_words", "naming_sigterm", "on_every_rank", "stop_every_rank"]
 
 
 def on_every_rank(fn: Any, *args: Any, device: torch.device | None = None, group: Any = None, what: str = "",
@@ -225,3 +230,57 @@ class failure_watch:
     def __exit__(self, *exc: Any) -> None:
         if self._stop is not None:
             self._stop.set()
+
+
+class naming_sigterm:
+    """While a run with several ranks is on: SIGTERM raises :func:`autotune.parallel.ranks.stopped_by_signal`'s
+    error, naming the rank that exited, instead of ending the process without a word (``torchrun`` stops
+    every rank with SIGTERM as soon as one exits, often before the others noticed). On the way out
+    SIGTERM's default action comes back, written first when the run stopped on an error (``failure()``):
+    that error is still on its way out of ``fit``, and a SIGTERM before Python printed it would end the
+    rank without a word (:func:`last_words`). Only on the main thread, and only where SIGTERM has its
+    default action (or a failed run's last words): a handler of yours is left alone."""
+
+    def __init__(self, group: Any, failure: Callable[[], BaseException | None]) -> None:
+        self.group, self.failure, self.active = group, failure, False
+
+    def __enter__(self) -> naming_sigterm:
+        handler = signal.getsignal(signal.SIGTERM)
+        ours = handler is signal.SIG_DFL or getattr(handler, "autotune_last_words", False)
+        self.active = bool(ours) and threading.current_thread() is threading.main_thread()
+        if self.active:
+            signal.signal(signal.SIGTERM, self._stopped)
+        return self
+
+    def _stopped(self, signum: int, frame: Any) -> None:
+        # A second SIGTERM (the launcher's after another rank's, say) is ignored while this one is named
+        # (at most a second), then ends the process at once, saying why first.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        error = stopped_by_signal(self.group)
+        signal.signal(signal.SIGTERM, last_words(error))
+        raise error
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            failure = self.failure()
+            signal.signal(signal.SIGTERM, last_words(failure) if isinstance(failure, Exception) else signal.SIG_DFL)
+
+
+def last_words(error: BaseException) -> Any:
+    """A SIGTERM handler for a rank whose run stops on ``error``: SIGTERM still ends the process as by
+    default, but first writes the error to stderr. ``torchrun`` stops every rank as soon as one exits (and a
+    rank may get two SIGTERMs: the launcher's and another rank's), and the SIGTERM can come while ``error``
+    is still on its way out of ``fit``, before Python printed it: without this, the rank would end without
+    a word."""
+    text = f"autotune: SIGTERM ended this rank as its fit stopped on {type(error).__name__}: {error}\n"
+
+    def say(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    say.autotune_last_words = True  # type: ignore[attr-defined]
+    return say

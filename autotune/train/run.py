@@ -13,8 +13,6 @@ ledger for windows of new shapes. The windows (:mod:`autotune.train.single`,
 from __future__ import annotations
 
 import math
-import signal
-import threading
 from collections import OrderedDict
 from contextlib import ExitStack, nullcontext
 from typing import Any
@@ -33,10 +31,10 @@ from autotune.parallel.ranks import (
     forget_failure,
     gather,
     is_distributed,
-    stopped_by_signal,
     tell_failure,
     world,
 )
+from autotune.parallel.stops import naming_sigterm
 from autotune.planning.plans import Plan, rotated_share
 from autotune.step import LossFn, Precision
 from autotune.train.accumulate import Window
@@ -126,6 +124,7 @@ class Run:
         self.before_window: list[list[torch.Tensor]] | None = None
         self.caps = ShapeCaps(self)
         self.ramp: BatchRamp | None = None  # a target that grows (fit's target_batch=BatchRamp)
+        self.failure: BaseException | None = None  # the error the run stopped on (None: it finished)
 
     def shares(self, window: int) -> int:
         """This rank's samples in the epoch's window ``window``: the target (the ramp's, when the target
@@ -144,7 +143,7 @@ class Run:
         stack = self.stack
         if self.world_size > 1:
             forget_failure(self.par.group)
-            self._name_on_sigterm()
+            stack.enter_context(naming_sigterm(self.par.group, failure=lambda: self.failure))
         stack.enter_context(self.bnc)
         # Under FSDP2 the limit is counted, not enforced: a capped allocator would raise inside FSDP2's own
         # collective code too, where the error cannot be shared (see autotune.parallel.lockstep).
@@ -162,29 +161,20 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         return self
 
-    def _name_on_sigterm(self) -> None:
-        """Under a launcher that stops every rank when one exits (``torchrun`` sends SIGTERM), raise an
-        error naming the rank that exited instead of dying without a word; only where SIGTERM has its
-        default action (a handler of yours is left alone), and put back at the end of the run."""
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
-            return
-        group = self.par.group
-
-        def stopped(signum: int, frame: Any) -> None:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
-            raise stopped_by_signal(group)
-
-        signal.signal(signal.SIGTERM, stopped)
-        self.stack.callback(signal.signal, signal.SIGTERM, signal.SIG_DFL)
-
     def __exit__(self, kind: Any, *exc: Any) -> None:
-        if kind is not None and self.world_size > 1 and isinstance(exc[0], Exception):
-            tell_failure(exc[0], self.par.group)  # the ranks left waiting name it, not "exited"
-        if kind is not None and self.before_window is not None:
-            # Stopped inside a window: the model goes back to what its last good step left (no partial
-            # gradients, no BatchNorm statistics of the window that did not step).
-            self.undo_window()
-        self.stack.close()
+        self.failure = exc[0] if kind is not None else None
+        try:
+            if kind is not None and self.world_size > 1 and isinstance(exc[0], Exception):
+                tell_failure(exc[0], self.par.group)  # the ranks left waiting name it, not "exited"
+            if kind is not None and self.before_window is not None:
+                # Stopped inside a window: the model goes back to what its last good step left (no partial
+                # gradients, no BatchNorm statistics of the window that did not step).
+                self.undo_window()
+        except BaseException as error:  # the launcher's SIGTERM on the way out, say: that error goes on
+            self.failure = error
+            raise
+        finally:
+            self.stack.close()
 
     def begin_window(self) -> None:
         """Before a window: what a stop inside it, or an out-of-memory retry of it, puts back."""
