@@ -50,6 +50,13 @@ def target(case: str):
     return 24
 
 
+def sigterm_while_printed(*exc) -> None:
+    """The launcher's SIGTERM as the error is being printed: torch's excepthook (init_process_group) runs
+    this one with sys.stderr swapped for a buffer, then writes the buffer out."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)  # SIGTERM ends the process before this does
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -61,13 +68,15 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true", help="shard each Linear with fully_shard, then the model (FSDP2)")
     parser.add_argument("--term-peer", action="store_true", help="with --kill under torchrun: rank 1 first sends rank 0 SIGTERM, "
                         "as torchrun does when a rank exits, before rank 0 can notice")
-    parser.add_argument("--term-late", action="store_true", help="with --kill under torchrun: rank 0 catches fit's error and "
-                        "sends itself SIGTERM, as torchrun may while the error is on its way out, before Python prints it")
+    parser.add_argument("--term-late", action="store_true", help="with --kill under torchrun: rank 0 sends itself SIGTERM while "
+                        "fit's error is being printed, as torchrun may")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     ranks = "RANK" in os.environ
+    if args.term_late:
+        sys.excepthook = sigterm_while_printed
     if ranks:
-        torch.distributed.init_process_group("gloo")
+        torch.distributed.init_process_group("gloo")  # its excepthook prints through ours, into a buffer
     rank = torch.distributed.get_rank() if ranks else 0
     dataset = data(noise=3.0 if args.case == "adaptive" else 0.1)  # noisy labels: a noise scale the ramp rises to within the run
     if ranks:
@@ -95,15 +104,9 @@ def main() -> None:
                 os.kill(peers_here()[0], signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    try:
-        result = autotune.fit(net, loader, target(args.case), optimizer=optimizer, loss_fn=mse, epochs=3, scheduler=scheduler,
-                              memory_limit=args.limit, headroom=0, lr_rule="none", progress=False, callback=stop,
-                              checkpoint=args.checkpoint or str(args.out / "run.pt"), save_every=2)
-    except Exception:
-        if args.term_late:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)  # SIGTERM ends the process before this does
-        raise
+    result = autotune.fit(net, loader, target(args.case), optimizer=optimizer, loss_fn=mse, epochs=3, scheduler=scheduler,
+                          memory_limit=args.limit, headroom=0, lr_rule="none", progress=False, callback=stop,
+                          checkpoint=args.checkpoint or str(args.out / "run.pt"), save_every=2)
     inner = net.module if ranks and not args.fsdp else net
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in inner.parameters()]
     torch.save({"params": params, "micro": result.plan.micro_batch,

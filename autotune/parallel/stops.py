@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -272,13 +271,16 @@ def last_words(error: BaseException) -> Any:
     rank may get two SIGTERMs: the launcher's and another rank's), and the SIGTERM can come while ``error``
     is still on its way out of ``fit``, before Python printed it: without this, the rank would end without
     a word."""
-    text = f"autotune: SIGTERM ended this rank as its fit stopped on {type(error).__name__}: {error}\n"
+    said = f"autotune: SIGTERM ended this rank as its fit stopped on {type(error).__name__}: {error}\n".encode(errors="replace")
 
     def say(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
-            sys.stderr.write(text)
-            sys.stderr.flush()
+        text = said
+        try:  # to the process's stderr itself: while an error is printed, sys.stderr may be a buffer (torch's excepthook)
+            while text:
+                text = text[os.write(2, text):]
+        except OSError:
+            pass
         finally:
             os.kill(os.getpid(), signal.SIGTERM)
 

@@ -37,7 +37,7 @@ import torch
 
 from autotune import batches as B
 from autotune.checks import is_one_shot
-from autotune.parallel.ranks import world
+from autotune.parallel.ranks import gather, world
 
 __all__ = ["FORMAT", "Saved", "Tracker", "epoch_start", "generators", "load", "random_state", "resumed_stream", "save", "set_random_state", "tracker_for"]
 
@@ -271,10 +271,7 @@ class Tracker:
         """Write the checkpoint (rank 0; every rank calls this together and sends its position)."""
         mine = {"samples": self.samples, "start": self.start, "now": random_state()}
         sharded = _save_sharded(run.model, run.optimizer, f"{self.path}.step{step}") if run.par.fsdp else None
-        ranks = [mine]
-        if run.world_size > 1:
-            ranks = [None] * run.world_size  # type: ignore[list-item]
-            torch.distributed.all_gather_object(ranks, mine, group=self.group)
+        ranks = gather(mine, run.device, self.group)  # a rank gone meanwhile is named (naming_lost_peers)
         if self.rank != 0:
             return
         saved = Saved(step=step, epoch=self.epoch, sampler_epoch=sampler_epoch, window=self.window, target=target,
