@@ -66,7 +66,7 @@ CHECKS = {
 
 def test_every_case_runs_and_is_reported(tmp_path, capsys, fake_cuda):
     out = tmp_path / "gpu.json"
-    code = gpu_validate.main(["--device", "cpu", "--scale", "0.06", "--limit", "1GiB", "--json", str(out)])
+    code = gpu_validate.main(["--device", "cpu", "--scale", "0.06", "--limit", "640MiB", "--json", str(out)])
     assert code in (0, 1)
     data = json.loads(out.read_text())
     assert data["environment"]["gpu"] == "Fake GPU"
@@ -90,7 +90,7 @@ def test_a_case_past_its_time_limit_fails_and_the_rest_run(monkeypatch, fake_cud
         time.sleep(5)
 
     monkeypatch.setitem(gpu_validate.CASES, "slow", (slow, 1))
-    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 2**30)
+    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 640 * 2**20)
     res = gpu_validate.run_case("slow", ctx)
     assert not res.passed and "over its time limit of 1 s" in res.error and res.seconds < 3
     assert gpu_validate.run_case("outside the allocator", ctx).passed
@@ -98,7 +98,7 @@ def test_a_case_past_its_time_limit_fails_and_the_rest_run(monkeypatch, fake_cud
 
 def test_a_check_that_fails_fails_the_case(fake_cuda):
     fake_cuda["allocated"] = 10 * 2**30  # far from any estimate
-    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 2**30)
+    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 640 * 2**20)
     res = gpu_validate.run_case("estimate-only: cnn", ctx)
     assert res.error is None and not res.passed
     assert res.checks["estimate / max_memory_allocated in [0.95, 1.05]"] is False
