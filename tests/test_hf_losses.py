@@ -115,6 +115,59 @@ def test_a_documented_compute_loss_func_plans_and_steps_the_big_batch(tmp_path):
     assert got_losses == pytest.approx(want_losses, rel=1e-12)
 
 
+def shifted_sum_over_count(outputs, labels, num_items_in_batch):
+    """The documented shape for a causal LM: the summed next-token loss over the step's items."""
+    logits = outputs.logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100,
+                                             reduction="sum") / num_items_in_batch
+
+
+def labels_of(samples):
+    labels = collate(samples)["labels"]
+    return int(labels.ne(-100).sum()), int(labels[:, 1:].ne(-100).sum())
+
+
+def token_mean_gradients(model, samples):
+    """The gradient of one big batch's true next-token mean, in float64 with torch's cross entropy (GPT-2's own
+    loss computes in float32): neither the Trainer nor autotune."""
+    model = copy.deepcopy(model).train()
+    batch = collate(samples)
+    labels = batch.pop("labels")
+    logits = model(**batch).logits[:, :-1]
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_causal_lm_compute_loss_func_on_gpt2_is_exact_against_the_trainer_and_names_its_count_factor(tmp_path):
+    """GPT-2 from a config has no loss_type, so the Trainer counts its labels unshifted while a shifted loss sums one
+    fewer per sequence: with or without autotune each step is (tokens - sequences) / tokens of the token mean's (0.90x
+    here). The note says exact against the Trainer's big batch and gives that factor; both are checked here, the
+    factor from the data and against the gradient of the true token mean, and the fix the note names is checked too."""
+    head = HEADS["gpt2-causal-lm"]
+    data = Samples(head, SAMPLES)
+    got = assert_exact(tmp_path, head.make, data, loss_func=shifted_sum_over_count)  # the Trainer alone at 24 x 1, both steps
+    note = exactness(got)
+    counted, shifted = labels_of([data.items[i] for i in range(4)])  # the checked batch: the first four samples
+    factor = float(re.search(r"with or without autotune: ([0-9.]+) on a checked batch", note).group(1))
+    assert factor == pytest.approx(shifted / counted, abs=1e-3) and f"({shifted} of {counted} labels)" in note
+    assert "model.loss_type = 'ForCausalLM'" in note
+    # each prepared step against the true token mean's big batch (GPT-2's own loss), scaled by that step's own factor
+    grads, _, _ = run(tmp_path, head.make(), data, prepare=True, loss_func=shifted_sum_over_count)
+    for step, (start, stop) in zip(grads, ((0, TARGET), (TARGET, SAMPLES))):
+        samples = [data.items[i] for i in range(start, stop)]
+        counted, shifted = labels_of(samples)
+        mean = token_mean_gradients(head.make(), samples)
+        assert 0.85 < shifted / counted < 0.95
+        assert worst_relative(step, {n: g * shifted / counted for n, g in mean.items()}) <= 1e-10
+        assert worst_relative(step, mean) > 0.05  # the factor is real, not rounding
+    # the fix the note names: the Trainer then counts the shifted labels, and the step is the token mean's
+    fixed = HEADS["gpt2-causal-lm-loss-type"]
+    grads, _, prepared = run(tmp_path, fixed.make(), data, prepare=True, loss_func=shifted_sum_over_count)
+    assert exactness(prepared).startswith("exact: ")
+    mean = token_mean_gradients(fixed.make(), [data.items[i] for i in range(TARGET)])
+    assert worst_relative(grads[0], mean) <= 1e-10
+
+
 # ---- label smoothing ----
 
 

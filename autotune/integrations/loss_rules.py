@@ -109,6 +109,9 @@ class LossCheck:
         sum_over_samples: the halves' losses add up to the whole batch's.
         halves: the mean of the two halves' losses over the whole batch's (what equal weights, the
             Trainer's division by the accumulation steps, make of the loss), when it was measured.
+        skips_first: a loss that divides by the count but needs it (``own_items`` None) is unchanged when
+            the labels at position 0 are masked: its sum runs over labels shifted by one position (None:
+            not measured).
         tolerance: the relative tolerance of the comparisons, from the dtype of the loss.
     """
 
@@ -122,6 +125,7 @@ class LossCheck:
     sum_over_samples: bool
     halves: float | None
     tolerance: float
+    skips_first: bool | None = None
 
 
 def check_loss(trainer: Any, batch: Mapping[str, Any], rows: Rows = ONE_ROW,
@@ -157,6 +161,7 @@ def check_loss(trainer: Any, batch: Mapping[str, Any], rows: Rows = ONE_ROW,
         with torch.no_grad(), planning(), metrics_kept(trainer):
             uses: bool | None = None
             own_items = None
+            skips_first = None
             if labelled:
                 with_count, with_triple = loss(batch, counted), loss(batch, 3 * counted)
                 tol = _TOLERANCE.get(dtypes[0], 2e-2)
@@ -168,6 +173,8 @@ def check_loss(trainer: Any, batch: Mapping[str, Any], rows: Rows = ONE_ROW,
                         plain = loss(batch)
                         if plain != 0:
                             own_items = with_count / token_multiplier(trainer) * counted / plain
+                    if own_items is None:
+                        skips_first = _skips_first(batch, counted, with_count, loss, tol)
             else:
                 tol = _TOLERANCE.get(torch.float64, 1e-7)
 
@@ -197,7 +204,20 @@ def check_loss(trainer: Any, batch: Mapping[str, Any], rows: Rows = ONE_ROW,
         for m, training in modes:
             m.training = training
         rng.restore()
-    return LossCheck(uses, own_items, counted, shifted, halves=ratio, tolerance=tol, **found)
+    return LossCheck(uses, own_items, counted, shifted, halves=ratio, tolerance=tol, skips_first=skips_first, **found)
+
+
+def _skips_first(batch: Mapping[str, Any], counted: int, with_count: float, loss: Callable[..., float], tol: float) -> bool | None:
+    """Whether the loss, given the same count, is unchanged with the labels at position 0 masked (-100):
+    then its sum leaves them out, as a causal LM's shifted loss does. None where no label there counts."""
+    if "shift_labels" in batch:
+        return None
+    labels = batch["labels"].clone()
+    labels[..., 0] = -100
+    masked = {**batch, "labels": labels}
+    if count(masked, shifted=False) == count(batch, shifted=False):
+        return None
+    return _close(loss(masked, counted), with_count, tol)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +264,16 @@ def _measured(trainer: Any, model: Any, check: LossCheck | None) -> Correction:
         devices = (f"; with average_tokens_across_devices=False the {world} devices would weigh equally whatever items they count: "
                    "autotune passes the step's count summed over the devices instead, as True does") if across else ""
         rule = "count" if across else None
+        unshifted_count = not getattr(trainer, "_loss_shifts_labels", True) and check.shifted != check.counted
+        if check.own_items is None and check.skips_first and unshifted_count:
+            return Correction(
+                "exact against the Trainer's own big batch: it divides each micro-batch's summed loss by the items of the whole "
+                f"step (num_items_in_batch), {_LAST_STEP}; but that count is not the items the loss sums: the loss leaves out "
+                "the labels at position 0 (measured: masking them changes nothing, as a shifted causal-LM loss does) while the "
+                f"Trainer counts them ({name}'s loss_type is unset), so every step's loss and gradient are (tokens - sequences) "
+                f"/ tokens of the token mean's, with or without autotune: {check.shifted / check.counted:.3g} on a checked batch "
+                f"({check.shifted} of {check.counted} labels). Setting model.loss_type = 'ForCausalLM' before building the "
+                f"Trainer makes it count the shifted labels{devices}", rule=rule)
         if check.own_items is None or _close(check.own_items, check.counted, 1e-3):
             how = ("that its sum runs over the same items is not measured (the loss needs the count)" if check.own_items is None
                    else "checked")
