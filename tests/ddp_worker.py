@@ -179,6 +179,16 @@ def launch(world: int, outdir: str, scenario: str, config: dict[str, Any], *, ti
     return time.perf_counter() - start
 
 
+def launch_cases(world: int, outdir: str, cases: dict[str, tuple[str, dict[str, Any]]], *, timeout: float) -> dict[str, list[dict[str, Any]]]:
+    """Several scenarios in one launch of ``world`` ranks (:func:`run_cases`): every rank's result of
+    each, by name, after asserting that none failed. ``timeout`` bounds the whole launch."""
+    launch(world, outdir, "cases", {"cases": cases}, timeout=timeout)
+    ranks = [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    for r, out in enumerate(ranks):
+        assert "error" not in out, f"rank {r}: {out.get('traceback', out.get('error'))}"
+    return {name: [out["cases"][name] for out in ranks] for name in cases}
+
+
 def run(rank: int, world: int, port: int, outdir: str, scenario: str, config: dict[str, Any]) -> None:
     """One rank: run the scenario, save what it returned (or its error) for the test to check, leave.
 
@@ -194,16 +204,10 @@ def run(rank: int, world: int, port: int, outdir: str, scenario: str, config: di
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
         torch.set_default_dtype(torch.float64)
         torch.set_num_threads(1)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                out = SCENARIOS[scenario](rank, world, config)
-            except Exception as exc:
-                out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "at": time.time()}
-                if config.get("linger"):  # a failing process that does not exit: its exit must not be what frees the others
-                    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-                    time.sleep(config["linger"])
-        out["warnings"] = [str(w.message) for w in caught]
+        if scenario == "cases":
+            out = run_cases(rank, world, config)
+        else:
+            out = run_one(rank, world, outdir, scenario, config)
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         if "error" not in out:
             # Every rank is done before any leaves. After an error the ranks may be anywhere, and the
@@ -220,6 +224,46 @@ def run(rank: int, world: int, port: int, outdir: str, scenario: str, config: di
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def run_one(rank: int, world: int, outdir: str, scenario: str, config: dict[str, Any]) -> dict[str, Any]:
+    """One scenario on this rank: what it returned, or its error, with the warnings it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = SCENARIOS[scenario](rank, world, config)
+        except Exception as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "at": time.time()}
+            if config.get("linger"):  # a failing process that does not exit: its exit must not be what frees the others
+                torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+                time.sleep(config["linger"])
+    out["warnings"] = [str(w.message) for w in caught]
+    return out
+
+
+def run_cases(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Several scenarios in one launch (``config["cases"]``: name -> [scenario, config]), one after the other in
+    the same process group, each with the functions a scenario may patch put back after it and a barrier
+    between them; the first that fails ends the launch (the ranks may then be anywhere): its error is the
+    launch's. Only for scenarios that succeed on every rank; one that makes a rank fail runs alone."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp
+
+    from autotune.train.noise import NoiseMeter
+
+    patched = [(dist, name) for name in ("all_reduce", "broadcast", "all_gather_object", "all_gather", "barrier")]
+    patched += [(NoiseMeter, "add"), (fsdp, "foreach_all_gather")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    out: dict[str, Any] = {"cases": {}}
+    for name, (scenario, case) in config["cases"].items():
+        _TRAINING_FORWARDS.clear()
+        done = out["cases"][name] = run_one(rank, world, "", scenario, case)
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
+        if "error" in done:
+            out["error"], out["traceback"] = f"case {name}: {done['error']}", done["traceback"]
+            break
+        dist.barrier()
+    return out
 
 
 # --- scenarios -------------------------------------------------------------------------------
@@ -477,7 +521,8 @@ class _RaiseInBackward(torch.autograd.Function):
 
 
 def inject_out_of_memory(module: nn.Module, where: str, call: int, *, planning: bool = False, every: bool = False) -> None:
-    """An out-of-memory error in ``module``'s forward (``where="forward"``) or in its backward, at its
+    """An out-of-memory error at the start of ``module``'s forward (``where="pre_forward"``), at its end
+    (``"forward"``) or in the backward of its output (``"backward"``), at its
     ``call``-th forward while training (or while planning), as a CUDA allocation would raise it; or
     (``where="all_gather"``) in FSDP2's own code, allocating its ``call``-th all-gather."""
     calls: list[int] = []
@@ -496,17 +541,27 @@ def inject_out_of_memory(module: nn.Module, where: str, call: int, *, planning: 
         fsdp.foreach_all_gather = failing
         return
 
-    def hook(mod: nn.Module, args: Any, output: torch.Tensor) -> Any:
+    def due() -> bool:
         if autotune.is_planning() != planning:
-            return None
+            return False
         calls.append(1)
-        if len(calls) != call and not (every and len(calls) >= call):
+        return len(calls) == call or (every and len(calls) >= call)
+
+    def before(mod: nn.Module, args: Any) -> None:
+        if due():
+            raise torch.OutOfMemoryError("injected: out of memory at the start of a forward")
+
+    def hook(mod: nn.Module, args: Any, output: torch.Tensor) -> Any:
+        if not due():
             return None
         if where == "forward":
             raise torch.OutOfMemoryError("injected: out of memory in a forward")
         return _RaiseInBackward.apply(output)
 
-    module.register_forward_hook(hook)
+    if where == "pre_forward":  # the module's own code, before it (or FSDP2 under it) runs anything
+        module.register_forward_pre_hook(before)
+    else:
+        module.register_forward_hook(hook)
 
 
 def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
@@ -532,7 +587,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         first = next(iter(loader))
         parts, activations = estimated(Workload(model=whole, optimizer=whole_opt, loss_fn=token_loss, batch=first, device=torch.device("cpu")), 1)
         estimate = parts.peak(world, activations(c["estimate"]), accumulating=True)
-    model = shard(TokenModel(), blocks=("mix",) if c.get("root_owned") else None)
+    model = shard(TokenModel(), blocks=("mix",) if c.get("root_owned") else c.get("blocks"))
     opt = (torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1) if c.get("optimizer") == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.5))
     loss_fn = token_loss
@@ -564,7 +619,7 @@ def train_fsdp(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                     raise torch.OutOfMemoryError("injected: out of memory in the loss")
             return out
     elif c.get("oom_rank") == rank:
-        where = getattr(model, c.get("oom_module", "mix"))
+        where = model if c.get("oom_module") == "root" else getattr(model, c.get("oom_module", "mix"))
         inject_out_of_memory(where, c["oom_in"], c["oom_call"], planning=bool(c.get("oom_in_plan")), every=bool(c.get("oom_every")))
     plan = autotune.plan(model, loader, target_batch=c["target"], optimizer=opt, loss_fn=loss_fn,
                          memory_limit=c["limits"][rank], headroom=0, lr_rule="none", progress=False)

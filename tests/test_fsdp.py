@@ -85,7 +85,7 @@ def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path
     backward, at its second micro-batch of the first window (the one whose gradients sync) or its
     first (no sync: no agreement before the post-backward there), while rank 0 runs the same
     micro-batch in lockstep: both abandon it at the same point, drop the window, and redo it, rank 1
-    with half its micro-batch. The run then equals the big-batch replay of the samples each step saw."""
+    with half its micro-batch and rank 0, whose limit is the same, with rank 1's. The run then equals the big-batch replay of the samples each step saw."""
     config = {"n": 45, "target": 7, "lengths": (4, 9), "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
               "oom_rank": 1, "oom_in": where, "oom_call": call}
     outs = launch(tmp_path, config)
@@ -94,7 +94,8 @@ def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path
                for w in outs[1]["warnings"]), outs[1]["warnings"]
     assert not any("Out of memory" in w for w in outs[0]["warnings"])
     assert outs[1]["final_plan"]["micro_batch"] < outs[1]["plan"]["micro_batch"]
-    assert outs[0]["final_plan"]["micro_batch"] == outs[0]["plan"]["micro_batch"]
+    # the same limit on both ranks: rank 0 goes on at rank 1's smaller micro-batch too
+    assert outs[0]["final_plan"]["micro_batch"] == outs[1]["final_plan"]["micro_batch"]
     assert_exact(outs, config, 2)
 
 
@@ -118,6 +119,51 @@ def test_an_out_of_memory_error_in_the_roots_own_code_is_redone_by_every_rank(tm
                for w in outs[rank]["warnings"]), outs[rank]["warnings"]
     assert not any("Out of memory" in w for w in outs[1 - rank]["warnings"])
     assert outs[rank]["final_plan"]["micro_batch"] < outs[rank]["plan"]["micro_batch"]
+    assert outs[1 - rank]["final_plan"]["micro_batch"] == outs[rank]["final_plan"]["micro_batch"]  # the same limit
+    assert_exact(outs, config, 2)
+
+
+# The model of every case: its embedding, block and head each sharded with fully_shard, then the model, whose
+# parameters all live in its children (or, "blocks": [], only the model sharded); windows uneven across the
+# ranks (21 over 2) and a last window of one sample, where one rank runs only a zero-weight micro-batch.
+ROOT = {"n": 64, "target": 21, "lengths": (4, 9), "limits": ["40KiB", "40KiB"], "optimizer": "sgd"}
+ROOT_CASES = {
+    "root-without-parameters-start-of-forward": dict(oom_rank=1, oom_module="root", oom_in="pre_forward", oom_call=3),
+    "root-without-parameters-end-of-forward": dict(oom_rank=0, oom_module="root", oom_in="forward", oom_call=3),
+    "root-without-parameters-backward-of-its-output": dict(oom_rank=0, oom_module="root", oom_in="backward", oom_call=4),
+    "root-without-parameters-loss": dict(oom_rank=1, oom_module="loss", oom_call=3),
+    "only-the-root-sharded-start-of-forward": dict(blocks=[], oom_rank=1, oom_module="root", oom_in="pre_forward", oom_call=3),
+    "only-the-root-sharded-backward-of-a-block": dict(blocks=[], oom_rank=0, oom_module="mix", oom_in="backward", oom_call=3),
+}
+
+
+@pytest.fixture(scope="module")
+def root_runs(tmp_path_factory):
+    """Every case of ROOT_CASES in one launch of 2 ranks (one process group, one case after the other)."""
+    cases = {name: ("fsdp", {**ROOT, **case}) for name, case in ROOT_CASES.items()}
+    return W.launch_cases(2, str(tmp_path_factory.mktemp("fsdp-root")), cases, timeout=60 + 15 * len(cases))
+
+
+@pytest.mark.parametrize("name", list(ROOT_CASES))
+def test_an_out_of_memory_error_anywhere_in_a_root_without_parameters_is_redone_exactly(root_runs, name):
+    """An out-of-memory error at the start or the end of the root's own forward, in the loss, in the backward of
+    the root's output (the first backward op), or in a block's backward when only the root is sharded, on
+    either rank: every rank abandons that micro-batch, the window is redone, and the run equals the big-batch
+    replay of each step's samples. The limits are the same on both ranks, so both go on at the smaller
+    micro-batch (in lockstep they run as many micro-batches anyway), and both plans say so."""
+    outs, config = root_runs[name], {**ROOT, **ROOT_CASES[name]}
+    rank = config["oom_rank"]
+    assert outs[0]["plan"]["accumulation_steps"] > 1
+    assert any(w.startswith("Out of memory at micro_batch=") and "OutOfMemoryError raised on this rank" in w
+               for w in outs[rank]["warnings"]), outs[rank]["warnings"]
+    assert not any("Out of memory" in w for w in outs[1 - rank]["warnings"])
+    final = [o["final_plan"]["micro_batch"] for o in outs]
+    assert final[0] == final[1] < outs[rank]["plan"]["micro_batch"], final
+    assert outs[0]["final_plan"]["rank_micro_batches"] == outs[1]["final_plan"]["rank_micro_batches"] == final
+    assert any(f"lowered to {final[0]} as rank {rank}" in n for n in outs[1 - rank]["final_plan"]["notes"])
+    for o in outs:  # every window after the redo cut at that micro-batch
+        redone = next(i for i, h in enumerate(o["history"]) if max(h["micro_batches"], default=0) <= final[0])
+        assert all(max(h["micro_batches"], default=0) <= final[0] for h in o["history"][redone:])
     assert_exact(outs, config, 2)
 
 

@@ -7,7 +7,9 @@ waiting in the next module's collective. So, as Composer's automatic micro-batch
 (its ``_create_sync_hook``), the ranks agree before each of FSDP2's collectives whether any of them
 has run out of memory: one all-reduce of two numbers (out of memory somewhere, still running) at
 
-- every sharded module's forward, before FSDP2's pre-forward (the all-gather);
+- every sharded module's forward, before FSDP2's pre-forward (the all-gather; until it has run, an
+  out-of-memory error is FSDP2's own: a forward pre-hook of the user's that runs after it is the
+  module's code);
 - its backward, before FSDP2's pre-backward (the all-gather again, the next module's prefetch);
 - its inputs' gradients, before FSDP2's post-backward (the reduce-scatter), and the end of the
   backward, before FSDP2's last callback (the root's reduce-scatter): on a micro-batch whose
@@ -115,9 +117,12 @@ class _Guard:
 
     def __enter__(self) -> _Guard:
         for m in self.modules:
-            # Before FSDP2's pre-forward (its hook is prepended too, earlier), and after it.
+            # Before FSDP2's pre-forward (its hook is prepended too, earlier), and right after it: a forward
+            # pre-hook of the user's that runs later and raises is the module's own code, not FSDP2's.
             self.handles.append(m.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True))
-            self.handles.append(m.register_forward_pre_hook(self._after_pre_forward, with_kwargs=True))
+            after = m.register_forward_pre_hook(self._after_pre_forward, with_kwargs=True)
+            _move_after(m._forward_pre_hooks, getattr(m._get_fsdp_state(), "_pre_forward_hook_handle", None), after)
+            self.handles.append(after)
             # Before FSDP2's post-forward (which hooks the outputs for its pre-backward), and after it.
             self.handles.append(m.register_forward_hook(self._before_post_forward, prepend=True))
             self.handles.append(m.register_forward_hook(self._after_post_forward))
@@ -194,6 +199,19 @@ class _Guard:
     def syncing(self) -> bool:
         """Whether this backward reduce-scatters (``set_requires_gradient_sync``, the same on every module)."""
         return any(group.reduce_grads for group in self.groups)
+
+
+def _move_after(hooks: Any, anchor: Any, handle: Any) -> None:
+    """Put the hook of ``handle`` right after the hook of ``anchor`` (a handle) in a module's ordered
+    ``hooks``; where ``anchor`` is not there (FSDP2 hooks modules sharded as a group otherwise), it
+    stays last."""
+    keys = list(hooks)
+    if anchor is None or anchor.id not in hooks:
+        return
+    keys.remove(handle.id)
+    keys.insert(keys.index(anchor.id) + 1, handle.id)
+    for key in keys[keys.index(handle.id):]:
+        hooks.move_to_end(key)
 
 
 class _Then(torch.autograd.Function):

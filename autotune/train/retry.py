@@ -89,8 +89,9 @@ def retry_at_floor(run: Any, micro_batch: int) -> bool:
     return True
 
 
-def lower(run: Any, micro_batch: int) -> None:
-    """Lower the plan's micro-batch for the rest of the run; every field follows."""
+def lower(run: Any, micro_batch: int, *, why: str = "") -> None:
+    """Lower the plan's micro-batch for the rest of the run; every field follows. ``why``: said in the
+    plan's note after the new size (default: this rank ran out of memory)."""
     plan = run.plan
     share = sum(plan.micro_batches)
     sizes = even_micro_batches(share, micro_batch)
@@ -108,5 +109,5 @@ def lower(run: Any, micro_batch: int) -> None:
         rank_micro_batches=tuple(ranks),
         bn_momentum=None if (plan.bn_momentum is None or base is None) else adjusted_bn_momentum(base, len(sizes)),
         peak_memory=peak_at(plan, micro_batch),
-        notes=plan.notes + (f"out of memory while training: micro-batch lowered to {micro_batch}",),
+        notes=plan.notes + (f"out of memory while training: micro-batch lowered to {micro_batch}{' ' + why if why else ''}",),
     )

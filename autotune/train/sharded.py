@@ -126,8 +126,9 @@ def run_window(run: Any, windows: Iterator[Any], *, drop_last: bool = False) -> 
         release_cached(device, collect=True)
         if over or outcome.own is not None:
             failure = _lowered(run, window, peak, outcome.own)
-            if failure is None and window is not None:
-                window = window.with_micro_batch(run.plan.micro_batch)
+        _follow_lowered(run, failure)
+        if failure is None and window is not None:
+            window = window.with_micro_batch(run.plan.micro_batch)
     loss = sum(r[1] for r in rows) / total_items
     if run.lowered:
         run.measured = max(run.measured or 0, peak)
@@ -169,6 +170,21 @@ def _lowered(run: Any, window: Any, peak: int, error: BaseException | None) -> B
     )
     lower(run, smaller)
     return None
+
+
+def _follow_lowered(run: Any, failure: BaseException | None) -> None:
+    """After a window to redo: every rank takes the smallest micro-batch of the ranks with its own limit
+    (what ran out on one of them can on the others; in lockstep they run as many micro-batches anyway),
+    and every rank's plan says every rank's micro-batch. Ranks with other limits keep theirs. One gather,
+    on every rank, whatever it failed with (the failure itself is raised at the next agreement)."""
+    limit = -1.0 if run.limit is None else float(run.limit)
+    rows = gather_numbers([float(run.plan.micro_batch), limit], run.device, run.par.group)
+    micro = [int(min(m for m, other in rows if other == own)) for _, own in rows]
+    if failure is None and micro[run.rank] < run.plan.micro_batch:
+        lowered_by = [r for r, (m, own) in enumerate(rows) if own == limit and m == micro[run.rank]]
+        lower(run, micro[run.rank], why=f"as rank {lowered_by[0]}, whose limit is this rank's, after it ran out of memory")
+    if run.plan.rank_micro_batches:
+        run.plan = dataclasses.replace(run.plan, rank_micro_batches=tuple(micro))
 
 
 def _run_micro_batches(run: Any, window: Any, count: int, scale: float, *, guarded: bool) -> tuple[int, float, Outcome]:
