@@ -182,11 +182,52 @@ def launch(world: int, outdir: str, scenario: str, config: dict[str, Any], *, ti
 def launch_cases(world: int, outdir: str, cases: dict[str, tuple[str, dict[str, Any]]], *, timeout: float) -> dict[str, list[dict[str, Any]]]:
     """Several scenarios in one launch of ``world`` ranks (:func:`run_cases`): every rank's result of
     each, by name, after asserting that none failed. ``timeout`` bounds the whole launch."""
+    outs = launched_cases(world, outdir, cases, timeout=timeout)
+    for name, ranks in outs.items():
+        for r, out in enumerate(ranks):
+            assert "error" not in out, f"case {name}, rank {r}: {out.get('traceback', out.get('error'))}"
+    return outs
+
+
+def launched_cases(world: int, outdir: str, cases: dict[str, tuple[str, dict[str, Any]]], *, timeout: float) -> dict[str, list[dict[str, Any]]]:
+    """:func:`launch_cases` without the assertion: a case that failed, and each one after it (never run),
+    has an ``error`` on every rank."""
     launch(world, outdir, "cases", {"cases": cases}, timeout=timeout)
     ranks = [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-    for r, out in enumerate(ranks):
-        assert "error" not in out, f"rank {r}: {out.get('traceback', out.get('error'))}"
-    return {name: [out["cases"][name] for out in ranks] for name in cases}
+    failed = next((out["error"] for out in ranks if "error" in out), None)
+    return {name: [out["cases"].get(name, {"error": f"not run: {failed}"}) for out in ranks] for name in cases}
+
+
+class Launches:
+    """The cases of a test module that succeed on every rank, launched together: registered when the module
+    is imported (:meth:`add`), launched the first time a test asks for one of them (:meth:`results`), one
+    launch per world size for every case of that size not yet run, the results kept for the other tests.
+    A case that fails fails its test and those of the cases after it in the launch (never run), naming it. Under pytest-xdist the tests that
+    use one ``Launches`` go to one worker (``pytest.mark.xdist_group``), so that each case runs once."""
+
+    def __init__(self, *, seconds_per_case: float = 15.0) -> None:
+        self.cases: dict[str, tuple[int, str, dict[str, Any]]] = {}
+        self.done: dict[str, list[dict[str, Any]]] = {}
+        self.seconds_per_case = seconds_per_case
+
+    def add(self, name: str, world: int, scenario: str, config: dict[str, Any]) -> str:
+        assert name not in self.cases, name
+        self.cases[name] = (world, scenario, config)
+        return name
+
+    def results(self, name: str, outdir: str) -> list[dict[str, Any]]:
+        """Every rank's result of case ``name`` (launching its world size's pending cases into ``outdir``)."""
+        if name not in self.done:
+            world = self.cases[name][0]
+            pending = {n: (scenario, config) for n, (w, scenario, config) in self.cases.items() if w == world and n not in self.done}
+            try:
+                self.done.update(launched_cases(world, outdir, pending, timeout=30 + self.seconds_per_case * len(pending)))
+            except Exception as exc:  # a hang or a crashed rank: every case of the launch fails with it, none relaunched
+                self.done.update({n: [{"error": f"the launch failed: {type(exc).__name__}: {exc}"}] * world for n in pending})
+        ranks = self.done[name]
+        for r, out in enumerate(ranks):
+            assert "error" not in out, f"case {name}, rank {r}: {out.get('traceback', out.get('error'))}"
+        return ranks
 
 
 def run(rank: int, world: int, port: int, outdir: str, scenario: str, config: dict[str, Any]) -> None:
@@ -243,19 +284,25 @@ def run_one(rank: int, world: int, outdir: str, scenario: str, config: dict[str,
 
 def run_cases(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     """Several scenarios in one launch (``config["cases"]``: name -> [scenario, config]), one after the other in
-    the same process group, each with the functions a scenario may patch put back after it and a barrier
-    between them; the first that fails ends the launch (the ranks may then be anywhere): its error is the
+    the same process group, each planning from nothing (no estimate kept), with the functions a scenario
+    may patch put back after it and a barrier between them; the first that fails ends the launch (the ranks may then be anywhere): its error is the
     launch's. Only for scenarios that succeed on every rank; one that makes a rank fail runs alone."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp
 
+    from autotune.probe.estimate import forget
     from autotune.train.noise import NoiseMeter
 
     patched = [(dist, name) for name in ("all_reduce", "broadcast", "all_gather_object", "all_gather", "barrier")]
     patched += [(NoiseMeter, "add"), (fsdp, "foreach_all_gather")]
     originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
     out: dict[str, Any] = {"cases": {}}
+    seed = torch.initial_seed()
     for name, (scenario, case) in config["cases"].items():
+        # each case as in a process of its own: the same random state and default dtype, planning from nothing
+        torch.manual_seed(seed)
+        torch.set_default_dtype(torch.float64)
         _TRAINING_FORWARDS.clear()
+        forget()
         done = out["cases"][name] = run_one(rank, world, "", scenario, case)
         for owner, attr, original in originals:
             setattr(owner, attr, original)

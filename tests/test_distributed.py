@@ -2,7 +2,9 @@
 reference written here, apart from autotune.
 
 Every multi-process test runs under a hard timeout (``ddp_worker.launch``): a hang or a collective
-mismatch fails the test in seconds instead of blocking.
+mismatch fails the test in seconds instead of blocking. The cases that succeed on every rank share
+launches (``SHARED``: one launch of 2 ranks and one of 3 for all of them, each case as in a process of
+its own); those that stop ranks on purpose launch alone.
 """
 
 import ddp_worker as W
@@ -14,7 +16,26 @@ from torch import nn
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
     pytest.mark.slow,  # processes of their own: skipped by `pytest -m "not slow"`, run by CI
+    pytest.mark.xdist_group("distributed"),  # one worker runs SHARED's launches, once
 ]
+SHARED = W.Launches()
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every rank's result of a case of SHARED, by name (its launch runs the first time one is asked for)."""
+    root = tmp_path_factory.mktemp("distributed")
+
+    def results(name):
+        (root / name).mkdir(exist_ok=True)
+        return SHARED.results(name, str(root / name))
+
+    return results
+
+
+def shared(name, world, scenario, config):
+    """Register a case of SHARED; its name and config, for the test that checks it."""
+    return SHARED.add(name, world, scenario, config), config
 
 
 def shares(target, world, window=0):
@@ -95,16 +116,16 @@ def assert_exact(outs, config, world, **kw):
 BASE = dict(lengths=(10, 10), limits=["64MiB"] * 3)
 
 
-@pytest.mark.parametrize(
-    "world, n, target",
-    [(2, 82, 49), (2, 100, 49), (3, 100, 49), (3, 97, 64)],
-    ids=["W2-N82-T49", "W2-N100-T49", "W3-N100-T49", "W3-N97-T64"],
-)
-def test_any_target_and_world_size_at_the_end_of_an_epoch(tmp_path, world, n, target):
+EPOCH_END = {f"W{world}-N{n}-T{target}": (world, shared(f"epoch-end-W{world}-N{n}-T{target}", world, "tokens",
+                                                            {**BASE, "n": n, "target": target, "limits": ["120KiB", "64MiB", "64MiB"]}))
+             for world, n, target in [(2, 82, 49), (2, 100, 49), (3, 100, 49), (3, 97, 64)]}
+
+
+@pytest.mark.parametrize("case", list(EPOCH_END))
+def test_any_target_and_world_size_at_the_end_of_an_epoch(launched, case):
     """T % W != 0 used to desynchronise the ranks at the end of 87-100% of epochs."""
-    config = {**BASE, "n": n, "target": target, "limits": ["120KiB", "64MiB", "64MiB"]}
-    W.launch(world, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, world)
+    world, (name, config) = EPOCH_END[case]
+    outs = launched(name)
     assert_exact(outs, config, world)
     # one collective per optimizer step (the agreement rides in the gradients' only bucket); once per
     # fit call, the start-up agreement on the first batches, the check that the ranks' first batches
@@ -114,18 +135,20 @@ def test_any_target_and_world_size_at_the_end_of_an_epoch(tmp_path, world, n, ta
         assert o["collectives"].count("all_reduce") == len(o["history"]) + 3
 
 
-@pytest.mark.parametrize(
-    "world, n, target, shards",
-    [(3, 102, 10, "sampler"), (3, 102, 7, "sampler"), (2, 81, 10, "sampler"), (3, 98, 10, "strided"), (2, 81, 7, "strided")],
-    ids=["W3-N102-T10", "W3-N102-T7", "W2-N81-T10", "W3-N98-T10-uneven", "W2-N81-T7-uneven"],
-)
-def test_every_step_but_an_epochs_last_is_full_while_every_shard_has_data(tmp_path, world, n, target, shards):
+FULL_STEPS = {f"W{world}-N{n}-T{target}" + ("-uneven" if shards == "strided" else ""): (world, n, target, shards)
+              for world, n, target, shards in [(3, 102, 10, "sampler"), (3, 102, 7, "sampler"), (2, 81, 10, "sampler"),
+                                               (3, 98, 10, "strided"), (2, 81, 7, "strided")]}
+FULL_STEPS = {case: (*params, shared(f"full-steps-{case}", params[0], "tokens", {**BASE, "n": params[1], "target": params[2], "shards": params[3]}))
+              for case, params in FULL_STEPS.items()}
+
+
+@pytest.mark.parametrize("case", list(FULL_STEPS))
+def test_every_step_but_an_epochs_last_is_full_while_every_shard_has_data(launched, case):
     """The rule of docs/distributed.md: the remainder of target / world takes turns among the ranks, so
     equal shards (a DistributedSampler) run out together and only the epoch's last step is short;
     with uneven shards every step is full until the first shard ends. Exact in float64."""
-    config = {**BASE, "n": n, "target": target, "shards": shards}
-    W.launch(world, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, world)
+    world, n, target, shards, (name, config) = FULL_STEPS[case]
+    outs = launched(name)
     assert_exact(outs, config, world)
     steps = [r["samples"] for r in outs[0]["history"]]
     sizes = [len(rank_indices) for rank_indices in (W.rank_indices(n, r, world, shards) for r in range(world))]
@@ -137,14 +160,18 @@ def test_every_step_but_an_epochs_last_is_full_while_every_shard_has_data(tmp_pa
     assert sum(steps) == sum(sizes)  # every sample once (a DistributedSampler pads to equal shards)
 
 
-@pytest.mark.parametrize("world, stages", [(2, [(0, 6), (18, 12), (54, 20)]), (3, [(0, 7), (30, 16)])], ids=["W2", "W3"])
-def test_a_fixed_batch_ramp_on_several_ranks_is_exact_at_every_stage(tmp_path, world, stages):
+FIXED_RAMP = {f"W{world}": (world, stages, shared(f"fixed-ramp-W{world}", world, "tokens", {**BASE, "n": 100, "target": stages[-1][1], "ramp": stages,
+                                                                                      "limits": ["120KiB", "64MiB", "64MiB"]}))
+              for world, stages in [(2, [(0, 6), (18, 12), (54, 20)]), (3, [(0, 7), (30, 16)])]}
+
+
+@pytest.mark.parametrize("case", list(FIXED_RAMP))
+def test_a_fixed_batch_ramp_on_several_ranks_is_exact_at_every_stage(launched, case):
     """Every rank changes the target at the same window (the stage is read from the global samples
     seen), each step is the exact token mean of its global window (float64), with per-rank
     micro-batches under different memory limits."""
-    config = {**BASE, "n": 100, "target": stages[-1][1], "ramp": stages, "limits": ["120KiB", "64MiB", "64MiB"]}
-    W.launch(world, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, world)
+    world, stages, (name, config) = FIXED_RAMP[case]
+    outs = launched(name)
     assert_exact(outs, config, world)
     seen, want = 0, []
     for record in outs[0]["history"]:
@@ -154,13 +181,15 @@ def test_a_fixed_batch_ramp_on_several_ranks_is_exact_at_every_stage(tmp_path, w
     assert all([r["target"] for r in o["history"]] == want for o in outs[1:])
 
 
-def test_an_adaptive_batch_ramp_changes_on_every_rank_at_the_same_step(tmp_path):
+ADAPTIVE = shared("adaptive-ramp", 2, "tokens", {**BASE, "n": 400, "target": 48, "adaptive": (4, 48), "epochs": 2, "count": False})
+
+
+def test_an_adaptive_batch_ramp_changes_on_every_rank_at_the_same_step(launched):
     """Each rank measures the noise scale with its own first micro-batch, so their estimates differ; the
     votes ride in the exchange the ranks already make and the target rises only when every rank voted:
     the same targets at the same steps on every rank, the same weights, no extra collective."""
-    config = {**BASE, "n": 400, "target": 48, "adaptive": (4, 48), "epochs": 2, "count": False}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+    name, config = ADAPTIVE
+    outs = launched(name)
     targets = [[r["target"] for r in o["history"]] for o in outs]
     assert targets[0] == targets[1] and len(set(targets[0])) > 1
     assert all(torch.equal(outs[0]["params"][k], outs[1]["params"][k]) for k in outs[0]["params"])
@@ -185,31 +214,36 @@ def test_settings_that_must_agree_across_ranks_are_refused_on_every_rank_at_star
         assert "error" in o and re.search(match, o["error"]), o.get("error")
 
 
-def test_ranks_that_load_the_same_samples_are_warned(tmp_path):
+SAME_SAMPLES = {shards: shared(f"same-samples-{shards}", 2, "tokens", {**BASE, "n": 24, "target": 12, "shards": shards})[0]
+                for shards in ("all", "sampler")}
+
+
+def test_ranks_that_load_the_same_samples_are_warned(launched):
     """Every rank iterating the whole dataset (no DistributedSampler) is warned about, on every rank;
     ranks with their own shards are not."""
     for shards, warned in (("all", True), ("sampler", False)):
-        config = {**BASE, "n": 24, "target": 12, "shards": shards}
-        W.launch(2, str(tmp_path), "tokens", config)
-        for o in results(tmp_path, 2):
+        for o in launched(SAME_SAMPLES[shards]):
             assert any("Every rank got the same first batch" in w for w in o["warnings"]) is warned, o["warnings"]
 
 
-def test_ranks_measure_the_noise_scale_in_the_same_windows(tmp_path):
+NOISE = shared("noise-windows", 2, "tokens", {**BASE, "n": 96, "target": 4, "noise_every": [2, 4]})
+
+
+def test_ranks_measure_the_noise_scale_in_the_same_windows(launched):
     """Ranks that would pace the noise meter differently (every 2nd and every 4th window) measure in
     the same windows, every 3rd (the mean), so that neither waits for the other's measurement."""
-    config = {**BASE, "n": 96, "target": 4, "noise_every": [2, 4]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+    outs = launched(NOISE[0])
     measured = outs[0]["noise_measured"]
     assert measured == outs[1]["noise_measured"]
     assert measured == list(range(1, len(outs[0]["history"]) + 1, 3)) and len(measured) >= 6, measured
 
 
-def test_per_rank_limits_give_per_rank_micro_batches(tmp_path):
-    config = {**BASE, "n": 96, "target": 48, "limits": ["64MiB", "100KiB"]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+PER_RANK = shared("per-rank-limits", 2, "tokens", {**BASE, "n": 96, "target": 48, "limits": ["64MiB", "100KiB"]})
+
+
+def test_per_rank_limits_give_per_rank_micro_batches(launched):
+    name, config = PER_RANK
+    outs = launched(name)
     ranks = outs[0]["plan"]["rank_micro_batches"]
     assert ranks == outs[1]["plan"]["rank_micro_batches"] and ranks[0] > ranks[1]
     assert outs[0]["plan"]["micro_batch"] == ranks[0] and outs[1]["plan"]["micro_batch"] == ranks[1]
@@ -217,49 +251,59 @@ def test_per_rank_limits_give_per_rank_micro_batches(tmp_path):
     assert_exact(outs, config, 2)
 
 
-def test_an_out_of_memory_error_on_one_rank_is_redone_there_only(tmp_path):
-    config = {**BASE, "n": 100, "target": 49, "oom_rank": 1, "oom_at": 3, "limits": ["64MiB", "64MiB"]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+OOM_ONE_RANK = shared("oom-one-rank", 2, "tokens", {**BASE, "n": 100, "target": 49, "oom_rank": 1, "oom_at": 3, "limits": ["64MiB", "64MiB"]})
+
+
+def test_an_out_of_memory_error_on_one_rank_is_redone_there_only(launched):
+    name, config = OOM_ONE_RANK
+    outs = launched(name)
     assert any("Out of memory" in w for w in outs[1]["warnings"])
     assert not any("Out of memory" in w for w in outs[0]["warnings"])  # rank 0 kept its window
     assert outs[1]["plan"]["micro_batch"] < outs[0]["plan"]["micro_batch"]
     assert_exact(outs, config, 2)
 
 
-def test_dynamic_padding_and_a_long_tail(tmp_path):
+LONG_TAIL = shared("long-tail", 3, "tokens", {**BASE, "n": 90, "target": 40, "lengths": (2, 40), "limits": ["64MiB", "200KiB", "64MiB"]})
+
+
+def test_dynamic_padding_and_a_long_tail(launched):
     """Each loader batch padded to its own longest sample: ranks cut different numbers of micro-batches."""
-    config = {**BASE, "n": 90, "target": 40, "lengths": (2, 40), "limits": ["64MiB", "200KiB", "64MiB"]}
-    W.launch(3, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 3)
+    name, config = LONG_TAIL
+    outs = launched(name)
     counts = {len(h["micro_batches"]) for o in outs for h in o["history"]}
     assert len(counts) > 1  # the ranks really ran different numbers of micro-batches
     assert_exact(outs, config, 3)
 
 
-def test_shape_sized_micro_batches_on_ranks_with_different_lengths(tmp_path):
+SHAPE_SIZED = shared("shape-sized", 2, "tokens", {**BASE, "n": 80, "target": 40, "shards": "strided", "by_parity": [(2, 8), (24, 40)], "pad": True,
+                                                   "loader_batch": 2, "limits": ["300KiB", "300KiB"]})
+
+
+def test_shape_sized_micro_batches_on_ranks_with_different_lengths(launched):
     """Rank 0 holds short sequences, rank 1 long ones: each sizes its micro-batches by its own shapes
     and joins loader batches of different lengths by padding; still exact."""
-    config = {**BASE, "n": 80, "target": 40, "shards": "strided", "by_parity": [(2, 8), (24, 40)], "pad": True,
-              "loader_batch": 2, "limits": ["300KiB", "300KiB"]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+    name, config = SHAPE_SIZED
+    outs = launched(name)
     short, long_ = (max(s for h in o["history"] for s in h["micro_batches"]) for o in outs)
     assert short > long_ and short > 2  # joined past the loader's batches of 2, sized by length
     assert outs[0]["plan"]["shape_model"] is not None
     assert_exact(outs, config, 2)
 
 
-def test_micro_batches_and_windows_without_items(tmp_path):
-    config = {**BASE, "n": 60, "target": 12, "empty_every": 3, "loader_batch": 1, "limits": ["64MiB", "64MiB"]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    assert_exact(results(tmp_path, 2), config, 2)
+WITHOUT_ITEMS = shared("without-items", 2, "tokens", {**BASE, "n": 60, "target": 12, "empty_every": 3, "loader_batch": 1, "limits": ["64MiB", "64MiB"]})
 
 
-def test_shards_of_different_lengths(tmp_path):
-    config = {**BASE, "n": 97, "target": 30, "shards": "strided", "limits": ["64MiB", "64MiB"]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+def test_micro_batches_and_windows_without_items(launched):
+    name, config = WITHOUT_ITEMS
+    assert_exact(launched(name), config, 2)
+
+
+UNEVEN_SHARDS = shared("uneven-shards", 2, "tokens", {**BASE, "n": 97, "target": 30, "shards": "strided", "limits": ["64MiB", "64MiB"]})
+
+
+def test_shards_of_different_lengths(launched):
+    name, config = UNEVEN_SHARDS
+    outs = launched(name)
     assert len(outs[0]["indices"]) == 49 and len(outs[1]["indices"]) == 48
     assert_exact(outs, config, 2)
 
@@ -305,17 +349,22 @@ def test_a_rank_whose_optimizer_step_runs_out_of_memory_is_named_with_its_error_
     assert seconds < 40
 
 
-@pytest.mark.parametrize("wrap", ["compiled", "nested", "plain-perturbed"])
-def test_compiled_nested_and_plain_models_are_recognised(tmp_path, wrap):
-    config = {**BASE, "n": 64, "target": 25, "wrap": wrap, "limits": ["64MiB", "64MiB"]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    assert_exact(results(tmp_path, 2), config, 2)
+WRAPS = {wrap: shared(f"wrap-{wrap}", 2, "tokens", {**BASE, "n": 64, "target": 25, "wrap": wrap, "limits": ["64MiB", "64MiB"]})
+         for wrap in ("compiled", "nested", "plain-perturbed")}
 
 
-def test_an_unused_parameter_is_left_alone_by_adamw(tmp_path):
-    config = {**BASE, "n": 64, "target": 25, "unused": True, "optimizer": "adamw", "limits": ["64MiB", "64MiB"]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_compiled_nested_and_plain_models_are_recognised(launched, wrap):
+    name, config = WRAPS[wrap]
+    assert_exact(launched(name), config, 2)
+
+
+UNUSED = shared("unused-parameter", 2, "tokens", {**BASE, "n": 64, "target": 25, "unused": True, "optimizer": "adamw", "limits": ["64MiB", "64MiB"]})
+
+
+def test_an_unused_parameter_is_left_alone_by_adamw(launched):
+    name, config = UNUSED
+    outs = launched(name)
     torch.set_default_dtype(torch.float64)
     try:
         start = W.WithUnused()
@@ -327,23 +376,28 @@ def test_an_unused_parameter_is_left_alone_by_adamw(tmp_path):
     assert_exact(outs, config, 2, model_class=W.WithUnused)
 
 
-def test_gradient_as_bucket_view_at_a_tight_limit_trains_without_running_out(tmp_path):
-    config = {**BASE, "n": 64, "target": 32, "bucket_view": True, "limits": ["120KiB", "120KiB"]}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+BUCKET_VIEW = shared("bucket-view", 2, "tokens", {**BASE, "n": 64, "target": 32, "bucket_view": True, "limits": ["120KiB", "120KiB"]})
+
+
+def test_gradient_as_bucket_view_at_a_tight_limit_trains_without_running_out(launched):
+    name, config = BUCKET_VIEW
+    outs = launched(name)
     assert not any("Out of memory" in w for o in outs for w in o["warnings"])
     assert any(name == "the gradient sync's bucket" for name, _ in outs[0]["plan"]["set_aside"])
     assert_exact(outs, config, 2)
 
 
-@pytest.mark.parametrize("bucket_bytes, views", [(2**20, True), (1024, False)], ids=["one-bucket", "several-buckets"])
-def test_the_exchange_makes_the_global_mean_from_each_kind_of_gradient(tmp_path, bucket_bytes, views):
+EXCHANGE = {case: shared(f"exchange-{case}", 2, "exchange", {"bucket_bytes": size})[0]
+            for case, size in (("one-bucket", 2**20), ("several-buckets", 1024))}
+
+
+@pytest.mark.parametrize("case, views", [("one-bucket", True), ("several-buckets", False)], ids=list(EXCHANGE))
+def test_the_exchange_makes_the_global_mean_from_each_kind_of_gradient(launched, case, views):
     """GradientSync alone, 2 ranks with 3 and 5 items: gradients that hold the rank's mean, its share
     of the global count the ranks expected, or its share of another count all become the global
     mean; multiplied twice per bucket, never, and once after the sum. With one bucket they come back
     as views of the buffer it keeps, with several they are copied back."""
-    W.launch(2, str(tmp_path), "exchange", {"bucket_bytes": bucket_bytes})
-    outs = results(tmp_path, 2)
+    outs = launched(EXCHANGE[case])
     total = sum(o["items"] for o in outs)
     want = [sum(o["items"] * o["local"][i] for o in outs) / total for i in range(len(outs[0]["local"]))]
     buckets = outs[0]["buckets"]
@@ -356,15 +410,17 @@ def test_the_exchange_makes_the_global_mean_from_each_kind_of_gradient(tmp_path,
         assert [case["muls"] for case in o["cases"].values()] == [2 * buckets, 0, buckets]
 
 
-@pytest.mark.parametrize("how", ["zero_in_place", "keep_grads"])
-def test_gradients_an_optimizer_holds_on_to_are_never_written_over(tmp_path, how):
+HELD = {how: shared(f"held-gradients-{how}", 2, "tokens", {**BASE, "n": 64, "target": 24, how: True}) for how in ("zero_in_place", "keep_grads")}
+
+
+@pytest.mark.parametrize("how", list(HELD))
+def test_gradients_an_optimizer_holds_on_to_are_never_written_over(launched, how):
     """The summed gradients are handed out as views of the exchange's buffer. An optimizer that zeroes
     them in place (instead of setting None) makes the next backward add into them, so the next
     exchange must not read and write that buffer at once; one that keeps last step's gradients must
     find them as they were. Either way the next exchange writes into a new buffer."""
-    config = {**BASE, "n": 64, "target": 24, how: True}
-    W.launch(2, str(tmp_path), "tokens", config)
-    outs = results(tmp_path, 2)
+    name, config = HELD[how]
+    outs = launched(name)
     assert len(outs[0]["history"]) > 2
     for o in outs:
         assert o["kept_intact"]
@@ -372,9 +428,11 @@ def test_gradients_an_optimizer_holds_on_to_are_never_written_over(tmp_path, how
     assert_exact(outs, config, 2)
 
 
-def test_sampler_epochs_continue_across_fit_calls(tmp_path):
-    W.launch(2, str(tmp_path), "epochs", {"n": 40, "target": 16})
-    outs = results(tmp_path, 2)
+EPOCHS = shared("sampler-epochs", 2, "epochs", {"n": 40, "target": 16})
+
+
+def test_sampler_epochs_continue_across_fit_calls(launched):
+    outs = launched(EPOCHS[0])
     for o in outs:
         # The same samples in the same order, so the same weights up to rounding: a call's first
         # window weights by this rank's count, later ones by the share of the last global count.
@@ -382,10 +440,11 @@ def test_sampler_epochs_continue_across_fit_calls(tmp_path):
         assert o["one_epoch"] == o["two_epoch"] == 2  # set_epoch(0), (1), then ready for epoch 2
 
 
-def test_batchnorm_statistics_agree_across_ranks(tmp_path):
-    config = {"n": 40, "target": 20, "bn": "adjust", "limits": ["64MiB", "5KiB"]}
-    W.launch(2, str(tmp_path), "bn", config)
-    outs = results(tmp_path, 2)
+BN_ADJUST = shared("bn-adjust", 2, "bn", {"n": 40, "target": 20, "bn": "adjust", "limits": ["64MiB", "5KiB"]})
+
+
+def test_batchnorm_statistics_agree_across_ranks(launched):
+    outs = launched(BN_ADJUST[0])
     for name in ("bn.running_mean", "bn.running_var"):
         assert torch.equal(outs[0]["params"][name], outs[1]["params"][name])
     for o in outs:
@@ -393,10 +452,12 @@ def test_batchnorm_statistics_agree_across_ranks(tmp_path):
         assert o["collectives"].count("all_reduce") == 2 * len(o["history"]) + 3
 
 
-def test_pooled_batchnorm_is_one_global_big_batch_forward(tmp_path):
-    config = {"n": 40, "target": 20, "bn": "pooled", "steps": 1, "limits": ["64MiB", "5KiB"]}
-    W.launch(2, str(tmp_path), "bn", config)
-    outs = results(tmp_path, 2)
+BN_POOLED = shared("bn-pooled", 2, "bn", {"n": 40, "target": 20, "bn": "pooled", "steps": 1, "limits": ["64MiB", "5KiB"]})
+
+
+def test_pooled_batchnorm_is_one_global_big_batch_forward(launched):
+    name, config = BN_POOLED
+    outs = launched(name)
     assert outs[0]["plan"]["rank_micro_batches"][0] != outs[0]["plan"]["rank_micro_batches"][1]
     assert_pooled_is_one_global_forward(outs, config)
 
