@@ -210,10 +210,20 @@ class Launches:
         self.done: dict[str, list[dict[str, Any]]] = {}
         self.seconds_per_case = seconds_per_case
 
-    def add(self, name: str, world: int, scenario: str, config: dict[str, Any]) -> str:
+    def add(self, name: str, world: int, scenario: str, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Register a case; its name and config, for the test that checks it."""
         assert name not in self.cases, name
         self.cases[name] = (world, scenario, config)
-        return name
+        return name, config
+
+    def results_in(self, root: Any) -> Any:
+        """:meth:`results` with each launch in a folder of its own under ``root`` (a module-scoped fixture's)."""
+
+        def results(name: str) -> list[dict[str, Any]]:
+            os.makedirs(os.path.join(root, name), exist_ok=True)
+            return self.results(name, os.path.join(root, name))
+
+        return results
 
     def results(self, name: str, outdir: str) -> list[dict[str, Any]]:
         """Every rank's result of case ``name`` (launching its world size's pending cases into ``outdir``)."""
@@ -277,7 +287,11 @@ def run_one(rank: int, world: int, outdir: str, scenario: str, config: dict[str,
             out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "at": time.time()}
             if config.get("linger"):  # a failing process that does not exit: its exit must not be what frees the others
                 torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-                time.sleep(config["linger"])
+                # it stays until every other rank has saved what it ended with (or `linger` seconds)
+                others = [os.path.join(outdir, f"rank{r}.pt") for r in range(world) if r != rank]
+                deadline = time.time() + config["linger"]
+                while time.time() < deadline and not all(os.path.exists(f) for f in others):
+                    time.sleep(0.1)
     out["warnings"] = [str(w.message) for w in caught]
     return out
 

@@ -24,18 +24,7 @@ SHARED = W.Launches()
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Every rank's result of a case of SHARED, by name (its launch runs the first time one is asked for)."""
-    root = tmp_path_factory.mktemp("distributed")
-
-    def results(name):
-        (root / name).mkdir(exist_ok=True)
-        return SHARED.results(name, str(root / name))
-
-    return results
-
-
-def shared(name, world, scenario, config):
-    """Register a case of SHARED; its name and config, for the test that checks it."""
-    return SHARED.add(name, world, scenario, config), config
+    return SHARED.results_in(tmp_path_factory.mktemp("distributed"))
 
 
 def shares(target, world, window=0):
@@ -116,7 +105,7 @@ def assert_exact(outs, config, world, **kw):
 BASE = dict(lengths=(10, 10), limits=["64MiB"] * 3)
 
 
-EPOCH_END = {f"W{world}-N{n}-T{target}": (world, shared(f"epoch-end-W{world}-N{n}-T{target}", world, "tokens",
+EPOCH_END = {f"W{world}-N{n}-T{target}": (world, SHARED.add(f"epoch-end-W{world}-N{n}-T{target}", world, "tokens",
                                                             {**BASE, "n": n, "target": target, "limits": ["120KiB", "64MiB", "64MiB"]}))
              for world, n, target in [(2, 82, 49), (2, 100, 49), (3, 100, 49), (3, 97, 64)]}
 
@@ -138,7 +127,7 @@ def test_any_target_and_world_size_at_the_end_of_an_epoch(launched, case):
 FULL_STEPS = {f"W{world}-N{n}-T{target}" + ("-uneven" if shards == "strided" else ""): (world, n, target, shards)
               for world, n, target, shards in [(3, 102, 10, "sampler"), (3, 102, 7, "sampler"), (2, 81, 10, "sampler"),
                                                (3, 98, 10, "strided"), (2, 81, 7, "strided")]}
-FULL_STEPS = {case: (*params, shared(f"full-steps-{case}", params[0], "tokens", {**BASE, "n": params[1], "target": params[2], "shards": params[3]}))
+FULL_STEPS = {case: (*params, SHARED.add(f"full-steps-{case}", params[0], "tokens", {**BASE, "n": params[1], "target": params[2], "shards": params[3]}))
               for case, params in FULL_STEPS.items()}
 
 
@@ -160,7 +149,7 @@ def test_every_step_but_an_epochs_last_is_full_while_every_shard_has_data(launch
     assert sum(steps) == sum(sizes)  # every sample once (a DistributedSampler pads to equal shards)
 
 
-FIXED_RAMP = {f"W{world}": (world, stages, shared(f"fixed-ramp-W{world}", world, "tokens", {**BASE, "n": 100, "target": stages[-1][1], "ramp": stages,
+FIXED_RAMP = {f"W{world}": (world, stages, SHARED.add(f"fixed-ramp-W{world}", world, "tokens", {**BASE, "n": 100, "target": stages[-1][1], "ramp": stages,
                                                                                       "limits": ["120KiB", "64MiB", "64MiB"]}))
               for world, stages in [(2, [(0, 6), (18, 12), (54, 20)]), (3, [(0, 7), (30, 16)])]}
 
@@ -181,7 +170,7 @@ def test_a_fixed_batch_ramp_on_several_ranks_is_exact_at_every_stage(launched, c
     assert all([r["target"] for r in o["history"]] == want for o in outs[1:])
 
 
-ADAPTIVE = shared("adaptive-ramp", 2, "tokens", {**BASE, "n": 400, "target": 48, "adaptive": (4, 48), "epochs": 2, "count": False})
+ADAPTIVE = SHARED.add("adaptive-ramp", 2, "tokens", {**BASE, "n": 400, "target": 48, "adaptive": (4, 48), "epochs": 2, "count": False})
 
 
 def test_an_adaptive_batch_ramp_changes_on_every_rank_at_the_same_step(launched):
@@ -214,7 +203,7 @@ def test_settings_that_must_agree_across_ranks_are_refused_on_every_rank_at_star
         assert "error" in o and re.search(match, o["error"]), o.get("error")
 
 
-SAME_SAMPLES = {shards: shared(f"same-samples-{shards}", 2, "tokens", {**BASE, "n": 24, "target": 12, "shards": shards})[0]
+SAME_SAMPLES = {shards: SHARED.add(f"same-samples-{shards}", 2, "tokens", {**BASE, "n": 24, "target": 12, "shards": shards})[0]
                 for shards in ("all", "sampler")}
 
 
@@ -226,7 +215,7 @@ def test_ranks_that_load_the_same_samples_are_warned(launched):
             assert any("Every rank got the same first batch" in w for w in o["warnings"]) is warned, o["warnings"]
 
 
-NOISE = shared("noise-windows", 2, "tokens", {**BASE, "n": 96, "target": 4, "noise_every": [2, 4]})
+NOISE = SHARED.add("noise-windows", 2, "tokens", {**BASE, "n": 96, "target": 4, "noise_every": [2, 4]})
 
 
 def test_ranks_measure_the_noise_scale_in_the_same_windows(launched):
@@ -238,7 +227,7 @@ def test_ranks_measure_the_noise_scale_in_the_same_windows(launched):
     assert measured == list(range(1, len(outs[0]["history"]) + 1, 3)) and len(measured) >= 6, measured
 
 
-PER_RANK = shared("per-rank-limits", 2, "tokens", {**BASE, "n": 96, "target": 48, "limits": ["64MiB", "100KiB"]})
+PER_RANK = SHARED.add("per-rank-limits", 2, "tokens", {**BASE, "n": 96, "target": 48, "limits": ["64MiB", "100KiB"]})
 
 
 def test_per_rank_limits_give_per_rank_micro_batches(launched):
@@ -251,7 +240,7 @@ def test_per_rank_limits_give_per_rank_micro_batches(launched):
     assert_exact(outs, config, 2)
 
 
-OOM_ONE_RANK = shared("oom-one-rank", 2, "tokens", {**BASE, "n": 100, "target": 49, "oom_rank": 1, "oom_at": 3, "limits": ["64MiB", "64MiB"]})
+OOM_ONE_RANK = SHARED.add("oom-one-rank", 2, "tokens", {**BASE, "n": 100, "target": 49, "oom_rank": 1, "oom_at": 3, "limits": ["64MiB", "64MiB"]})
 
 
 def test_an_out_of_memory_error_on_one_rank_is_redone_there_only(launched):
@@ -263,7 +252,7 @@ def test_an_out_of_memory_error_on_one_rank_is_redone_there_only(launched):
     assert_exact(outs, config, 2)
 
 
-LONG_TAIL = shared("long-tail", 3, "tokens", {**BASE, "n": 90, "target": 40, "lengths": (2, 40), "limits": ["64MiB", "200KiB", "64MiB"]})
+LONG_TAIL = SHARED.add("long-tail", 3, "tokens", {**BASE, "n": 90, "target": 40, "lengths": (2, 40), "limits": ["64MiB", "200KiB", "64MiB"]})
 
 
 def test_dynamic_padding_and_a_long_tail(launched):
@@ -275,7 +264,7 @@ def test_dynamic_padding_and_a_long_tail(launched):
     assert_exact(outs, config, 3)
 
 
-SHAPE_SIZED = shared("shape-sized", 2, "tokens", {**BASE, "n": 80, "target": 40, "shards": "strided", "by_parity": [(2, 8), (24, 40)], "pad": True,
+SHAPE_SIZED = SHARED.add("shape-sized", 2, "tokens", {**BASE, "n": 80, "target": 40, "shards": "strided", "by_parity": [(2, 8), (24, 40)], "pad": True,
                                                    "loader_batch": 2, "limits": ["300KiB", "300KiB"]})
 
 
@@ -290,7 +279,7 @@ def test_shape_sized_micro_batches_on_ranks_with_different_lengths(launched):
     assert_exact(outs, config, 2)
 
 
-WITHOUT_ITEMS = shared("without-items", 2, "tokens", {**BASE, "n": 60, "target": 12, "empty_every": 3, "loader_batch": 1, "limits": ["64MiB", "64MiB"]})
+WITHOUT_ITEMS = SHARED.add("without-items", 2, "tokens", {**BASE, "n": 60, "target": 12, "empty_every": 3, "loader_batch": 1, "limits": ["64MiB", "64MiB"]})
 
 
 def test_micro_batches_and_windows_without_items(launched):
@@ -298,7 +287,7 @@ def test_micro_batches_and_windows_without_items(launched):
     assert_exact(launched(name), config, 2)
 
 
-UNEVEN_SHARDS = shared("uneven-shards", 2, "tokens", {**BASE, "n": 97, "target": 30, "shards": "strided", "limits": ["64MiB", "64MiB"]})
+UNEVEN_SHARDS = SHARED.add("uneven-shards", 2, "tokens", {**BASE, "n": 97, "target": 30, "shards": "strided", "limits": ["64MiB", "64MiB"]})
 
 
 def test_shards_of_different_lengths(launched):
@@ -349,7 +338,7 @@ def test_a_rank_whose_optimizer_step_runs_out_of_memory_is_named_with_its_error_
     assert seconds < 40
 
 
-WRAPS = {wrap: shared(f"wrap-{wrap}", 2, "tokens", {**BASE, "n": 64, "target": 25, "wrap": wrap, "limits": ["64MiB", "64MiB"]})
+WRAPS = {wrap: SHARED.add(f"wrap-{wrap}", 2, "tokens", {**BASE, "n": 64, "target": 25, "wrap": wrap, "limits": ["64MiB", "64MiB"]})
          for wrap in ("compiled", "nested", "plain-perturbed")}
 
 
@@ -359,7 +348,7 @@ def test_compiled_nested_and_plain_models_are_recognised(launched, wrap):
     assert_exact(launched(name), config, 2)
 
 
-UNUSED = shared("unused-parameter", 2, "tokens", {**BASE, "n": 64, "target": 25, "unused": True, "optimizer": "adamw", "limits": ["64MiB", "64MiB"]})
+UNUSED = SHARED.add("unused-parameter", 2, "tokens", {**BASE, "n": 64, "target": 25, "unused": True, "optimizer": "adamw", "limits": ["64MiB", "64MiB"]})
 
 
 def test_an_unused_parameter_is_left_alone_by_adamw(launched):
@@ -376,7 +365,7 @@ def test_an_unused_parameter_is_left_alone_by_adamw(launched):
     assert_exact(outs, config, 2, model_class=W.WithUnused)
 
 
-BUCKET_VIEW = shared("bucket-view", 2, "tokens", {**BASE, "n": 64, "target": 32, "bucket_view": True, "limits": ["120KiB", "120KiB"]})
+BUCKET_VIEW = SHARED.add("bucket-view", 2, "tokens", {**BASE, "n": 64, "target": 32, "bucket_view": True, "limits": ["120KiB", "120KiB"]})
 
 
 def test_gradient_as_bucket_view_at_a_tight_limit_trains_without_running_out(launched):
@@ -387,7 +376,7 @@ def test_gradient_as_bucket_view_at_a_tight_limit_trains_without_running_out(lau
     assert_exact(outs, config, 2)
 
 
-EXCHANGE = {case: shared(f"exchange-{case}", 2, "exchange", {"bucket_bytes": size})[0]
+EXCHANGE = {case: SHARED.add(f"exchange-{case}", 2, "exchange", {"bucket_bytes": size})[0]
             for case, size in (("one-bucket", 2**20), ("several-buckets", 1024))}
 
 
@@ -410,7 +399,7 @@ def test_the_exchange_makes_the_global_mean_from_each_kind_of_gradient(launched,
         assert [case["muls"] for case in o["cases"].values()] == [2 * buckets, 0, buckets]
 
 
-HELD = {how: shared(f"held-gradients-{how}", 2, "tokens", {**BASE, "n": 64, "target": 24, how: True}) for how in ("zero_in_place", "keep_grads")}
+HELD = {how: SHARED.add(f"held-gradients-{how}", 2, "tokens", {**BASE, "n": 64, "target": 24, how: True}) for how in ("zero_in_place", "keep_grads")}
 
 
 @pytest.mark.parametrize("how", list(HELD))
@@ -428,7 +417,7 @@ def test_gradients_an_optimizer_holds_on_to_are_never_written_over(launched, how
     assert_exact(outs, config, 2)
 
 
-EPOCHS = shared("sampler-epochs", 2, "epochs", {"n": 40, "target": 16})
+EPOCHS = SHARED.add("sampler-epochs", 2, "epochs", {"n": 40, "target": 16})
 
 
 def test_sampler_epochs_continue_across_fit_calls(launched):
@@ -440,7 +429,7 @@ def test_sampler_epochs_continue_across_fit_calls(launched):
         assert o["one_epoch"] == o["two_epoch"] == 2  # set_epoch(0), (1), then ready for epoch 2
 
 
-BN_ADJUST = shared("bn-adjust", 2, "bn", {"n": 40, "target": 20, "bn": "adjust", "limits": ["64MiB", "5KiB"]})
+BN_ADJUST = SHARED.add("bn-adjust", 2, "bn", {"n": 40, "target": 20, "bn": "adjust", "limits": ["64MiB", "5KiB"]})
 
 
 def test_batchnorm_statistics_agree_across_ranks(launched):
@@ -452,7 +441,7 @@ def test_batchnorm_statistics_agree_across_ranks(launched):
         assert o["collectives"].count("all_reduce") == 2 * len(o["history"]) + 3
 
 
-BN_POOLED = shared("bn-pooled", 2, "bn", {"n": 40, "target": 20, "bn": "pooled", "steps": 1, "limits": ["64MiB", "5KiB"]})
+BN_POOLED = SHARED.add("bn-pooled", 2, "bn", {"n": 40, "target": 20, "bn": "pooled", "steps": 1, "limits": ["64MiB", "5KiB"]})
 
 
 def test_pooled_batchnorm_is_one_global_big_batch_forward(launched):

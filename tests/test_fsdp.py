@@ -5,6 +5,7 @@ Every multi-process test runs under a hard timeout (``ddp_worker.launch``): a ha
 mismatch fails the test in seconds instead of blocking.
 """
 
+import importlib.util
 import os
 
 import ddp_worker as W
@@ -22,23 +23,33 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
     pytest.mark.slow,  # processes of their own: skipped by `pytest -m "not slow"`, run by CI
+    pytest.mark.xdist_group("fsdp"),  # one worker runs SHARED's launch, once
 ]
+# The cases that succeed on every rank, in one launch of 2 ranks (each as in a process of its own); those
+# that stop ranks on purpose launch alone.
+SHARED = W.Launches(seconds_per_case=20)
 
 BIG = "64MiB"
 
 
-def launch(tmp_path, config):
-    W.launch(2, str(tmp_path), "fsdp", config, timeout=90)
-    return results(tmp_path, 2)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every rank's result of a case of SHARED, by name (its launch runs the first time one is asked for)."""
+    return SHARED.results_in(tmp_path_factory.mktemp("fsdp"))
 
 
-@pytest.mark.parametrize("optimizer, limit", [("sgd", "24KiB"), ("adamw", "32KiB")])
-def test_sharded_training_equals_one_big_batch(tmp_path, optimizer, limit):
+SHARDED = {f"{optimizer}-{limit}": SHARED.add(f"sharded-{optimizer}", 2, "fsdp", {"n": 45, "target": 7, "lengths": (4, 9), "limits": [limit, limit],
+                                                                                 "optimizer": optimizer})
+           for optimizer, limit in [("sgd", "24KiB"), ("adamw", "32KiB")]}
+
+
+@pytest.mark.parametrize("case", list(SHARDED))
+def test_sharded_training_equals_one_big_batch(launched, case):
     """Target 7 over 2 ranks (shares 4 and 3), micro-batches smaller than the shares, sequences of
     4 to 9 tokens padded per loader batch: the ranks cut different numbers of micro-batches (the
     one with fewer runs zero-weight ones), and the last window is short."""
-    config = {"n": 45, "target": 7, "lengths": (4, 9), "limits": [limit, limit], "optimizer": optimizer}
-    outs = launch(tmp_path, config)
+    name, config = SHARDED[case]
+    outs = launched(name)
     for o in outs:
         plan = o["plan"]
         assert plan["accumulation_steps"] > 1, plan
@@ -50,10 +61,13 @@ def test_sharded_training_equals_one_big_batch(tmp_path, optimizer, limit):
     assert_exact(outs, config, 2)
 
 
-def test_different_limits_per_rank(tmp_path):
+PER_RANK = SHARED.add("per-rank-limits", 2, "fsdp", {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, "28KiB"], "optimizer": "adamw"})
+
+
+def test_different_limits_per_rank(launched):
     """In lockstep a size fits when it fits on every rank: the tighter rank decides for both."""
-    config = {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, "28KiB"], "optimizer": "adamw"}
-    outs = launch(tmp_path, config)
+    name, config = PER_RANK
+    outs = launched(name)
     micro = [o["plan"]["micro_batch"] for o in outs]
     assert micro[0] == micro[1] and outs[0]["plan"]["accumulation_steps"] > 1, micro
     # rank 0 alone fitted a larger size, rank 1 did not: the same trials on both, rank 1's verdict
@@ -65,12 +79,15 @@ def test_different_limits_per_rank(tmp_path):
     assert_exact(outs, config, 2)
 
 
-def test_an_out_of_memory_window_on_one_rank_is_redone_by_every_rank(tmp_path):
+OVER_THE_LIMIT = SHARED.add("over-the-limit", 2, "fsdp", {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, BIG],
+                                                          "train_limits": [BIG, "31KiB"], "optimizer": "adamw"})
+
+
+def test_an_out_of_memory_window_on_one_rank_is_redone_by_every_rank(launched):
     """Rank 1's limit drops below the plan's peak while training: its first window counts over,
     every rank drops the window's gradients and redoes it, rank 1 with half its micro-batch."""
-    config = {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, BIG], "train_limits": [BIG, "31KiB"],
-              "optimizer": "adamw"}
-    outs = launch(tmp_path, config)
+    name, config = OVER_THE_LIMIT
+    outs = launched(name)
     assert any("Out of memory" in w for w in outs[1]["warnings"]), outs[1]["warnings"]
     assert not any("Out of memory" in w for w in outs[0]["warnings"])
     assert outs[1]["final_plan"]["micro_batch"] < outs[1]["plan"]["micro_batch"]
@@ -78,17 +95,20 @@ def test_an_out_of_memory_window_on_one_rank_is_redone_by_every_rank(tmp_path):
     assert_exact(outs, config, 2)
 
 
-@pytest.mark.parametrize("where, call", [("forward", 2), ("backward", 2), ("backward", 1)],
-                         ids=["forward-synced", "backward-synced", "backward-unsynced"])
-def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path, where, call):
+IN_A_WINDOW = {case: SHARED.add(f"in-a-window-{case}", 2, "fsdp", {"n": 45, "target": 7, "lengths": (4, 9), "limits": ["32KiB", "32KiB"],
+                                                                     "optimizer": "adamw", "oom_rank": 1, "oom_in": where, "oom_call": call})
+               for case, where, call in [("forward-synced", "forward", 2), ("backward-synced", "backward", 2), ("backward-unsynced", "backward", 1)]}
+
+
+@pytest.mark.parametrize("case", list(IN_A_WINDOW))
+def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(launched, case):
     """Rank 1 raises torch.OutOfMemoryError (as a CUDA allocation does) in a block's forward, or in its
     backward, at its second micro-batch of the first window (the one whose gradients sync) or its
     first (no sync: no agreement before the post-backward there), while rank 0 runs the same
     micro-batch in lockstep: both abandon it at the same point, drop the window, and redo it, rank 1
     with half its micro-batch and rank 0, whose limit is the same, with rank 1's. The run then equals the big-batch replay of the samples each step saw."""
-    config = {"n": 45, "target": 7, "lengths": (4, 9), "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
-              "oom_rank": 1, "oom_in": where, "oom_call": call}
-    outs = launch(tmp_path, config)
+    name, config = IN_A_WINDOW[case]
+    outs = launched(name)
     assert outs[0]["plan"]["accumulation_steps"] > 1  # the error came inside a window of several micro-batches
     assert any(w.startswith("Out of memory at micro_batch=") and "OutOfMemoryError raised on this rank" in w
                for w in outs[1]["warnings"]), outs[1]["warnings"]
@@ -99,11 +119,17 @@ def test_an_out_of_memory_error_inside_a_window_is_redone_by_every_rank(tmp_path
     assert_exact(outs, config, 2)
 
 
-@pytest.mark.parametrize("module, where, rank", [("embed", "forward", 1), ("head", "forward", 0), ("loss", "forward", 1),
-                                                  ("head", "backward", 0), ("embed", "backward", 1)],
-                         ids=["root-forward-before-first-block", "root-forward-after-last-block", "loss",
-                              "root-backward-before-first-block", "root-backward-after-last-block"])
-def test_an_out_of_memory_error_in_the_roots_own_code_is_redone_by_every_rank(tmp_path, module, where, rank):
+ROOT_OWNED = {case: SHARED.add(f"root-owned-{case}", 2, "fsdp", {"n": 45, "target": 21, "lengths": (4, 9), "limits": ["40KiB", "40KiB"],
+                                                                   "optimizer": "adamw", "root_owned": True, "oom_rank": rank,
+                                                                   "oom_module": module, "oom_in": where, "oom_call": 3})
+              for case, module, where, rank in [("root-forward-before-first-block", "embed", "forward", 1),
+                                                ("root-forward-after-last-block", "head", "forward", 0), ("loss", "loss", "forward", 1),
+                                                ("root-backward-before-first-block", "head", "backward", 0),
+                                                ("root-backward-after-last-block", "embed", "backward", 1)]}
+
+
+@pytest.mark.parametrize("case", list(ROOT_OWNED))
+def test_an_out_of_memory_error_in_the_roots_own_code_is_redone_by_every_rank(launched, case):
     """The block sharded with fully_shard, then the model: the embedding and the head belong to the root,
     as a language model's embedding, LM head and loss do, where its largest tensors are made. An
     out-of-memory error in the root's forward before its block (the embedding) or after it (the head),
@@ -111,9 +137,9 @@ def test_an_out_of_memory_error_in_the_roots_own_code_is_redone_by_every_rank(tm
     head's) or after it (the embedding's), at the third micro-batch of a window of several: every rank
     abandons that micro-batch, the window is redone, that rank with half its micro-batch, and the run
     equals the big-batch replay of the samples each step saw."""
-    config = {"n": 45, "target": 21, "lengths": (4, 9), "limits": ["40KiB", "40KiB"], "optimizer": "adamw", "root_owned": True,
-              "oom_rank": rank, "oom_module": module, "oom_in": where, "oom_call": 3}
-    outs = launch(tmp_path, config)
+    name, config = ROOT_OWNED[case]
+    rank = config["oom_rank"]
+    outs = launched(name)
     assert outs[0]["plan"]["accumulation_steps"] > 2
     assert any(w.startswith("Out of memory at micro_batch=") and "OutOfMemoryError raised on this rank" in w
                for w in outs[rank]["warnings"]), outs[rank]["warnings"]
@@ -127,31 +153,25 @@ def test_an_out_of_memory_error_in_the_roots_own_code_is_redone_by_every_rank(tm
 # parameters all live in its children (or, "blocks": [], only the model sharded); windows uneven across the
 # ranks (21 over 2) and a last window of one sample, where one rank runs only a zero-weight micro-batch.
 ROOT = {"n": 64, "target": 21, "lengths": (4, 9), "limits": ["40KiB", "40KiB"], "optimizer": "sgd"}
-ROOT_CASES = {
+ROOT_CASES = {name: SHARED.add(name, 2, "fsdp", {**ROOT, **case}) for name, case in {
     "root-without-parameters-start-of-forward": dict(oom_rank=1, oom_module="root", oom_in="pre_forward", oom_call=3),
     "root-without-parameters-end-of-forward": dict(oom_rank=0, oom_module="root", oom_in="forward", oom_call=3),
     "root-without-parameters-backward-of-its-output": dict(oom_rank=0, oom_module="root", oom_in="backward", oom_call=4),
     "root-without-parameters-loss": dict(oom_rank=1, oom_module="loss", oom_call=3),
     "only-the-root-sharded-start-of-forward": dict(blocks=[], oom_rank=1, oom_module="root", oom_in="pre_forward", oom_call=3),
     "only-the-root-sharded-backward-of-a-block": dict(blocks=[], oom_rank=0, oom_module="mix", oom_in="backward", oom_call=3),
-}
-
-
-@pytest.fixture(scope="module")
-def root_runs(tmp_path_factory):
-    """Every case of ROOT_CASES in one launch of 2 ranks (one process group, one case after the other)."""
-    cases = {name: ("fsdp", {**ROOT, **case}) for name, case in ROOT_CASES.items()}
-    return W.launch_cases(2, str(tmp_path_factory.mktemp("fsdp-root")), cases, timeout=60 + 15 * len(cases))
+}.items()}
 
 
 @pytest.mark.parametrize("name", list(ROOT_CASES))
-def test_an_out_of_memory_error_anywhere_in_a_root_without_parameters_is_redone_exactly(root_runs, name):
+def test_an_out_of_memory_error_anywhere_in_a_root_without_parameters_is_redone_exactly(launched, name):
     """An out-of-memory error at the start or the end of the root's own forward, in the loss, in the backward of
     the root's output (the first backward op), or in a block's backward when only the root is sharded, on
     either rank: every rank abandons that micro-batch, the window is redone, and the run equals the big-batch
     replay of each step's samples. The limits are the same on both ranks, so both go on at the smaller
     micro-batch (in lockstep they run as many micro-batches anyway), and both plans say so."""
-    outs, config = root_runs[name], {**ROOT, **ROOT_CASES[name]}
+    _, config = ROOT_CASES[name]
+    outs = launched(name)
     rank = config["oom_rank"]
     assert outs[0]["plan"]["accumulation_steps"] > 1
     assert any(w.startswith("Out of memory at micro_batch=") and "OutOfMemoryError raised on this rank" in w
@@ -213,12 +233,15 @@ def test_out_of_memory_in_every_planning_trial_of_one_rank_is_named_on_every_ran
                                 "injected: out of memory in a forward)"), error
 
 
-def test_an_out_of_memory_error_in_a_planning_trial_gives_one_plan_on_every_rank(tmp_path):
+PLANNING_OOM = SHARED.add("planning-oom", 2, "fsdp", {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, BIG], "optimizer": "adamw",
+                                                      "oom_rank": 1, "oom_in": "forward", "oom_call": 1, "oom_in_plan": True})
+
+
+def test_an_out_of_memory_error_in_a_planning_trial_gives_one_plan_on_every_rank(launched):
     """Rank 1 runs out of memory in the first trial (the whole share): every rank abandons it, the size
     does not fit on either, and the search below it takes the same path on both."""
-    config = {"n": 48, "target": 12, "lengths": (6, 6), "limits": [BIG, BIG], "optimizer": "adamw",
-              "oom_rank": 1, "oom_in": "forward", "oom_call": 1, "oom_in_plan": True}
-    outs = launch(tmp_path, config)
+    name, config = PLANNING_OOM
+    outs = launched(name)
     plans = [o["plan"] for o in outs]
     first = [p["trials"][0] for p in plans]
     assert first[0]["batch_size"] == first[1]["batch_size"] == 6 and not first[0]["fits"] and not first[1]["fits"]
@@ -230,16 +253,20 @@ def test_an_out_of_memory_error_in_a_planning_trial_gives_one_plan_on_every_rank
     assert_exact(outs, config, 2)
 
 
-@pytest.mark.parametrize("lengths, limits", [((48, 48), ["150KiB", "100KiB"]), ((32, 32), ["150KiB", "100KiB"])],
-                         ids=["48-tokens", "32-tokens"])
-def test_the_plans_peak_is_the_ledgers_peak_per_rank(tmp_path, lengths, limits):
+LEDGER = {f"{length}-tokens": SHARED.add(f"ledger-{length}-tokens", 2, "fsdp", {"n": 32, "target": 16, "lengths": (length, length),
+                                                                                "limits": ["150KiB", "100KiB"], "optimizer": "adamw", "preloaded": True})
+          for length in (48, 32)}
+
+
+@pytest.mark.parametrize("case", list(LEDGER))
+def test_the_plans_peak_is_the_ledgers_peak_per_rank(launched, case):
     """The probe's per-rank peak against the real per-rank peak counted over the whole of fit.
 
     Both peaks move between runs by up to one block's collective buffer (about 2 KiB here): gloo's
     threads release those buffers at racing times. The sizes keep that under 2% of the peak, so
     that the 5% bound tests the probe, not the race (at 16 tokens, a 45 KiB peak, it did not)."""
-    config = {"n": 32, "target": 16, "lengths": lengths, "limits": limits, "optimizer": "adamw", "preloaded": True}
-    outs = launch(tmp_path, config)
+    name, config = LEDGER[case]
+    outs = launched(name)
     for r, o in enumerate(outs):
         planned, counted = o["plan"]["peak_memory"], o["ledger_peak"]
         assert o["plan"]["accumulation_steps"] > 1
@@ -247,24 +274,29 @@ def test_the_plans_peak_is_the_ledgers_peak_per_rank(tmp_path, lengths, limits):
         assert counted <= int(config["limits"][r][:-3]) * 1024
 
 
-def test_the_estimate_from_the_unsharded_model_bounds_the_real_peak(tmp_path):
+ESTIMATE = SHARED.add("estimate", 2, "fsdp", {"n": 32, "target": 16, "lengths": (48, 48), "limits": ["150KiB", "100KiB"], "optimizer": "adamw",
+                                              "preloaded": True, "estimate": 3})
+
+
+def test_the_estimate_from_the_unsharded_model_bounds_the_real_peak(launched):
     """autotune.planning.sharding's per-rank figure (what NothingFits and `report --shard` give) against
     the real per-rank peak of a sharded run at the same micro-batch: within 10%."""
-    config = {"n": 32, "target": 16, "lengths": (48, 48), "limits": ["150KiB", "100KiB"], "optimizer": "adamw",
-              "preloaded": True, "estimate": 3}
-    outs = launch(tmp_path, config)
+    outs = launched(ESTIMATE[0])
     for r, o in enumerate(outs):
         assert o["plan"]["micro_batch"] == 3 and o["plan"]["accumulation_steps"] > 1
         assert abs(o["estimate"] - o["ledger_peak"]) <= 0.10 * o["ledger_peak"], (r, o["estimate"], o["ledger_peak"])
 
 
-@pytest.mark.parametrize("bn", ["adjust", "pooled"])
-def test_batchnorm_under_fsdp2(tmp_path, bn):
+BN = {bn: SHARED.add(f"bn-{bn}", 2, "bn", {"n": 40, "target": 19, "bn": bn, "steps": 1, "limits": [3300, 3300], "fsdp": True, "micro": 3})
+      for bn in ("adjust", "pooled")}
+
+
+@pytest.mark.parametrize("bn", list(BN))
+def test_batchnorm_under_fsdp2(launched, bn):
     """Shares 10 and 9 of 19, micro-batches of 3 (3, 3, 2, 2 and 3, 3, 3): rank 1 runs a zero-weight one
     whose BatchNorm statistics must not count. Pooled: one global big-batch forward's statistics."""
-    config = {"n": 40, "target": 19, "bn": bn, "steps": 1, "limits": [3300, 3300], "fsdp": True, "micro": 3}
-    W.launch(2, str(tmp_path), "bn", config, timeout=90)
-    outs = results(tmp_path, 2)
+    name, config = BN[bn]
+    outs = launched(name)
     micro = outs[0]["history"][0]["micro_batches"], outs[1]["history"][0]["micro_batches"]
     assert len(micro[0]) > len(micro[1]), micro
     for name in ("bn.running_mean", "bn.running_var"):
@@ -297,15 +329,18 @@ def gpt2_reference(config, world):
         torch.set_default_dtype(torch.float32)
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["per-batch-padding", "joined-by-length"])
-def test_gpt2_with_attention_masks_and_dynamic_padding(tmp_path, pad):
+GPT2 = {case: SHARED.add(f"gpt2-{case}", 2, "fsdp_gpt2", {"n": 40, "target": 9, "steps": 3, "limits": ["5MiB", "5MiB"], "pad": pad})
+        for case, pad in (("per-batch-padding", False), ("joined-by-length", True)) if importlib.util.find_spec("transformers")}
+
+
+@pytest.mark.parametrize("case", ["per-batch-padding", "joined-by-length"])
+def test_gpt2_with_attention_masks_and_dynamic_padding(launched, case):
     """A transformers model nobody here wrote, each block sharded, with attention masks: the
     next-token loss over the tokens the mask keeps, batches padded to their own longest sequence
     (or joined across lengths by pad_to_longest)."""
     pytest.importorskip("transformers")
-    config = {"n": 40, "target": 9, "steps": 3, "limits": ["5MiB", "5MiB"], "pad": pad}
-    W.launch(2, str(tmp_path), "fsdp_gpt2", config, timeout=120)
-    outs = results(tmp_path, 2)
+    name, config = GPT2[case]
+    outs = launched(name)
     assert outs[0]["plan"]["accumulation_steps"] > 1
     assert len(outs[0]["history"]) == config["steps"]
     want = gpt2_reference(config, 2)
