@@ -83,8 +83,10 @@ def check_grad_mode(what: str) -> None:
         )
 
 
-def check_trainable(model: nn.Module) -> None:
-    """The model is a module with parameters, initialised, with data, and at least one trainable."""
+def check_trainable(model: nn.Module, *, estimate: bool = False) -> None:
+    """The model is a module with parameters, initialised, with data, and at least one trainable.
+    ``estimate``: for an estimate only, which needs shapes and dtypes, not data: parameters and buffers
+    on the meta device are welcome."""
     check_model(model)
     params = list(model.parameters())
     lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
@@ -106,11 +108,13 @@ def check_trainable(model: nn.Module) -> None:
             "(p.requires_grad_(True))"
         )
     meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
+    if meta and not estimate:
         raise ValueError(
             f"Invalid model {type(model).__name__}: its parameters {', '.join(meta[:3])}{' ...' if len(meta) > 3 else ''} "
-            "are on the meta device, without data: nothing can train them or measure their memory; materialise "
-            "the model first (model.to_empty(device='cpu') and initialise it, or load its weights)"
+            "are on the meta device, without data: nothing can train them or measure their memory on a device; "
+            "estimate without weights (autotune.plan(..., device='cuda', verify=False, memory_limit='80GiB'), "
+            "autotune.what_if), or materialise the model first (model.to_empty(device='cpu') and initialise it, or "
+            "load its weights)"
         )
 
 
@@ -270,9 +274,12 @@ def check_count_value(value: Any) -> int:
     return value
 
 
-def resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
-    """The device to plan on: ``device``, or the model's; an error when the model is elsewhere."""
-    check_trainable(model)
+def resolve_device(model: nn.Module, device: torch.device | str | None, *, estimate: bool = False) -> torch.device:
+    """The device to plan on: ``device``, or the model's; an error when the model is elsewhere.
+    ``estimate``: nothing runs on the device (any model is welcome, on the meta device too), ``device`` given."""
+    check_trainable(model, estimate=estimate)
+    if estimate:
+        return torch.device(device)  # type: ignore[arg-type]
     check_device_exists(device)
     model_device = _without_cpu_index(next(model.parameters()).device)
     if device is None:

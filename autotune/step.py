@@ -209,6 +209,12 @@ def _exact_at_zero_lr() -> tuple[type, ...]:
 EXACT_AT_ZERO_LR = _exact_at_zero_lr()
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory to put back later; a tensor on the meta device (a model without
+    weights, estimated only) has no data to keep, and its copy stays there."""
+    return t.detach().clone() if t.is_meta else t.detach().to("cpu", copy=True)
+
+
 class Snapshot:
     """Exactly what a trial can change, copied to CPU, and put back bitwise by :meth:`restore`.
 
@@ -233,12 +239,12 @@ class Snapshot:
             [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
         )
         with torch.no_grad():
-            self.values = None if self.zero_lr else [p.detach().to("cpu", copy=True) for p in self.params]
+            self.values = None if self.zero_lr else [_host_copy(p) for p in self.params]
             self.grads = [
-                None if p.grad is None else (p.grad, p.grad.detach().to("cpu", copy=True))
+                None if p.grad is None else (p.grad, _host_copy(p.grad))
                 for p in self.params
             ]
-            self.buffers = [(b, b.detach().to("cpu", copy=True)) for b in _unique(model.buffers())]
+            self.buffers = [(b, _host_copy(b)) for b in _unique(model.buffers())]
             self.state = {
                 p: {k: self._save(v) for k, v in s.items()} for p, s in optimizer.state.items()
             }
@@ -262,7 +268,7 @@ class Snapshot:
     @staticmethod
     def _save(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return _SavedTensor(value, value.detach().to("cpu", copy=True))
+            return _SavedTensor(value, _host_copy(value))
         return copy.deepcopy(value)
 
     def restore(self) -> None:

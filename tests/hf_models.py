@@ -19,6 +19,15 @@ def gpt2(layers: int = 2, dim: int = 64, vocab: int = 500, positions: int = 256)
     return GPT2LMHeadModel(config)
 
 
+def llama(layers: int = 2, dim: int = 64, vocab: int = 500, heads: int = 4, kv_heads: int = 2, mlp: int = 128) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=256)
+    return LlamaForCausalLM(config)
+
+
 def bert(layers: int = 2, dim: int = 64, vocab: int = 500, labels: int = 3) -> torch.nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 

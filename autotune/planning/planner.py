@@ -279,9 +279,8 @@ def _set_up(model: nn.Module, shared: Options, probing: Probing, optimizer: Any,
     par = parallel(model)
     if probing.verify or device is None:
         device = resolve_device(par.inner, device)
-    else:  # estimate only: nothing runs on the device, so it need not hold the model, or exist
-        resolve_device(par.inner, None)
-        device = torch.device(device)
+    else:  # estimate only: nothing runs on the device, so it need not hold the model (or its weights), or exist
+        device = resolve_device(par.inner, device, estimate=True)
     headroom = default_headroom(device) if shared.headroom is None else shared.headroom
     if shared.memory_limit is not None and probing.verify:  # a limit is enforced on this device: no more than it has
         _check_limit_within(device, shared.memory_limit)
