@@ -205,9 +205,9 @@ def _move_after(hooks: Any, anchor: Any, handle: Any) -> None:
     """Put the hook of ``handle`` right after the hook of ``anchor`` (a handle) in a module's ordered
     ``hooks``; where ``anchor`` is not there (FSDP2 hooks modules sharded as a group otherwise), it
     stays last."""
-    keys = list(hooks)
     if anchor is None or anchor.id not in hooks:
         return
+    keys = list(hooks)
     keys.remove(handle.id)
     keys.insert(keys.index(anchor.id) + 1, handle.id)
     for key in keys[keys.index(handle.id):]:
