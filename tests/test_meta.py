@@ -9,7 +9,7 @@ import autotune
 
 transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402
-from test_estimate import own_loss, text_batch  # noqa: E402
+from test_estimate import text_batch  # noqa: E402
 
 
 def on_meta(make):
