@@ -197,7 +197,9 @@ def test_the_same_under_torchrun(tmp_path):
     launcher = shutil.which("torchrun")
     if launcher is None:
         pytest.skip("torchrun is not on PATH")
-    config = {"n": 45, "target": 7, "lengths": [4, 9], "limits": ["32KiB", "32KiB"], "optimizer": "adamw",
+    # 34 KiB: the plan's peak at micro-batch 2 is about 31.2 KiB and gloo's buffers move the count by up to 2 KiB; at
+    # 32 KiB the plan sometimes found 1 under load, where the error meets the smallest size and is retried, not lowered
+    config = {"n": 45, "target": 7, "lengths": [4, 9], "limits": ["34KiB", "34KiB"], "optimizer": "adamw",
               "oom_rank": 1, "oom_in": "backward", "oom_call": 2, "root_owned": True, "oom_module": "head"}
     done = subprocess.run([launcher, "--standalone", "--nproc_per_node=2", W.__file__, "fsdp", str(tmp_path), json.dumps(config)],
                           capture_output=True, text=True, timeout=90, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(W.__file__), os.environ.get("PYTHONPATH")]))})
