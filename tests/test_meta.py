@@ -56,3 +56,49 @@ def test_a_real_plan_of_a_model_on_the_meta_device_is_refused_with_the_fix():
             autotune.plan(model, loader, target_batch=64, memory_limit="40MiB", progress=False, **kw)
     with pytest.raises(ValueError, match="on the meta device"):
         autotune.fit(model, loader, 64, memory_limit="40MiB", progress=False)
+
+
+def llama3_8b():
+    """The shape of Llama-3-8B (32 layers of 4096, grouped-query attention 32/8, MLP 14336, vocabulary 128256), bf16,
+    on the meta device: 8.0e9 parameters and no byte of them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def tokens(n=4096):
+    ids = torch.randint(0, 128256, (1, n), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones(1, n, dtype=torch.long), "labels": ids.clone()}
+
+
+EIGHTY = dict(device="cuda", memory_limit="80GiB", precision="bf16", verify=False, progress=False)
+
+
+@pytest.mark.slow  # a minute: the what-if table traces the whole 32 layers for each setting (a CUDA target)
+def test_llama_3_8b_at_4096_tokens_on_80_gib_full_fine_tuning_does_not_fit_and_says_what_would():
+    model = llama3_8b()
+    assert 7.9e9 < sum(p.numel() for p in model.parameters()) < 8.1e9
+    with pytest.raises(autotune.NothingFits) as caught:
+        autotune.plan(model, [tokens()], target_batch=32, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), **EIGHTY)
+    fitting = [row for row in caught.value.what_if.rows if row.micro_batch]
+    assert fitting, caught.value.what_if.rows
+    assert "fit" in str(caught.value) and "checkpointing" in str(caught.value)
+
+
+def test_llama_3_8b_at_4096_tokens_on_80_gib_with_lora_or_sharded_over_8_gets_a_micro_batch():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(llama3_8b(), peft.LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert 0 < sum(p.numel() for p in trainable) < 2e7
+    lora = autotune.plan(model, [tokens()], target_batch=32, optimizer=torch.optim.AdamW(trainable, lr=1e-4),
+                         loss_fn=lambda m, b: m(**b).loss, **EIGHTY)
+    assert 1 <= lora.micro_batch < 32
+    from autotune.planning.sharding import shard_plan
+
+    model = llama3_8b()
+    (row,) = shard_plan(model, [tokens()], target_batch=32, ranks=8, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
+                        device="cuda", memory_limit="80GiB", precision="bf16")
+    assert row.fits and row.micro_batch >= 1

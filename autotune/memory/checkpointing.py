@@ -52,7 +52,9 @@ def activation_checkpointing(model: nn.Module, *, recompute: Callable[[], Any] |
     if getattr(model, "supports_gradient_checkpointing", False) and callable(getattr(model, "gradient_checkpointing_enable", None)):
         # transformers 5 renamed it activation_checkpointing_* (the old names warn); older ones have only those.
         new = callable(getattr(model, "activation_checkpointing_enable", None))
-        was_on = bool(getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False))
+        # A wrapper (PEFT's) may lack the new methods yet forward the new flag; the old flag's name warns.
+        was_on = bool(getattr(model, "is_activation_checkpointing") if hasattr(model, "is_activation_checkpointing")
+                      else getattr(model, "is_gradient_checkpointing", False))
         if not was_on:
             if new:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)  # type: ignore[operator]

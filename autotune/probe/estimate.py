@@ -84,6 +84,7 @@ from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
 from autotune.memory.ledger import TensorLedger, held_tensors, storage_bytes
 from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend
+from autotune.probe.depth import DepthEstimator, repeated_stacks
 from autotune.probe.fakes import (
     Counter,
     FakeCopy,
@@ -169,8 +170,18 @@ def estimator_for(
         _ESTIMATORS.move_to_end(key)
         found.adopt(work)
         return found
-    made = Estimator(work, precision=precision, checkpointing=ckpt, optimizer=optimizer[1] if optimizer else None,
-                     copy=fake_copy(work.model, structure))
+    def make(w: Workload, shape: tuple[Any, ...] | None = None) -> Estimator:
+        return Estimator(w, precision=precision, checkpointing=ckpt, optimizer=optimizer[1] if optimizer else None,
+                         copy=fake_copy(w.model, shape or fingerprint(w.model)))
+
+    stacks, why = repeated_stacks(work)
+    if stacks and work.device.type == "cuda":
+        stacks, why = [], None  # the caching allocator's replay needs every block's allocations (see autotune.probe.depth)
+    if ckpt and stacks and not getattr(work.model, "supports_gradient_checkpointing", False) and len(stacks) > 1:
+        stacks, why = [], "checkpointing blocks autotune finds itself, in a model of several stacks"
+    made: Any = DepthEstimator(work, stacks, make, lambda: make(work, structure)) if stacks else make(work, structure)
+    if why and not stacks:
+        made.note = f"the estimate traced the whole model: {why}"
     return keep_recent(_ESTIMATORS, key, made)
 
 
@@ -193,6 +204,8 @@ class Trace:
         events: for a CUDA target, the allocations and frees of the micro-step, its batch first
             (see :func:`autotune.memory.allocator.steady_state`).
         outputs: each operation's outputs in ``ops`` as ``(dtype, elements)`` (without the last, ``"step"``).
+        marks: where in ``live`` the forward and the backward of each marked block (:meth:`Estimator.mark`)
+            start and end, in order (empty when none is marked, or one was not seen).
     """
 
     size: int
@@ -203,6 +216,7 @@ class Trace:
     held: tuple[int, ...] = ()
     events: tuple[tuple[int, int], ...] = ()
     outputs: tuple[tuple[tuple[torch.dtype, int], ...], ...] = ()
+    marks: tuple[int, ...] = ()
 
     @property
     def backward_peak(self) -> int:
@@ -268,6 +282,8 @@ class Estimator:
         self.unlearned: dict[str, str] = {}  # operations whose CUDA autocast rule could not be learned
         self._autocast: CudaAutocast | None = None
         self.on_trace: Callable[[Trace, bool], Any] | None = None
+        self.note: str | None = None  # what the plan's notes should say of how this estimate was made
+        self._marked: list[nn.Module] = []  # blocks whose forward and backward a trace marks
         self._grads: list[Any] | None = None  # the steady state's gradients, after the first step
         self._transient = 0  # bytes the optimizer step holds above what it leaves
         self._step_events: list[tuple[int, int]] = []  # the optimizer step's temporaries (CUDA)
@@ -425,9 +441,10 @@ class Estimator:
         batch = self._batch(template, b)
         ledger = self._ledger(batch, trace=True)
         received: set[int] = set()
-        hooks = [] if self._receiving is not None else [
+        marks: dict[tuple[str, int], int] = {}
+        hooks = [*self._marking(ledger, marks), *([] if self._receiving is not None else [
             p.register_post_accumulate_grad_hook(lambda q: received.add(id(q))) for p in self.params if p.requires_grad
-        ]
+        ])]
         try:
             with self._running(ledger):
                 self._micro_step(batch)
@@ -450,11 +467,49 @@ class Estimator:
         events = ledger.events or []
         made = Trace(b, peak, (*live, end + self._transient), (*(ledger.ops or ()), "step"), time.perf_counter() - start,
                      held=tuple(n for _, n in events[:self._held]), events=tuple(events[self._held:]),
-                     outputs=tuple(ledger.outputs))
+                     outputs=tuple(ledger.outputs),
+                     marks=tuple(sorted(marks.values())) if len(marks) == 4 * len(self._marked) else ())
         self._traces[key] = made
         if self.on_trace is not None:
             self.on_trace(made, False)
         return made
+
+    def mark(self, blocks: list[str]) -> None:
+        """Mark where each of ``blocks`` (names of modules in the model) runs its forward and its backward
+        in every later trace (:attr:`Trace.marks`)."""
+        self._marked = [self.model.get_submodule(name) for name in blocks]
+        self._traces.clear()
+        self._curves.clear()
+
+    def _marking(self, ledger: TensorLedger, marks: dict[tuple[str, int], int]) -> Iterator[Any]:
+        """Hooks that note the ledger's position when a marked block's forward starts and ends (its
+        inputs' and output's gradients: when its backward ends and starts); the first time only (a
+        checkpointed block runs its forward again in the backward)."""
+
+        def at(name: str, k: int) -> Callable[..., None]:
+            def note(*_: Any) -> None:
+                marks.setdefault((name, k), len(ledger.trace or ()))
+
+            return note
+
+        def first_grad_tensor(values: Any) -> torch.Tensor | None:
+            return next((t for t in B.tensors(values) if t.requires_grad), None)
+
+        for k, block in enumerate(self._marked):
+            def before(module: nn.Module, args: Any, kwargs: Any, k: int = k) -> None:
+                at("forward", k)()
+                t = first_grad_tensor((args, kwargs))
+                if t is not None and ("backward end", k) not in marks:
+                    t.register_hook(at("backward end", k))
+
+            def after(module: nn.Module, args: Any, output: Any, k: int = k) -> None:
+                at("forward end", k)()
+                t = first_grad_tensor(output)
+                if t is not None and ("backward", k) not in marks:
+                    t.register_hook(at("backward", k))
+
+            yield block.register_forward_pre_hook(before, with_kwargs=True)
+            yield block.register_forward_hook(after)
 
     def __call__(self, b: int, template: Any = None) -> int:
         """Peak bytes of the trial step with ``b`` samples shaped like ``template`` (default: the

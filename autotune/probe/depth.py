@@ -1,0 +1,397 @@
+"""Estimates whose cost does not grow with depth: a model of repeated blocks traced with few of them.
+
+A transformer is a stack of blocks of one structure (an ``nn.ModuleList`` of decoder layers, encoder
+layers, ViT blocks), and every block adds the same bytes to the same point of the step: its parameters,
+gradients and optimizer state to what is held, its saved activations to what the forward keeps for
+the backward. So three shallow copies of the model, its stacks cut to ``p + 2``, ``p + 3`` and ``p + 4``
+blocks (``p``: the blocks before the repeated run, kept whole, such as T5's first block, which alone
+holds the relative position bias), measure the step at any depth:
+
+- each copy is traced as any model is (:class:`autotune.probe.estimate.Estimator`: two sizes, their
+  curve), with the forward and the backward of its last block marked;
+- the marks cut each trace into pieces: before the last block (the earlier blocks' forward), the last
+  block's forward, what runs between its forward and its backward (the head, the loss), its backward,
+  and after it (the earlier blocks' backward), and the optimizer step's line apart. The last block's
+  pieces and the one between run the same operations in every copy, so each of their points is
+  extended on its own: ``base + (depth - p - 2) x (one more block's bytes)``, checked on the deepest
+  copy (to within 1e-4, and at least 4 KiB), where any point that is not affine in depth shows; the
+  other pieces, whose highest point may move from the embedding to an earlier block as blocks are
+  added, are extended by their highest point from the two deepest copies. They are below the last
+  block's at any depth (the same block, with less saved before it), so they matter only where
+  nothing runs in the blocks;
+- the full model's curve is the upper envelope of every extended point's line.
+
+Where a check fails the whole model is traced instead, and a note says why. A model with several
+stacks (T5's encoder and decoder) gets a copy with one more block for each. The cost is that of tracing
+``3p + 9`` blocks, whatever the depth: 32 or 80 layers cost what 9 do; a stack of fewer blocks, or one
+whose blocks differ (mixed block types, a setting that differs block to block such as an attention type
+per layer), is traced whole.
+
+A CUDA target is traced whole: the caching allocator's reserved bytes come from a replay of every
+allocation of the step, and what the allocator holds beyond the tensors (segments cached and split)
+is not the same block to block (a Llama-3-8B shape at 16 layers: 32.1 GB beyond 465 GB of tensors,
+where copies of 2, 3 and 4 blocks hold 27.0, 27.8 and 27.8 GB).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from autotune.memory.curve import MemoryCurve
+from autotune.probe.search import estimated_max
+from autotune.probe.trial import Workload
+from autotune.step import min_micro_batch
+
+__all__ = ["DepthEstimator", "Stack", "repeated_stacks", "truncated"]
+
+# A figure the deepest copy traces must be the one predicted to within this fraction (and this many bytes).
+TOLERANCE = 1e-4
+TOLERANCE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A list of blocks whose tail repeats one structure.
+
+    Attributes:
+        path: the ``nn.ModuleList``'s name in the model (``model.layers``).
+        depth: its number of blocks.
+        prefix: how many of its first blocks differ from the repeated ones (kept in every copy).
+    """
+
+    path: str
+    depth: int
+    prefix: int
+
+
+def _shapes(blocks: list[nn.Module]) -> list[tuple[Any, ...]]:
+    """What two blocks must share to add the same bytes: parameters, buffers, modules and their settings.
+    A setting that counts the blocks (its value the block's index plus a constant, as a layer index) is
+    left out."""
+    settings: list[dict[tuple[str, str], Any]] = []
+    for block in blocks:
+        found = {}
+        for name, module in block.named_modules():
+            for key, value in vars(module).items():
+                if key.startswith("_") or key == "training":
+                    continue
+                if isinstance(value, (bool, int, float, str)) or value is None:
+                    found[(name, key)] = value
+                elif isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, str, bool)) or v is None for v in value):
+                    found[(name, key)] = tuple(value)
+        settings.append(found)
+    counting = {
+        k for k, v in settings[0].items()
+        if type(v) is int and all(type(s.get(k)) is int and s[k] - v == i for i, s in enumerate(settings))
+    } if len(blocks) > 1 else set()
+    return [
+        (
+            repr(block),
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
+            tuple(sorted((k, repr(v)) for k, v in s.items() if k not in counting)),
+        )
+        for block, s in zip(blocks, settings)
+    ]
+
+
+def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
+    """The stacks of repeated blocks of ``work``'s model worth extending, and, when a stack of blocks was
+    found but cannot be extended, why (for a note); ``([], None)`` for a model without one."""
+    stacks: list[Stack] = []
+    why = None
+    for path, module in work.model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or not path:
+            continue
+        if any(path.startswith(s.path + ".") for s in stacks):
+            continue  # a list inside a block of a stack already found
+        shapes = _shapes(list(module))
+        prefix = len(shapes) - 1
+        while prefix > 0 and shapes[prefix - 1] == shapes[-1]:
+            prefix -= 1
+        if 3 * prefix + 9 >= len(module):  # no fewer blocks traced than the whole stack
+            if prefix > len(module) // 2 and len(module) > 9:
+                why = f"the blocks of {path} are not alike ({prefix} of {len(module)} differ from the last)"
+            continue
+        stacks.append(Stack(path, len(module), prefix))
+    return stacks, why
+
+
+def truncated(model: nn.Module, depths: dict[str, int]) -> nn.Module:
+    """A shallow copy of ``model`` whose lists at ``depths``' paths keep their first blocks only: the same
+    parameters and buffers (shared, not copied), the modules on the way to each list copied."""
+
+    def cut(module: nn.Module, path: str) -> nn.Module:
+        made = copy.copy(module)
+        if path in depths:
+            made._modules = dict(list(module._modules.items())[: depths[path]])
+            return made
+        made._modules = dict(module._modules)
+        for name, child in module._modules.items():
+            inner = f"{path}.{name}" if path else name
+            if child is not None and any(p == inner or p.startswith(inner + ".") for p in depths):
+                made._modules[name] = cut(child, inner)
+        return made
+
+    return cut(model, "")
+
+
+def _variant(work: Workload, depths: dict[str, int]) -> Workload:
+    """``work`` with its model cut to ``depths`` and its optimizer over that model's parameters alone."""
+    model = truncated(work.model, depths)
+    kept = {id(p) for p in model.parameters()}
+    optimizer = copy.copy(work.optimizer)
+    optimizer.param_groups = [
+        {**g, "params": [p for p in g["params"] if id(p) in kept]} for g in work.optimizer.param_groups
+    ]
+    optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
+    optimizer.state = defaultdict(dict, {p: s for p, s in work.optimizer.state.items() if id(p) in kept})
+    return replace(work, model=model, optimizer=optimizer, trials=[], notes=[], on_trial=None, on_start=None,
+                   estimator=None, curve=None, oom_ranks={})
+
+
+class Deviates(Exception):
+    """The deepest copy's figure is not the one predicted: the blocks' bytes are not affine in depth."""
+
+
+@dataclass(frozen=True)
+class _Extended:
+    """A trace of the full-depth model at one size, extended from the copies' (what the probe records)."""
+
+    size: int
+    peak: int
+    seconds: float
+
+
+class DepthEstimator:
+    """An :class:`autotune.probe.estimate.Estimator` of a model of repeated blocks, from copies of it
+    with few blocks (see the module docstring); the same methods, figures of the full model.
+
+    Args:
+        work: the workload.
+        stacks: the model's stacks to extend (:func:`repeated_stacks`).
+        make: makes the estimator of a workload (a copy's), with the what-if's settings.
+        whole: makes the estimator of the full model, for the fall-back.
+    """
+
+    def __init__(self, work: Workload, stacks: list[Stack], make: Callable[[Workload], Any], whole: Callable[[], Any]) -> None:
+        self.stacks = stacks
+        self.full = {s.path: s.depth for s in stacks}
+        base = {s.path: s.prefix + 2 for s in stacks}
+        self._whole_maker = whole
+        self._whole: Any = None
+        self.base = make(_variant(work, base))
+        self.steps = [make(_variant(work, {**base, s.path: base[s.path] + 1})) for s in stacks]
+        self.check = make(_variant(work, {p: d + 2 for p, d in base.items()}))
+        self.reach = [self.full[s.path] - base[s.path] for s in stacks]  # blocks to add, per stack
+        depths = [base, *({**base, s.path: base[s.path] + 1} for s in stacks), {p: d + 2 for p, d in base.items()}]
+        for part, at in zip(self._parts, depths):
+            part.mark([f"{path}.{d - 1}" for path, d in at.items()])
+        self.lower = min_micro_batch(work.model)
+        self.sizes = self.base.sizes
+        self.on_trace: Callable[[Any, bool], Any] | None = None
+        self.note: str | None = (
+            f"the estimate traced {' and '.join(f'{s.path} at {base[s.path]}, {base[s.path] + 1} and {base[s.path] + 2} of its {s.depth} blocks' for s in stacks)}"
+            " and extended the bytes each block adds to the full depth"
+        )
+        self.traces = 0  # traces the copies made (the cost of this estimate)
+
+    @property
+    def loss_fn(self) -> Any:
+        """The workload's loss function (None once the caller let go of it)."""
+        return self.base.loss_fn
+
+    def adopt(self, work: Workload) -> None:
+        """Take ``work``'s worst-case batch as the default template (an estimator found for reuse)."""
+        for part in self._parts:
+            part.adopt(work)
+        if self._whole is not None:
+            self._whole.adopt(work)
+
+    # --- the extension ---------------------------------------------------------------------------------
+
+    @property
+    def _parts(self) -> list[Any]:
+        return [self.base, *self.steps, self.check]
+
+    def _extend(self, figure: Callable[[Any], float]) -> float:
+        """``figure`` of the full model from the copies', checked on the deepest copy."""
+        base = figure(self.base)
+        adds = [figure(s) - base for s in self.steps]
+        predicted, traced = base + 2 * sum(adds), figure(self.check)
+        if abs(predicted - traced) > max(TOLERANCE_BYTES, TOLERANCE * abs(traced)):
+            raise Deviates(f"predicted {predicted:.0f} bytes for the deepest copy, traced {traced:.0f}")
+        return base + sum(n * a for n, a in zip(self.reach, adds))
+
+    def _fall_back(self, why: Deviates) -> Any:
+        if self._whole is None:
+            self._whole = self._whole_maker()
+            self._whole.on_trace = self.on_trace
+            self.note = f"the estimate traced the whole model: the bytes its blocks add are not the same block to block ({why})"
+        return self._whole
+
+    def _counting(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` counting the copies' new traces and their time."""
+        made: list[float] = []
+
+        def told(trace: Any, reused: bool) -> None:
+            if not reused:
+                made.append(trace.seconds)
+
+        for part in self._parts:
+            part.on_trace = told
+        try:
+            value = fn()
+        finally:
+            for part in self._parts:
+                part.on_trace = None
+        self.traces += len(made)
+        return value, made
+
+    # --- the Estimator's methods, for the full model -------------------------------------------------------
+
+    def trace(self, b: int, template: Any = None) -> _Extended:
+        """The full model's peak at ``b`` samples (the copies traced at ``b``)."""
+        if self._whole is not None:
+            return self._whole.trace(b, template)
+        try:
+            value, made = self._counting(lambda: self._peak(b, template))
+        except Deviates as why:
+            return self._fall_back(why).trace(b, template)
+        out = _Extended(b, value, sum(made))
+        if self.on_trace is not None:
+            self.on_trace(out, not made)
+        return out
+
+    def _piecewise(self, values: Callable[[Any], list[list[float]]]) -> list[list[float]]:
+        """Each piece of the full model's step (:func:`_pieces`), from the copies' pieces ``values(copy)``:
+        a piece of the same operations in every copy point by point, any other its maximum (the points
+        it holds, earlier blocks' forward or backward, are below the marked block's)."""
+        found = {id(e): values(e) for e in self._parts}
+        if len({len(v) for v in found.values()}) != 1:
+            raise Deviates("the copies' steps do not run their blocks alike")
+        out = []
+        for i in range(len(found[id(self.base)])):
+            if len({len(v[i]) for v in found.values()}) == 1:
+                out.append([self._extend(lambda e, i=i, j=j: found[id(e)][i][j]) for j in range(len(found[id(self.base)][i]))])
+            else:
+                out.append([self._extend_below(lambda e, i=i: max(found[id(e)][i], default=0))])
+        return out
+
+    def _extend_below(self, figure: Callable[[Any], float]) -> float:
+        """``figure`` of a piece below the marked block's (earlier blocks' forward or backward, and what
+        runs before or after them), unchecked: its highest point may move from what runs around the blocks
+        to an earlier block as blocks are added (from the embedding's forward to the block before the
+        marked one), so it is extended from the two deepest copies where there is one stack. Below the
+        marked block's pieces at every depth, it is the peak only where the blocks hold nothing."""
+        if len(self.steps) == 1:
+            step, check = figure(self.steps[0]), figure(self.check)
+            return check + (self.reach[0] - 2) * (check - step)
+        base = figure(self.base)
+        return base + sum(n * (figure(s) - base) for n, s in zip(self.reach, self.steps))
+
+    def _peak(self, b: int, template: Any) -> int:
+        return round(max(max(piece, default=0) for piece in self._piecewise(lambda e: _pieces(e.trace(b, template)))))
+
+    def __call__(self, b: int, template: Any = None) -> int:
+        """Peak bytes of the full model's trial step with ``b`` samples."""
+        return self.trace(b, template).peak
+
+    def curve(self, template: Any = None, *, sizes: tuple[int, int] | None = None) -> MemoryCurve:
+        """The full model's curve: each line of the copies' curves extended (see the module docstring)."""
+        if self._whole is not None:
+            return self._whole.curve(template, sizes=sizes)
+        b1, b2 = sizes or self.sizes
+        try:
+            (lines, exact), made = self._counting(lambda: self._lines(template, b1, b2))
+            if made and self.on_trace is not None:
+                for b in (b1, b2):
+                    self.on_trace(_Extended(b, self._peak(b, template), sum(made) / 2), False)
+        except Deviates as why:
+            return self._fall_back(why).curve(template, sizes=sizes)
+        if lines is None:
+            return MemoryCurve.through(b1, self._peak(b1, template), b2, self._peak(b2, template))
+        return MemoryCurve.envelope(lines, exact=exact)
+
+    def _lines(self, template: Any, b1: int, b2: int) -> tuple[list[tuple[float, float]] | None, bool]:
+        """The full model's lines: each point of the step extended at both sizes (:meth:`_piecewise`)."""
+        traces = {id(e): (e.trace(b1, template), e.trace(b2, template)) for e in self._parts}
+        if any(t1.ops != t2.ops or t1.marks != t2.marks for t1, t2 in traces.values()):
+            return None, False
+        at = [self._piecewise(lambda e, k=k: _pieces(traces[id(e)][k])) for k in (0, 1)]
+        return [_line(b1, y1, b2, y2) for p1, p2 in zip(*at) for y1, y2 in zip(p1, p2)], True
+
+    def largest(self, budget: int, upper: int, *, confirm: bool = True, template: Any = None) -> tuple[int, Callable[[int], int]]:
+        """As :meth:`autotune.probe.estimate.Estimator.largest`, for the full model."""
+        if self._whole is not None:
+            return self._whole.largest(budget, upper, confirm=confirm, template=template)
+        lower = min(self.lower, upper)
+        peak: Callable[[int], int] = lambda b: self(b, template)  # noqa: E731
+        if upper < max(2, lower) + 2:
+            size, _ = estimated_max(peak, budget, upper, lower=lower)
+        else:
+            curve = self.curve(template)
+            if self._whole is not None:
+                return self._whole.largest(budget, upper, confirm=confirm, template=template)
+            size = curve.largest(budget, lower, upper)
+            at = size or lower
+            if (confirm or not curve.exact) and self(at, template) != curve(at):
+                size, _ = estimated_max(peak, budget, upper, lower=lower, start=at)
+            else:
+                peak = curve
+        if self._whole is not None:
+            return self._whole.largest(budget, upper, confirm=confirm, template=template)
+        return size, peak
+
+    def _held(self, name: str) -> int:
+        if self._whole is not None:
+            return int(getattr(self._whole, name)())
+        try:
+            return round(self._extend(lambda e: getattr(e, name)()))
+        except Deviates as why:
+            return int(getattr(self._fall_back(why), name)())
+
+    def resident(self) -> int:
+        """Bytes of parameters, buffers, gradients and optimizer state in the full model's steady state."""
+        return self._held("resident")
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the full model's optimizer state after a step."""
+        return self._held("optimizer_state_bytes")
+
+    def step_transient(self) -> int:
+        """Bytes the full model's optimizer step holds above what it leaves."""
+        return self._held("step_transient")
+
+    @property
+    def target(self) -> str:
+        """The device type estimated for."""
+        return str(self.base.target)
+
+    @property
+    def unlearned(self) -> dict[str, str]:
+        """Operations whose CUDA autocast rule could not be learned, in any copy."""
+        if self._whole is not None:
+            return dict(self._whole.unlearned)
+        return {k: v for part in self._parts for k, v in part.unlearned.items()}
+
+
+def _pieces(trace: Any) -> list[list[int]]:
+    """A trace's live bytes cut where the marked blocks' forward and backward start and end (the last
+    block of each stack: every point of a piece gains the same bytes from one more block), and the
+    optimizer step's line, a piece of its own."""
+    live = list(trace.live[:-1])
+    cuts = [0, *trace.marks, len(live)]
+    return [live[a:z] for a, z in zip(cuts, cuts[1:])] + [[trace.live[-1]]]
+
+
+def _line(b1: int, y1: float, b2: int, y2: float) -> tuple[float, float]:
+    slope = (y2 - y1) / (b2 - b1)
+    return (y1 - slope * b1, slope)
+

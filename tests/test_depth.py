@@ -1,0 +1,129 @@
+"""Estimates whose cost does not grow with depth: a model of repeated blocks is traced with copies of 2, 3
+and 4 of them and extended to its depth (autotune.probe.depth). The reference is the same model traced
+whole, the estimate before the extension existed."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import autotune
+from autotune.probe import depth, estimate
+
+transformers = pytest.importorskip("transformers")
+import hf_models  # noqa: E402
+from test_estimate import text_batch  # noqa: E402
+
+
+def plan_both(make, loader, monkeypatch, **kw):
+    """The estimate-only plan of the model with the extension and traced whole, each from nothing kept."""
+    plans = []
+    for extend in (True, False):
+        estimate.forget()
+        with monkeypatch.context() as m:
+            if not extend:
+                m.setattr(estimate, "repeated_stacks", lambda work: ([], None))
+            model = make()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            plans.append(autotune.plan(model, loader, optimizer=opt, device="cpu", headroom=0, verify=False, progress=False, **kw))
+    return plans
+
+
+def t5(layers=16):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=500, d_model=64, d_kv=16, d_ff=128, num_layers=layers,
+                                               num_decoder_layers=layers, num_heads=4, dropout_rate=0.0,
+                                               decoder_start_token_id=0, pad_token_id=0))
+
+
+def image_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(8, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (8,), generator=g)}
+
+
+def seq2seq_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 500, (8, 32), generator=g), "attention_mask": torch.ones(8, 32, dtype=torch.long),
+            "labels": torch.randint(0, 500, (8, 16), generator=g)}
+
+
+CASES = {
+    "gpt2": (lambda: hf_models.gpt2(layers=12), lambda s: text_batch(8, 64, seed=s), "transformer.h at 2, 3 and 4 of its 12 blocks"),
+    "llama": (lambda: hf_models.llama(layers=12), lambda s: text_batch(8, 64, seed=s), "model.layers at 2, 3 and 4 of its 12 blocks"),
+    "bert": (lambda: hf_models.bert(layers=12), lambda s: text_batch(8, 64, labels="cls", seed=s), "bert.encoder.layer at 2, 3 and 4 of its 12 blocks"),
+    "vit": (lambda: hf_models.vit(layers=12), image_batch, "vit.layers at 2, 3 and 4 of its 12 blocks"),
+    # T5's first block alone holds the relative position bias: kept whole in every copy, one copy more per stack.
+    "t5": (t5, seq2seq_batch, "encoder.block at 3, 4 and 5 of its 16 blocks and decoder.block at 3, 4 and 5 of its 16 blocks"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_deep_model_extended_from_few_blocks_plans_as_traced_whole(name, monkeypatch):
+    make, batch, traced = CASES[name]
+    loader = [batch(s) for s in range(2)]
+    extended, reference = plan_both(make, loader, monkeypatch, target_batch=4096, memory_limit="100MiB")
+    assert any(traced in n and "extended" in n for n in extended.notes), extended.notes
+    assert not any("extended" in n for n in reference.notes)
+    assert extended.micro_batch == reference.micro_batch and 4 < extended.micro_batch < 4096
+    assert abs(extended.peak_memory / reference.peak_memory - 1) <= 0.005
+    assert extended.peak_memory == reference.peak_memory  # measured: the same to the byte on these models
+
+
+class Mixed(nn.Module):
+    """Twelve blocks of two widths, alternating: not one repeated structure."""
+
+    def __init__(self, n=12):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64 if i % 2 else 128), nn.ReLU(), nn.Linear(64 if i % 2 else 128, 32)) for i in range(n))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+class Growing(nn.Module):
+    """Twelve blocks alike whose forward keeps what every earlier block made (a dense connection): the
+    bytes a block adds grow with its depth."""
+
+    def __init__(self, n=12):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(n))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        seen = x
+        for b in self.blocks:
+            x = torch.relu(b(x)) + (seen * seen).mean(dim=1, keepdim=True)  # saves seen for the backward
+            seen = torch.cat([seen, x.repeat(1, 32)], dim=1)  # 4 KiB a sample more for each block
+        return self.head(x)
+
+
+def mse(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("cls, why", [(Mixed, "are not alike"), (Growing, "not the same block to block")])
+def test_blocks_that_differ_or_grow_with_depth_are_traced_whole_and_a_note_says_why(cls, why, monkeypatch):
+    loader = [(torch.randn(16, 32), torch.randint(0, 4, (16,))) for _ in range(2)]
+    extended, reference = plan_both(lambda: (torch.manual_seed(0), cls())[1], loader, monkeypatch, target_batch=4096,
+                                    memory_limit="8MiB", loss_fn=mse)
+    assert any("traced the whole model" in n and why in n for n in extended.notes), extended.notes
+    assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
+    assert 4 < extended.micro_batch < 4096
+
+
+def test_the_copies_share_the_model_s_parameters_and_leave_it_as_it_was():
+    model = hf_models.gpt2(layers=12)
+    cut = depth.truncated(model, {"transformer.h": 3})
+    assert len(cut.transformer.h) == 3 and len(model.transformer.h) == 12
+    assert cut.transformer.h[2].attn.c_attn.weight is model.transformer.h[2].attn.c_attn.weight
+    assert cut.lm_head.weight is cut.transformer.wte.weight  # the tie kept
+    stacks, why = depth.repeated_stacks(SimpleNamespace(model=model))
+    assert [(s.path, s.depth, s.prefix) for s in stacks] == [("transformer.h", 12, 0)] and why is None
+    assert depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=8))) == ([], None)  # 9 blocks traced would save none
