@@ -17,6 +17,10 @@ Each case runs under its own time limit and reports its figures and its pass cri
    against the 512 MiB an estimate-only plan sets aside.
 6. ``fit``: 50 optimizer steps of GPT-2 under the plan's cap without an out-of-memory error or a change
    of micro-batch.
+7. ``plan time``: a real plan of GPT-2 on the card (``verify=True``: after its first real step it takes
+   the estimate or real steps at one and two samples, whichever costs less there, and its notes say
+   which), timed from nothing kept against one training step at the size found and against Lightning's
+   ``Tuner.scale_batch_size(mode="binsearch")`` under the same cap, in the same run.
 
 It writes every figure to one JSON file (``--json``) and prints a table; the figures go into
 ``docs/benchmarks.md`` ("GPU validation").
@@ -389,6 +393,79 @@ def fit(ctx: Context, res: Result) -> None:
     }
 
 
+def binsearch(model: Model, net: nn.Module, samples: list[Any], device: torch.device, cap: int | None, max_trials: int) -> tuple[int, float]:
+    """Lightning's batch-size search (``mode="binsearch"``, ``steps_per_trial=3``) on ``net`` under ``cap``: the
+    size found and its wall time."""
+    import io
+
+    import lightning as L
+    from lightning.pytorch.tuner import Tuner
+    from torch.utils.data import DataLoader
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            self.batch_size = 2
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return model.loss(self.net, batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(samples, batch_size=self.batch_size)
+
+    trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        precision="bf16-mixed" if model.precision == "bf16" else "32-true", default_root_dir="/tmp/autotune-gpu-validate")
+    start = time.perf_counter()
+    with cuda_memory_fraction(device, cap), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = Tuner(trainer).scale_batch_size(Lit(), mode="binsearch", max_trials=max_trials)
+    return int(found or 0), time.perf_counter() - start
+
+
+def plan_time(ctx: Context, res: Result) -> None:
+    from autotune.probe.estimate import forget
+
+    model = MODELS["gpt2"]
+    length = model.length if ctx.scale >= 1 else 32
+    net, opt = fresh(model, ctx.scale, ctx.device, dropout=0.0)
+    target = 4096 if ctx.scale >= 1 else 64
+    forget()  # the plan pays for its own estimates, if it takes them
+    clean(ctx.device)
+    began = time.perf_counter()
+    plan = autotune.plan(net, [model.batch(8, length, ctx.scale)], target_batch=target, optimizer=opt, loss_fn=model.loss,
+                         device=ctx.device, memory_limit=ctx.limit, precision=model.precision, progress=False)
+    plan_s = time.perf_counter() - began
+    m = plan.micro_batch
+    batch = to(model.batch(m, length, ctx.scale), ctx.device)
+    steps = []
+    for _ in range(3):
+        start = time.perf_counter()
+        trial_step(net, opt, model.loss, batch, ctx.device.type, model.precision)  # type: ignore[arg-type]
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        steps.append((time.perf_counter() - start) / 2)  # a trial step runs two micro-steps
+    opt.zero_grad(set_to_none=True)
+    step_s = sorted(steps)[1]
+    big = model.batch(min(target, 4 * max(m, 1)), length, ctx.scale)
+    samples = [{k: v[i] for k, v in big.items()} for i in range(next(iter(big.values())).shape[0])]
+    clean(ctx.device)
+    found, bin_s = binsearch(model, fresh(model, ctx.scale, ctx.device, dropout=0.0)[0], samples, ctx.device,
+                             allocator_cap(ctx.limit, plan.set_aside) if ctx.device.type == "cuda" else None,
+                             max_trials=25 if ctx.scale >= 1 else 3)
+    said = [n for n in plan.notes if "on this device the plan ran" in n]
+    res.figures.update(micro_batch=m, plan_s=plan_s, step_s=step_s, plan_in_steps=plan_s / max(step_s, 1e-9), binsearch_s=bin_s,
+                       binsearch_found=found, plan_over_binsearch=plan_s / max(bin_s, 1e-9), trials=[t.to_dict() for t in plan.trials],
+                       which=said[0] if said else None)
+    res.checks = {"the plan takes less time than Lightning's binsearch": plan_s < bin_s}
+    if ctx.device.type == "cuda":
+        res.checks["a note says which way the plan ran and its cost in steps"] = bool(said)
+
+
 # Each case with its time limit in seconds; the sum stays under 10 minutes with the plans' estimates.
 CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
     "estimate-only: gpt2": (estimate_only("gpt2"), 120),
@@ -399,6 +476,7 @@ CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
     "allocator": (allocator, 90),
     "outside the allocator": (outside, 15),
     "fit": (fit, 90),
+    "plan time": (plan_time, 120),
 }
 
 

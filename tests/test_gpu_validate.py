@@ -61,6 +61,7 @@ CHECKS = {
     "optimizer step": {"foreach: within 5% or 2 MiB", "single-tensor: within 5% or 2 MiB", "fused: within 5% or 2 MiB"},
     "outside the allocator": {"within the 512 MiB allowance (None: NVML unavailable)"},
     "fit": {"3 steps", "no out-of-memory error", "no micro-batch change"},
+    "plan time": {"the plan takes less time than Lightning's binsearch"},  # the note's check is for CUDA alone
 }
 
 
@@ -81,6 +82,9 @@ def test_every_case_runs_and_is_reported(tmp_path, capsys, fake_cuda):
     gpt2 = results["estimate-only: gpt2"]["figures"]
     assert gpt2["micro_batch"] >= 1 and gpt2["estimated_reserved"] >= gpt2["estimated_allocated"] > 0
     assert results["fit"]["figures"]["steps"] == 3
+    timed = results["plan time"]["figures"]
+    assert timed["micro_batch"] >= 1 and timed["binsearch_found"] >= 1 and timed["plan_s"] > 0 and timed["step_s"] > 0
+    assert timed["plan_in_steps"] == pytest.approx(timed["plan_s"] / timed["step_s"])
     table = capsys.readouterr().out
     assert table.count("\n| ") >= len(gpu_validate.CASES) + 1
 

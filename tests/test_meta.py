@@ -102,3 +102,87 @@ def test_llama_3_8b_at_4096_tokens_on_80_gib_with_lora_or_sharded_over_8_gets_a_
     (row,) = shard_plan(model, [tokens()], target_batch=32, ranks=8, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
                         device="cuda", memory_limit="80GiB", precision="bf16")
     assert row.fits and row.micro_batch >= 1
+
+
+LLAMA_3_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+}
+
+
+def report(capsys, monkeypatch, tmp_path, *argv):
+    import json as _json
+
+    from autotune.cli.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = main(["report", *argv, "--json"])
+    out, err = capsys.readouterr()
+    return code, (_json.loads(out) if code == 0 else None), err
+
+
+def write_config(tmp_path, config, as_dir=True):
+    import json as _json
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(_json.dumps(config))
+    return str(folder if as_dir else folder / "config.json")
+
+
+def test_the_cli_plans_from_a_config_without_weights_as_the_api_does_for_the_model_with_weights(capsys, monkeypatch, tmp_path):
+    """A Llama config file (12 small layers) planned from the command line: the model built on the meta device, the
+    plan that of the same model with weights through the API, the batch the config's own token ids."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_hidden_layers": 12, "num_key_value_heads": 2, "vocab_size": 500,
+              "max_position_embeddings": 256, "torch_dtype": "float32"}
+    path = write_config(tmp_path, config, as_dir=False)
+    code, data, err = report(capsys, monkeypatch, tmp_path, "--hf-config", path, "--target-batch", "64", "--device", "cpu",
+                             "--memory-limit", "100MiB", "--headroom", "0", "--tokens", "64")
+    assert code == 0, err
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}))
+    ids = torch.randint(0, 500, (1, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    reference = autotune.plan(model, [batch], target_batch=64, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              device="cpu", memory_limit="100MiB", headroom=0, verify=False, progress=False)
+    assert data["plan"]["micro_batch"] == reference.micro_batch and 4 < reference.micro_batch < 64
+    assert data["plan"]["peak_memory"] == reference.peak_memory
+    assert data["device"]["name"] == "estimated for a model without weights"
+
+
+@pytest.mark.slow  # about a minute: a CUDA target traces the 32 layers whole
+def test_the_cli_answers_the_8b_question_from_a_config_directory_with_lora_and_with_8_shards(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("peft")
+    path = write_config(tmp_path, LLAMA_3_8B_CONFIG)
+    common = ("--hf-config", path, "--target-batch", "32", "--device", "cuda", "--memory-limit", "80GiB", "--precision", "bf16",
+              "--tokens", "4096")
+    code, data, err = report(capsys, monkeypatch, tmp_path, *common, "--lora", "16")
+    assert code == 0, err
+    assert 1 <= data["plan"]["micro_batch"] < 32 and "estimate" in data["plan"]["notes"][0]
+    assert "Warning" not in err and "Traceback" not in err
+    code, data, err = report(capsys, monkeypatch, tmp_path, *common, "--shard", "8")
+    assert code == 0, err
+    assert data["fsdp2"]["fits"] and data["fsdp2"]["micro_batch"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--tokens", "64"), "--tokens 64 sizes the batch of --hf-config"),
+    (("--hf-config", "{config}", "--input-shape", "8"), "drop --input-shape"),
+    (("--hf-config", "{config}"), "give the device's memory with --memory-limit"),
+    (("--hf-config", "{missing}", "--memory-limit", "1GiB"), "Invalid --hf-config .*no such file"),
+    (("--hf-config", "{config}", "--memory-limit", "1GiB", "--tokens", "100000"), "Invalid --tokens 100000: the model takes 1 to 256"),
+    (("--hf-config", "{config}", "--memory-limit", "1GiB", "--lora", "0"), "Invalid --lora 0"),
+])
+def test_the_config_path_refuses_bad_input_naming_the_fix(argv, message, capsys, monkeypatch, tmp_path):
+    import re as _re
+
+    config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 500, "n_positions": 256}
+    path = write_config(tmp_path, config)
+    argv = [a.format(config=path, missing=str(tmp_path / "nothing")) for a in argv]
+    if "--hf-config" not in argv:
+        argv = ["tests/hf_models.py:gpt2", *argv]
+    code, _, err = report(capsys, monkeypatch, tmp_path, *argv, "--target-batch", "8", "--device", "cpu")
+    assert code == 2 and _re.search(message, err), err

@@ -117,12 +117,12 @@ def _report(args: argparse.Namespace) -> int:
 
     base_batch, lengths, ramp, device, on_device = _checked_report_args(args)
     model, loader, loss_fn, described = workload_from_args(args, base_batch)
-    check_trainable(model)  # no parameters, all frozen, lazy: said plainly, before anything runs
+    check_trainable(model, estimate=not on_device)  # no parameters, all frozen, lazy: said plainly, before anything runs
     lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
     if on_device:
         model.to(device)
     opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
-    optimizer = opt_class(model.parameters(), lr=lr)
+    optimizer = opt_class([p for p in model.parameters() if p.requires_grad], lr=lr)  # a frozen base (--lora) has no state
     if args.shard is not None:
         return _report_shards(args, model, loader, loss_fn, optimizer, device, on_device)
     facts, key_limit, limit_note = _device_facts(args, model, device, on_device)
@@ -146,10 +146,19 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
     from autotune.cli.demo import DEMO
     from autotune.units import parse_bytes
 
-    if not args.model and not args.demo:
-        raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, or --demo")
-    if args.model and args.demo:
-        raise UsageError(f"--demo probes the built-in model, and MODEL {args.model!r} was given too: drop one of them")
+    if not args.model and not args.demo and not args.hf_config:
+        raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, --hf-config PATH, or --demo")
+    given = [flag for flag, on in ((f"MODEL {args.model!r}", args.model), ("--demo", args.demo), ("--hf-config", args.hf_config)) if on]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} each name a model: give one of them")
+    if args.hf_config:
+        clash = [flag for flag, on in (("--input-shape", args.input_shape), ("--loader", args.loader), ("--noise-scale", args.noise_scale)) if on]
+        if clash:
+            raise UsageError(f"--hf-config makes its own batch of --tokens token ids (a model without weights); drop {', '.join(clash)}")
+        if args.memory_limit is None:
+            raise UsageError("--hf-config estimates a model without its weights: give the device's memory with --memory-limit (e.g. 80GiB)")
+    elif args.tokens is not None:
+        raise UsageError(f"--tokens {args.tokens} sizes the batch of --hf-config; with MODEL give --input-shape")
     if args.regression and args.num_classes is not None:
         raise UsageError(f"--num-classes {args.num_classes} and --regression ask for two kinds of targets: class targets, or "
                          "float targets shaped like the output; drop one")
@@ -197,7 +206,8 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
         raise UsageError(f"Invalid --device {args.device!r}: use cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"Invalid --device {args.device!r}: use cpu, cuda or cuda:N")
-    on_device = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+    # A model without weights (--hf-config) is estimated, never run: as for a device this machine lacks.
+    on_device = not args.hf_config and (device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available()))
     if device.type == "cuda" and not on_device and args.memory_limit is None:
         raise UsageError("No CUDA device here: to plan for one, give its memory with --memory-limit (e.g. 80GiB)")
     return base_batch, lengths, ramp, device, on_device
@@ -211,7 +221,8 @@ def _device_facts(args: argparse.Namespace, model: Any, device: Any, on_device: 
 
     key_limit = parse_bytes(args.memory_limit) if args.memory_limit is not None else None
     if not on_device:
-        return {"device": str(device), "name": "not on this machine", "total": None, "free": None, "other_processes": None}, key_limit, None
+        name = "estimated for a model without weights" if args.hf_config else "not on this machine"
+        return {"device": str(device), "name": name, "total": None, "free": None, "other_processes": None}, key_limit, None
     d = device_memory(device)
     facts = {"device": d.device, "name": d.name, "total": d.total, "free": d.free, "other_processes": d.other_processes}
     if args.memory_limit is not None:

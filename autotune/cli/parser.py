@@ -33,6 +33,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("model", nargs="?", help="module:callable or path/file.py:callable returning an nn.Module (called with no arguments)")
     r.add_argument("--demo", action="store_true", help="use the built-in demo model (a small CNN) and settings")
+    r.add_argument("--hf-config", metavar="PATH", help="instead of MODEL: a Hugging Face config (config.json, or a local directory "
+                   "holding one); the model is built from it on the meta device, without weights, and estimated (give --memory-limit)")
+    r.add_argument("--tokens", type=int, metavar="N", help="with --hf-config: tokens per sample of the synthetic batch (default 2048, "
+                   "or the model's longest if less)")
+    r.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R on the frozen model (PEFT, its default "
+                   "modules for the architecture) instead of every weight")
     r.add_argument("--input-shape", action="append", metavar="SHAPE", help="per-sample input shape, e.g. 3,224,224; repeat for several inputs")
     r.add_argument("--input-dtype", action="append", metavar="DTYPE", choices=DTYPES, help="dtype of each input (default float32); long inputs are token ids; mask is an all-ones attention mask (long)")
     r.add_argument("--input-name", action="append", metavar="NAME", help="pass the inputs by keyword, one name per --input-shape, e.g. input_ids and attention_mask")

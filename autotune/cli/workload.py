@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,7 +51,9 @@ def logits_of(output: Any) -> Any:
 def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, Any, Callable[[Any, Any], Any] | None, dict[str, Any]]:
     """Build (model, loader, loss_fn, description for the cache key) from the arguments: the model, then
     the user's loader, or inputs made from ``--input-shape`` with targets fitted to the model's output."""
-    model = _model_from_args(args)
+    if args.hf_config:
+        return _config_workload(args)
+    model = _with_lora(args, _model_from_args(args))
     if args.loader:
         return (model, *_loader_from_args(args))
     inputs, names, describe, g = _inputs_from_args(args, base_batch)
@@ -77,6 +80,74 @@ def _model_from_args(args: argparse.Namespace) -> Any:
     if not isinstance(model, nn.Module):
         raise UsageError(f"Invalid MODEL {args.model!r}: it returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any, Any], Any], dict[str, Any]]:
+    """The model of a Hugging Face config, built on the meta device in the config's dtype (no weights: an
+    8B model costs no memory), LoRA on it if asked, and one batch of ``--tokens`` token ids that are their
+    own labels (the model's own causal-LM loss)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    path = Path(args.hf_config)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise UsageError(f"Invalid --hf-config {args.hf_config!r}: no such file{' (config.json) in that directory' if path.is_dir() else ''}")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"Invalid --hf-config {args.hf_config!r}: not a JSON config ({first_line(exc)})") from None
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("--hf-config needs transformers: pip install transformers") from None
+
+    def build() -> Any:
+        config = transformers.AutoConfig.for_model(**data) if "model_type" in data else None
+        if config is None:
+            raise ValueError("the config has no model_type")
+        names = list(data.get("architectures") or [])
+        cls = getattr(transformers, names[0], None) if names else None
+        dtype = getattr(torch, str(data.get("dtype") or data.get("torch_dtype") or "float32").replace("torch.", ""), torch.float32)
+        with torch.device("meta"):
+            model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+        return model.to(dtype), config
+
+    model, config = call_user(build, f"--hf-config {args.hf_config!r}", args.debug)
+    model = _with_lora(args, model)
+    longest = next((v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(config, k, None), int)), None)
+    tokens = args.tokens or min(2048, longest or 2048)
+    if tokens < 1 or (longest is not None and tokens > longest):
+        raise UsageError(f"Invalid --tokens {tokens}: the model takes 1 to {longest} tokens a sample")
+    vocab = int(getattr(config, "vocab_size", None) or args.vocab_size)
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    def loss_fn(model: Any, batch: Any) -> Any:
+        return model(**batch).loss
+
+    described = {"hf_config": data, "tokens": tokens, "lora": args.lora}
+    return model, [batch], loss_fn, described
+
+
+def _with_lora(args: argparse.Namespace, model: Any) -> Any:
+    """``model`` with LoRA adapters of rank ``--lora`` on its default modules (PEFT), the rest frozen."""
+    if args.lora is None:
+        return model
+    if args.lora < 1:
+        raise UsageError(f"Invalid --lora {args.lora}: give the adapters' rank, at least 1 (e.g. 16)")
+    try:
+        import peft
+    except ImportError:
+        raise UsageError("--lora needs peft: pip install peft") from None
+    def wrap() -> Any:
+        with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns (not the user's doing)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, peft.LoraConfig(r=args.lora))
+
+    return call_user(wrap, f"--lora {args.lora}", args.debug)
 
 
 def _loader_from_args(args: argparse.Namespace) -> tuple[Any, None, dict[str, Any]]:

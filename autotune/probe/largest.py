@@ -38,6 +38,7 @@ from autotune.parallel.ranks import (
 )
 from autotune.parallel.stops import failure_watch, stop_every_rank
 from autotune.probe.estimate import estimator_for
+from autotune.probe.priced import OperationCount, applies, by_real_steps, note, price
 from autotune.probe.search import Measurement, SearchResult, Trial, largest_fitting
 from autotune.probe.trial import (
     Workload,
@@ -119,8 +120,30 @@ def probe(
         The search result; ``batch_size == 0`` when one sample does not fit.
     """
     lower = min(min_micro_batch(work.model), upper)
+
+    def measure(b: int) -> Measurement:
+        # Under FSDP2 a micro-batch of the whole share is a window of one: no unsharded gradients held.
+        whole = work.fsdp and b >= upper
+        if not work.checkpointing:
+            return _real_trial(work, b, budget, snapshot, whole=whole)
+        from autotune.memory.checkpointing import activation_checkpointing
+
+        with activation_checkpointing(work.model):
+            return _real_trial(work, b, budget, snapshot, whole=whole)
+
     found: tuple[int, Callable[[int], int]] | None = None
     reason = "estimate=False"
+    priced = None
+    if estimate and verify and applies(work) and upper > lower:  # the estimate or real steps: whichever costs less here
+        counter = OperationCount()
+        with counter:
+            first = measure(lower)
+        if first.fits:
+            priced = price(work.trials[-1], counter.count)
+            if priced.real_steps:
+                result = by_real_steps(measure, first, lower, upper=upper, budget=budget, max_real=max_real)
+                work.notes.append(note(priced, work.trials, result.batch_size))
+                return result
     if estimate:
         # A real step confirms the estimate to the byte on the CPU; elsewhere (allocator overhead, or
         # no device at all) one more estimate at the candidate confirms the line it came from.
@@ -141,16 +164,6 @@ def probe(
         size, peak = found
         return SearchResult(size, peak(size or lower), None, size)
 
-    def measure(b: int) -> Measurement:
-        # Under FSDP2 a micro-batch of the whole share is a window of one: no unsharded gradients held.
-        whole = work.fsdp and b >= upper
-        if not work.checkpointing:
-            return _real_trial(work, b, budget, snapshot, whole=whole)
-        from autotune.memory.checkpointing import activation_checkpointing
-
-        with activation_checkpointing(work.model):
-            return _real_trial(work, b, budget, snapshot, whole=whole)
-
     real: Callable[[int], Measurement] = measure
     search_budget = budget
     if work.fsdp:
@@ -166,7 +179,10 @@ def probe(
     if found is None:
         return largest_fitting(real, upper=upper, budget=search_budget, lower=lower, max_real=max_real)
     size, peak = found
-    return largest_fitting(real, upper=upper, budget=search_budget, estimate=peak, lower=lower, max_real=max_real, start=size)
+    result = largest_fitting(real, upper=upper, budget=search_budget, estimate=peak, lower=lower, max_real=max_real, start=size)
+    if priced is not None:
+        work.notes.append(note(priced, work.trials, result.batch_size))
+    return result
 
 
 def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tuple[int, Callable[[int], int]]:
