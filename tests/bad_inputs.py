@@ -451,7 +451,7 @@ CLI: list[tuple[str, list[str], int, str]] = [
     ("`--plot` onto a directory", ["report", "--demo", "--plot", "{tmp}"], 2, "it is a directory"),
     ("an estimate fake tensors cannot make (`--device cuda`)", ["report", "{models}:needs_values", "--input-shape", "4", "--target-batch", "8", "--device", "cuda", "--memory-limit", "80GiB"], 2, "Cannot estimate this model without running it"),
     ("`--num-classes 3 --regression`", ["report", "--demo", "--num-classes", "3", "--regression"], 2, "ask for two kinds of targets"),
-    ("`--demo` with a MODEL", ["report", "{models}:lm", "--demo"], 2, "--demo probes the built-in model, and MODEL"),
+    ("`--demo` with a MODEL", ["report", "{models}:lm", "--demo"], 2, "each name a model: give one of them"),
     ("a limit nothing fits in", ["report", "--demo", "--memory-limit", "1MiB"], 1, "use a larger --memory-limit"),
 ]
 

@@ -16,7 +16,7 @@ import hf_models  # noqa: E402
 from test_estimate import text_batch  # noqa: E402
 
 
-def plan_both(make, loader, monkeypatch, **kw):
+def plan_both(make, loader, monkeypatch, device="cpu", **kw):
     """The estimate-only plan of the model with the extension and traced whole, each from nothing kept."""
     plans = []
     for extend in (True, False):
@@ -26,7 +26,7 @@ def plan_both(make, loader, monkeypatch, **kw):
                 m.setattr(estimate, "repeated_stacks", lambda work: ([], None))
             model = make()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            plans.append(autotune.plan(model, loader, optimizer=opt, device="cpu", headroom=0, verify=False, progress=False, **kw))
+            plans.append(autotune.plan(model, loader, optimizer=opt, device=device, headroom=0, verify=False, progress=False, **kw))
     return plans
 
 
@@ -70,6 +70,28 @@ def test_a_deep_model_extended_from_few_blocks_plans_as_traced_whole(name, monke
     assert extended.micro_batch == reference.micro_batch and 4 < extended.micro_batch < 4096
     assert abs(extended.peak_memory / reference.peak_memory - 1) <= 0.005
     assert extended.peak_memory == reference.peak_memory  # measured: the same to the byte on these models
+
+
+CUDA_CASES = {
+    "gpt2": (lambda: hf_models.gpt2(layers=14), lambda s: text_batch(8, 64, seed=s), "transformer.h at 3, 4 and 5 of its 14 blocks"),
+    "llama": (lambda: hf_models.llama(layers=14), lambda s: text_batch(8, 64, seed=s), "model.layers at 3, 4 and 5 of its 14 blocks"),
+    "bert": (lambda: hf_models.bert(layers=14), lambda s: text_batch(8, 64, labels="cls", seed=s), "bert.encoder.layer at 3, 4 and 5 of its 14 blocks"),
+    "vit": (lambda: hf_models.vit(layers=14), image_batch, "vit.layers at 3, 4 and 5 of its 14 blocks"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_CASES))
+def test_for_cuda_the_allocator_s_replay_of_the_extended_step_is_the_whole_model_s(name, monkeypatch):
+    """For a CUDA target the caching allocator's reserved bytes come from a replay of every allocation: the
+    full depth's are made from the copies' blocks (one block more past the prefix) and replayed."""
+    make, batch, traced = CUDA_CASES[name]
+    loader = [batch(s) for s in range(2)]
+    extended, reference = plan_both(make, loader, monkeypatch, device="cuda", target_batch=4096, memory_limit="1GiB", precision="bf16")
+    assert any(traced in n and "extended" in n for n in extended.notes), extended.notes
+    assert extended.micro_batch == reference.micro_batch and 4 < extended.micro_batch < 4096
+    assert extended.peak_memory == reference.peak_memory  # the reserved bytes, to the byte
+    said = [n for n in extended.notes if "caching allocator reserves" in n]
+    assert said == [n for n in reference.notes if "caching allocator reserves" in n]
 
 
 class Mixed(nn.Module):
@@ -124,6 +146,6 @@ def test_the_copies_share_the_model_s_parameters_and_leave_it_as_it_was():
     assert len(cut.transformer.h) == 3 and len(model.transformer.h) == 12
     assert cut.transformer.h[2].attn.c_attn.weight is model.transformer.h[2].attn.c_attn.weight
     assert cut.lm_head.weight is cut.transformer.wte.weight  # the tie kept
-    stacks, why = depth.repeated_stacks(SimpleNamespace(model=model))
+    stacks, why = depth.repeated_stacks(SimpleNamespace(model=model, device=torch.device("cpu")))
     assert [(s.path, s.depth, s.prefix) for s in stacks] == [("transformer.h", 12, 0)] and why is None
-    assert depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=8))) == ([], None)  # 9 blocks traced would save none
+    assert depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=8), device=torch.device("cpu"))) == ([], None)  # 9 blocks traced would save none

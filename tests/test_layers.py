@@ -14,7 +14,7 @@ WINGS = {
     # base: what everything may use
     "base": ["units", "errors", "batches", "checks", "rng", "step"],
     # what a step holds and would hold
-    "memory": ["memory", "memory.curve", "memory.shapes", "memory.allocator", "memory.ledger", "memory.device", "memory.checkpointing"],
+    "memory": ["memory", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.ledger", "memory.device", "memory.checkpointing"],
     # ranks: agreements for planning, the exchange of training
     "parallel": ["parallel", "parallel.ranks", "parallel.stops", "parallel.exchange", "parallel.lockstep"],
     # trials that change nothing, real and on fake tensors, and the search
@@ -30,7 +30,7 @@ WINGS = {
                  "__init__", "cli.demo", "cli.parser", "cli.render", "cli.workload", "cli.main", "cli", "cli.__main__"],
 }
 LAYERS = [module for modules in WINGS.values() for module in modules]
-PURE = {"units", "errors", "memory.curve", "memory.shapes", "memory.allocator", "probe.search", "planning.scaling", "planning.plans", "planning.report",
+PURE = {"units", "errors", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "probe.search", "planning.scaling", "planning.plans", "planning.report",
         "planning.cache"}
 LONG_MODULE, LONG_CLASS = 600, 250
 WHY_LONG = "Why this is long:"

@@ -21,16 +21,31 @@ holds the relative position bias), measure the step at any depth:
   nothing runs in the blocks;
 - the full model's curve is the upper envelope of every extended point's line.
 
-Where a check fails the whole model is traced instead, and a note says why. A model with several
-stacks (T5's encoder and decoder) gets a copy with one more block for each. The cost is that of tracing
-``3p + 9`` blocks, whatever the depth: 32 or 80 layers cost what 9 do; a stack of fewer blocks, or one
-whose blocks differ (mixed block types, a setting that differs block to block such as an attention type
-per layer), is traced whole.
+For a CUDA target the caching allocator's reserved bytes come from a replay of every allocation of the
+step, and what the allocator holds beyond the tensors (segments cached and split) is not the same block
+to block (a Llama-3-8B shape at 16 layers: 32.1 GB beyond 465 GB of tensors, where copies of 2, 3 and 4
+layers hold 27.0, 27.8 and 27.8 GB), so those bytes are not extended: the allocations themselves are.
+The copies are cut one block deeper (``p + 3``, ``p + 4`` and ``p + 5``), so that the step copy's last
+three blocks are alike, and the full depth's allocations and frees are made from the step copy's
+(:func:`autotune.memory.deeper.extended_micro_step`): each block's forward (from its start to the next block's) and backward
+repeated with new tensors, a block's references to its neighbours' tensors (the input it saved, the
+gradient it was given) moved with it, and what runs once (the head, the loss, a cache of keys and values
+released) doing to every new block what it does to the block before the last. The held tensors and the
+optimizer step's temporaries are the step copy's with the runs it adds repeated (:func:`autotune.memory.deeper.extended_runs`).
+The whole is replayed as for any model, after the same events made for the deepest copy replayed to its
+own bytes, allocated and reserved, exactly.
 
-A CUDA target is traced whole: the caching allocator's reserved bytes come from a replay of every
-allocation of the step, and what the allocator holds beyond the tensors (segments cached and split)
-is not the same block to block (a Llama-3-8B shape at 16 layers: 32.1 GB beyond 465 GB of tensors,
-where copies of 2, 3 and 4 blocks hold 27.0, 27.8 and 27.8 GB).
+Where a check fails the whole model is traced instead, and a note says why. A model with several
+stacks (T5's encoder and decoder) gets a copy with one more block for each (on the CPU; for a CUDA
+target it is traced whole). The cost is that of tracing ``3p + 9`` blocks (``3p + 12`` for CUDA),
+whatever the depth: 32 or 80 layers cost what 9 or 12 do; a stack of fewer blocks, or one whose blocks
+differ (mixed block types, a setting that differs block to block such as an attention type per layer),
+is traced whole.
+
+Why this is long: :class:`DepthEstimator` is one class of about 280 lines: the Estimator's interface (the
+methods the probe, the what-if table, the shard plan and the shape model call) over the copies, with
+the fall-back to the whole model in each; split, each part would reach into the copies and the
+fall-back of the other.
 """
 
 from __future__ import annotations
@@ -43,7 +58,10 @@ from typing import Any
 
 from torch import nn
 
+from autotune.memory.allocator import AllocatorPeaks, cublas_workspace, expandable_segments, replay, steady_state
 from autotune.memory.curve import MemoryCurve
+from autotune.memory.deeper import extended_micro_step, extended_runs
+from autotune.probe.fakes import template_key
 from autotune.probe.search import estimated_max
 from autotune.probe.trial import Workload
 from autotune.step import min_micro_batch
@@ -115,7 +133,7 @@ def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
         prefix = len(shapes) - 1
         while prefix > 0 and shapes[prefix - 1] == shapes[-1]:
             prefix -= 1
-        if 3 * prefix + 9 >= len(module):  # no fewer blocks traced than the whole stack
+        if 3 * prefix + (12 if work.device.type == "cuda" else 9) >= len(module):  # no fewer blocks traced than the whole stack
             if prefix > len(module) // 2 and len(module) > 9:
                 why = f"the blocks of {path} are not alike ({prefix} of {len(module)} differ from the last)"
             continue
@@ -167,6 +185,7 @@ class _Extended:
     size: int
     peak: int
     seconds: float
+    backward_peak: int = 0  # the forward and backward's own peak (without the optimizer step's line)
 
 
 class DepthEstimator:
@@ -183,7 +202,9 @@ class DepthEstimator:
     def __init__(self, work: Workload, stacks: list[Stack], make: Callable[[Workload], Any], whole: Callable[[], Any]) -> None:
         self.stacks = stacks
         self.full = {s.path: s.depth for s in stacks}
-        base = {s.path: s.prefix + 2 for s in stacks}
+        # A CUDA target also makes the allocator's events of the full depth from the copies' blocks, which pairs
+        # the block before the step copy's last with the one before it: two blocks past the prefix's own.
+        base = {s.path: s.prefix + (3 if work.device.type == "cuda" else 2) for s in stacks}
         self._whole_maker = whole
         self._whole: Any = None
         self.base = make(_variant(work, base))
@@ -201,6 +222,7 @@ class DepthEstimator:
             " and extended the bytes each block adds to the full depth"
         )
         self.traces = 0  # traces the copies made (the cost of this estimate)
+        self._checked: set[Any] = set()  # sizes whose allocator events were checked on the deepest copy
 
     @property
     def loss_fn(self) -> Any:
@@ -264,7 +286,7 @@ class DepthEstimator:
             value, made = self._counting(lambda: self._peak(b, template))
         except Deviates as why:
             return self._fall_back(why).trace(b, template)
-        out = _Extended(b, value, sum(made))
+        out = _Extended(b, value, sum(made), self._peak(b, template, step=False))
         if self.on_trace is not None:
             self.on_trace(out, not made)
         return out
@@ -296,8 +318,9 @@ class DepthEstimator:
         base = figure(self.base)
         return base + sum(n * (figure(s) - base) for n, s in zip(self.reach, self.steps))
 
-    def _peak(self, b: int, template: Any) -> int:
-        return round(max(max(piece, default=0) for piece in self._piecewise(lambda e: _pieces(e.trace(b, template)))))
+    def _peak(self, b: int, template: Any, *, step: bool = True) -> int:
+        pieces = self._piecewise(lambda e: _pieces(e.trace(b, template)))
+        return round(max(max(piece, default=0) for piece in (pieces if step else pieces[:-1])))
 
     def __call__(self, b: int, template: Any = None) -> int:
         """Peak bytes of the full model's trial step with ``b`` samples."""
@@ -341,13 +364,71 @@ class DepthEstimator:
                 return self._whole.largest(budget, upper, confirm=confirm, template=template)
             size = curve.largest(budget, lower, upper)
             at = size or lower
-            if (confirm or not curve.exact) and self(at, template) != curve(at):
+            if not curve.exact or (confirm and not self._confirmed(at, template)):
                 size, _ = estimated_max(peak, budget, upper, lower=lower, start=at)
             else:
                 peak = curve
         if self._whole is not None:
             return self._whole.largest(budget, upper, confirm=confirm, template=template)
-        return size, peak
+        if self.target != "cuda":
+            return size, peak
+
+        def fits(b: int) -> bool:
+            return not self.allocator(b, cap=budget, template=template).out_of_memory
+
+        if size and not fits(size):  # the allocator's rounding and segments take more: search below
+            size, _ = estimated_max(lambda b: 0 if fits(b) else budget + 1, budget, size - 1, lower=lower)
+        if self._whole is not None:
+            return self._whole.largest(budget, upper, confirm=confirm, template=template)
+
+        def reserved(b: int) -> int:
+            capped = self.allocator(b, cap=budget, template=template)
+            return capped.reserved if not capped.out_of_memory else max(budget + 1, self.allocator(b, template=template).reserved)
+
+        return size, reserved
+
+    def _confirmed(self, b: int, template: Any) -> bool:
+        """Whether the deepest copy's trace at ``b`` is its curve's (the copies' curves hold at the size found:
+        one trace of the deepest copy, not one of each)."""
+        t1, t2 = (self.check.trace(size, template) for size in self.sizes)
+        if t1.ops != t2.ops:
+            return False
+        own = MemoryCurve.from_traces(self.sizes[0], t1.live, self.sizes[1], t2.live)
+        return bool(self.check.trace(b, template).peak == own(b))
+
+    def allocator(self, b: int, *, cap: int | None = None, template: Any = None) -> AllocatorPeaks:
+        """What CUDA's caching allocator would read for the full model at ``b`` samples: the held tensors, the
+        optimizer step's temporaries and the micro-step's allocations of the full depth, made from the copies'
+        (:mod:`autotune.memory.deeper`) and replayed as for any model; checked, once per
+        size, against the deepest copy's own replay."""
+        if self._whole is not None:
+            return self._whole.allocator(b, cap=cap, template=template)
+        key = (None if template is None else template_key(template), b)
+        try:
+            if key not in self._checked:
+                again = replay(self._allocator_events(b, template, extra=1), expandable=expandable_segments())
+                own = self.check.allocator(b, template=template)
+                if (again.reserved, again.allocated) != (own.reserved, own.allocated):
+                    raise Deviates(f"the allocator's replay made for the deepest copy at micro-batch {b} reserves "
+                                   f"{again.reserved} bytes, its own {own.reserved}")
+                self._checked.add(key)
+            made = self._allocator_events(b, template, extra=self.reach[0] - 1)
+        except Deviates as why:
+            return self._fall_back(why).allocator(b, cap=cap, template=template)
+        return replay(made, cap=cap, expandable=expandable_segments())
+
+    def _allocator_events(self, b: int, template: Any, *, extra: int) -> list[tuple[Any, int]]:
+        """The steady state's allocations and frees (:func:`autotune.memory.allocator.steady_state`) of the
+        stack ``extra`` blocks deeper than the step copy's."""
+        base, step = self.base, self.steps[0]
+        held_b, micro_b, marks_b = base.micro_events(b, template)
+        held_s, micro_s, marks_s = step.micro_events(b, template)
+        held = extended_runs(list(held_b), list(held_s), extra)
+        optimizer = extended_runs(base.step_events(), step.step_events(), extra)
+        micro = extended_micro_step((micro_b, marks_b), (micro_s, marks_s), extra)
+        if held is None or optimizer is None or micro is None:
+            raise Deviates("the copies' allocations do not line up block by block")
+        return steady_state(held, micro, optimizer, workspace=cublas_workspace())
 
     def _held(self, name: str) -> int:
         if self._whole is not None:

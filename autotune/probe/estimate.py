@@ -87,6 +87,8 @@ from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backen
 from autotune.probe.depth import DepthEstimator, repeated_stacks
 from autotune.probe.fakes import (
     Counter,
+    optimizer_signature,
+    optimizer_for_device,
     FakeCopy,
     fake_copy,
     fake_like,
@@ -104,40 +106,6 @@ from autotune.step import forward_backward, min_micro_batch, planning
 __all__ = ["Estimator", "cuda_attention_backend", "estimator_for", "forget", "optimizer_for_device"]
 
 _ESTIMATORS: OrderedDict[Any, Estimator] = OrderedDict()
-
-
-def optimizer_for_device(optimizer: torch.optim.Optimizer, device_type: str) -> list[dict[str, Any]]:
-    """The optimizer's param-group settings with the implementation it takes on ``device_type``.
-
-    ``foreach=None`` (the default) means foreach on CUDA (when the optimizer has a foreach
-    implementation and is not ``differentiable``) and the single-tensor loop on the CPU; an explicit
-    ``foreach`` or ``fused`` is kept as it is.
-    """
-    groups = []
-    for g in optimizer.param_groups:
-        settings = {k: v for k, v in g.items() if k != "params"}
-        if (
-            device_type == "cuda"
-            and "foreach" in settings
-            and settings.get("foreach") is None
-            and not settings.get("fused")
-            and not settings.get("differentiable", False)
-        ):
-            settings["foreach"] = True
-        groups.append(settings)
-    return groups
-
-
-def _optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
-    groups = tuple(
-        (len(g["params"]), repr(sorted((k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor))))
-        for g in optimizer.param_groups
-    )
-    state = tuple(
-        tuple(sorted((k, repr((tuple(v.shape), v.dtype, v.item() if v.dim() == 0 else None)) if isinstance(v, torch.Tensor) else repr(v)) for k, v in s.items()))
-        for s in optimizer.state.values()
-    )
-    return type(optimizer), groups, state
 
 
 def forget() -> None:
@@ -163,7 +131,7 @@ def estimator_for(
     structure = fingerprint(work.model)
     precision = precision or work.precision
     ckpt = bool(work.checkpointing if checkpointing is None else checkpointing)
-    variant = optimizer[0] if optimizer is not None else _optimizer_signature(work.optimizer)
+    variant = optimizer[0] if optimizer is not None else optimizer_signature(work.optimizer)
     key = (structure, variant, id(work.loss_fn), work.device.type, precision, ckpt)
     found = _ESTIMATORS.get(key)
     if found is not None and found.loss_fn is work.loss_fn:
@@ -175,8 +143,8 @@ def estimator_for(
                          copy=fake_copy(w.model, shape or fingerprint(w.model)))
 
     stacks, why = repeated_stacks(work)
-    if stacks and work.device.type == "cuda":
-        stacks, why = [], None  # the caching allocator's replay needs every block's allocations (see autotune.probe.depth)
+    if len(stacks) > 1 and work.device.type == "cuda":
+        stacks, why = [], None  # the caching allocator's events are made for one stack (see autotune.probe.depth)
     if ckpt and stacks and not getattr(work.model, "supports_gradient_checkpointing", False) and len(stacks) > 1:
         stacks, why = [], "checkpointing blocks autotune finds itself, in a model of several stacks"
     made: Any = DepthEstimator(work, stacks, make, lambda: make(work, structure)) if stacks else make(work, structure)
@@ -206,6 +174,7 @@ class Trace:
         outputs: each operation's outputs in ``ops`` as ``(dtype, elements)`` (without the last, ``"step"``).
         marks: where in ``live`` the forward and the backward of each marked block (:meth:`Estimator.mark`)
             start and end, in order (empty when none is marked, or one was not seen).
+        event_marks: the same points in ``events`` (a CUDA target).
     """
 
     size: int
@@ -217,6 +186,7 @@ class Trace:
     events: tuple[tuple[int, int], ...] = ()
     outputs: tuple[tuple[tuple[torch.dtype, int], ...], ...] = ()
     marks: tuple[int, ...] = ()
+    event_marks: tuple[int, ...] = ()
 
     @property
     def backward_peak(self) -> int:
@@ -441,7 +411,7 @@ class Estimator:
         batch = self._batch(template, b)
         ledger = self._ledger(batch, trace=True)
         received: set[int] = set()
-        marks: dict[tuple[str, int], int] = {}
+        marks: dict[tuple[str, int], tuple[int, int]] = {}
         hooks = [*self._marking(ledger, marks), *([] if self._receiving is not None else [
             p.register_post_accumulate_grad_hook(lambda q: received.add(id(q))) for p in self.params if p.requires_grad
         ])]
@@ -468,7 +438,8 @@ class Estimator:
         made = Trace(b, peak, (*live, end + self._transient), (*(ledger.ops or ()), "step"), time.perf_counter() - start,
                      held=tuple(n for _, n in events[:self._held]), events=tuple(events[self._held:]),
                      outputs=tuple(ledger.outputs),
-                     marks=tuple(sorted(marks.values())) if len(marks) == 4 * len(self._marked) else ())
+                     marks=tuple(sorted(t for t, _ in marks.values())) if len(marks) == 4 * len(self._marked) else (),
+                     event_marks=tuple(sorted(e for _, e in marks.values())) if len(marks) == 4 * len(self._marked) else ())
         self._traces[key] = made
         if self.on_trace is not None:
             self.on_trace(made, False)
@@ -481,14 +452,14 @@ class Estimator:
         self._traces.clear()
         self._curves.clear()
 
-    def _marking(self, ledger: TensorLedger, marks: dict[tuple[str, int], int]) -> Iterator[Any]:
+    def _marking(self, ledger: TensorLedger, marks: dict[tuple[str, int], tuple[int, int]]) -> Iterator[Any]:
         """Hooks that note the ledger's position when a marked block's forward starts and ends (its
         inputs' and output's gradients: when its backward ends and starts); the first time only (a
         checkpointed block runs its forward again in the backward)."""
 
         def at(name: str, k: int) -> Callable[..., None]:
             def note(*_: Any) -> None:
-                marks.setdefault((name, k), len(ledger.trace or ()))
+                marks.setdefault((name, k), (len(ledger.trace or ()), len(ledger.events or ()) - self._held))
 
             return note
 
@@ -593,6 +564,16 @@ class Estimator:
         found = self._replays.get(key)
         if found is not None:  # the search, the plan's peak and its note all ask at the size found
             return found
+        held, events, _ = self.micro_events(b, template)
+        replayed = steady_state(held, events, self._step_events, workspace=key[4])
+        found = self._replays[key] = replay(replayed, cap=cap, expandable=key[3])
+        return found
+
+    def micro_events(self, b: int, template: Any = None) -> tuple[tuple[int, ...], list[tuple[int, int]], tuple[int, ...]]:
+        """For a CUDA target: the held tensors' sizes, the micro-step's allocations and frees at ``b`` samples,
+        and where the marked blocks start and end among them (:attr:`Trace.event_marks`). They come from
+        the curve's two traces where those pair up, else from a trace at ``b``."""
+        template = self.batch if template is None else template
         b1, b2 = self.sizes
         # The traces the curve was made of, read again: not new trials (no on_trace for them).
         told, self.on_trace = self.on_trace, None
@@ -601,11 +582,16 @@ class Estimator:
         finally:
             self.on_trace = told
         events = scale_events((b1, list(t1.events)), (b2, list(t2.events)), b) if t1.held == t2.held else None
-        if events is None:
-            events = list(self.trace(b, template).events)
-        replayed = steady_state(t1.held, events, self._step_events, workspace=key[4])
-        found = self._replays[key] = replay(replayed, cap=cap, expandable=key[3])
-        return found
+        if events is not None and t1.event_marks == t2.event_marks:
+            return t1.held, events, t1.event_marks
+        at = self.trace(b, template)
+        return at.held, list(at.events), at.event_marks
+
+    def step_events(self) -> list[tuple[int, int]]:
+        """For a CUDA target: the optimizer step's temporaries, allocated and freed, in order."""
+        if self._grads is None:
+            self._setup()
+        return list(self._step_events)
 
     def resident(self) -> int:
         """Bytes of parameters, buffers, gradients and optimizer state in the steady state."""

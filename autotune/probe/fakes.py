@@ -23,7 +23,7 @@ from torch import nn
 from autotune import batches as B
 from autotune.memory.ledger import TensorLedger
 
-__all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fingerprint", "forget_copies", "is_value", "keep_recent",
+__all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fingerprint", "forget_copies", "is_value", "keep_recent", "optimizer_for_device", "optimizer_signature",
            "quiet_torch", "template_key"]
 
 # Operations on real integer tensors alone run for real when their results hold at most this many
@@ -190,6 +190,41 @@ def keep_recent(cache: OrderedDict[Any, Any], key: Any, value: Any) -> Any:
     while len(cache) > KEEP:
         cache.popitem(last=False)
     return value
+
+
+def optimizer_for_device(optimizer: torch.optim.Optimizer, device_type: str) -> list[dict[str, Any]]:
+    """The optimizer's param-group settings with the implementation it takes on ``device_type``.
+
+    ``foreach=None`` (the default) means foreach on CUDA (when the optimizer has a foreach
+    implementation and is not ``differentiable``) and the single-tensor loop on the CPU; an explicit
+    ``foreach`` or ``fused`` is kept as it is.
+    """
+    groups = []
+    for g in optimizer.param_groups:
+        settings = {k: v for k, v in g.items() if k != "params"}
+        if (
+            device_type == "cuda"
+            and "foreach" in settings
+            and settings.get("foreach") is None
+            and not settings.get("fused")
+            and not settings.get("differentiable", False)
+        ):
+            settings["foreach"] = True
+        groups.append(settings)
+    return groups
+
+
+def optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """What makes an estimate of ``optimizer`` valid for another: its class, groups' settings and state's shapes."""
+    groups = tuple(
+        (len(g["params"]), repr(sorted((k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor))))
+        for g in optimizer.param_groups
+    )
+    state = tuple(
+        tuple(sorted((k, repr((tuple(v.shape), v.dtype, v.item() if v.dim() == 0 else None)) if isinstance(v, torch.Tensor) else repr(v)) for k, v in s.items()))
+        for s in optimizer.state.values()
+    )
+    return type(optimizer), groups, state
 
 
 def fake_copy(model: nn.Module, structure: tuple[Any, ...]) -> FakeCopy:
