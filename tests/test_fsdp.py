@@ -152,7 +152,7 @@ def test_an_out_of_memory_error_in_the_roots_own_code_is_redone_by_every_rank(la
 # The model of every case: its embedding, block and head each sharded with fully_shard, then the model, whose
 # parameters all live in its children (or, "blocks": [], only the model sharded); windows uneven across the
 # ranks (21 over 2) and a last window of one sample, where one rank runs only a zero-weight micro-batch.
-ROOT = {"n": 64, "target": 21, "lengths": (4, 9), "limits": ["40KiB", "40KiB"], "optimizer": "sgd"}
+ROOT = {"n": 64, "target": 21, "lengths": (4, 9), "limits": ["40KiB", "40KiB"], "optimizer": "sgd", "plan_headroom": 0.1}
 ROOT_CASES = {name: SHARED.add(name, 2, "fsdp", {**ROOT, **case}) for name, case in {
     "root-without-parameters-start-of-forward": dict(oom_rank=1, oom_module="root", oom_in="pre_forward", oom_call=3),
     "root-without-parameters-end-of-forward": dict(oom_rank=0, oom_module="root", oom_in="forward", oom_call=3),

@@ -18,6 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_validate  # noqa: E402
 
 pytest.importorskip("transformers")
+try:  # imported before any test captures stdout: Lightning's log handler keeps the stream it met first
+    import lightning.pytorch  # noqa: F401
+except ImportError:
+    pass
 
 
 def test_without_cuda_it_says_so_and_exits_0(capsys, monkeypatch):

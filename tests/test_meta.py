@@ -2,6 +2,7 @@
 as accelerate's ``init_empty_weights`` and transformers do for big models) plans estimate-only to the
 same micro-batch and bytes as the same model with weights; a real plan of it is refused with the fix."""
 
+import re
 import warnings
 
 import pytest
@@ -79,7 +80,7 @@ def tokens(n=4096):
 EIGHTY = dict(device="cuda", memory_limit="80GiB", precision="bf16", verify=False, progress=False)
 
 
-@pytest.mark.slow  # a minute: the what-if table traces the whole 32 layers for each setting (a CUDA target)
+@pytest.mark.slow  # half a minute: the what-if table estimates the 32 layers for each setting
 def test_llama_3_8b_at_4096_tokens_on_80_gib_full_fine_tuning_does_not_fit_and_says_what_would():
     model = llama3_8b()
     assert 7.9e9 < sum(p.numel() for p in model.parameters()) < 8.1e9
@@ -157,7 +158,7 @@ def test_the_cli_plans_from_a_config_without_weights_as_the_api_does_for_the_mod
     assert data["device"]["name"] == "estimated for a model without weights"
 
 
-@pytest.mark.slow  # about a minute: a CUDA target traces the 32 layers whole
+@pytest.mark.slow  # about a minute: three plans of the 8B shape, the last with its what-if table
 def test_the_cli_answers_the_8b_question_from_a_config_directory_with_lora_and_with_8_shards(capsys, monkeypatch, tmp_path):
     pytest.importorskip("peft")
     path = write_config(tmp_path, LLAMA_3_8B_CONFIG)
@@ -170,6 +171,8 @@ def test_the_cli_answers_the_8b_question_from_a_config_directory_with_lora_and_w
     code, data, err = report(capsys, monkeypatch, tmp_path, *common, "--shard", "8")
     assert code == 0, err
     assert data["fsdp2"]["fits"] and data["fsdp2"]["micro_batch"] >= 1
+    code, _, err = report(capsys, monkeypatch, tmp_path, *common)  # every weight trained: nothing fits, and it says what would
+    assert code == 1 and "nothing fits" in err and re.search(r"checkpointing.*fit", err), err
 
 
 @pytest.mark.parametrize("argv, message", [
