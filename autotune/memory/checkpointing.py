@@ -60,9 +60,17 @@ def activation_checkpointing(model: nn.Module, *, recompute: Callable[[], Any] |
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)  # type: ignore[operator]
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)  # type: ignore[operator]
+        # A checkpointed model trains without a cache of keys and values: transformers turns it off itself, with a
+        # log line each step; turned off here for the run (what it does anyway), and back on after.
+        config = getattr(model, "config", None)
+        cached = bool(getattr(config, "use_cache", False))
+        if cached:
+            config.use_cache = False  # type: ignore[union-attr]
         try:
             yield
         finally:
+            if cached:
+                config.use_cache = True  # type: ignore[union-attr]
             if not was_on:
                 (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()  # type: ignore[operator]
         return
