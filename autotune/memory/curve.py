@@ -85,15 +85,6 @@ class MemoryCurve:
         return cls(_upper_envelope(best))
 
     @classmethod
-    def envelope(cls, lines: Sequence[tuple[float, float]], *, exact: bool = True) -> MemoryCurve:
-        """The upper envelope of ``(fixed, per_sample)`` lines (those that are the peak somewhere at ``b >= 1``)."""
-        best: dict[float, float] = {}
-        for fixed, slope in lines:
-            if fixed > best.get(slope, -math.inf):
-                best[slope] = fixed
-        return cls(_upper_envelope(best), exact=exact)
-
-    @classmethod
     def through(cls, b1: int, peak1: float, b2: int, peak2: float) -> MemoryCurve:
         """The line through two peaks (not exact: the step may peak elsewhere at other sizes)."""
         slope = (peak2 - peak1) / (b2 - b1)

@@ -221,7 +221,6 @@ class DepthEstimator:
             f"the estimate traced {' and '.join(f'{s.path} at {base[s.path]}, {base[s.path] + 1} and {base[s.path] + 2} of its {s.depth} blocks' for s in stacks)}"
             " and extended the bytes each block adds to the full depth"
         )
-        self.traces = 0  # traces the copies made (the cost of this estimate)
         self._checked: set[Any] = set()  # sizes whose allocator events were checked on the deepest copy
 
     @property
@@ -259,7 +258,7 @@ class DepthEstimator:
         return self._whole
 
     def _counting(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` counting the copies' new traces and their time."""
+        """Run ``fn``, with the seconds of each trace the copies made for it (not those they had made)."""
         made: list[float] = []
 
         def told(trace: Any, reused: bool) -> None:
@@ -273,7 +272,6 @@ class DepthEstimator:
         finally:
             for part in self._parts:
                 part.on_trace = None
-        self.traces += len(made)
         return value, made
 
     # --- the Estimator's methods, for the full model -------------------------------------------------------
@@ -283,10 +281,10 @@ class DepthEstimator:
         if self._whole is not None:
             return self._whole.trace(b, template)
         try:
-            value, made = self._counting(lambda: self._peak(b, template))
+            pieces, made = self._counting(lambda: self._piecewise(lambda e: _pieces(e.trace(b, template))))
         except Deviates as why:
             return self._fall_back(why).trace(b, template)
-        out = _Extended(b, value, sum(made), self._peak(b, template, step=False))
+        out = _Extended(b, _highest(pieces), sum(made), _highest(pieces[:-1]))
         if self.on_trace is not None:
             self.on_trace(out, not made)
         return out
@@ -318,10 +316,6 @@ class DepthEstimator:
         base = figure(self.base)
         return base + sum(n * (figure(s) - base) for n, s in zip(self.reach, self.steps))
 
-    def _peak(self, b: int, template: Any, *, step: bool = True) -> int:
-        pieces = self._piecewise(lambda e: _pieces(e.trace(b, template)))
-        return round(max(max(piece, default=0) for piece in (pieces if step else pieces[:-1])))
-
     def __call__(self, b: int, template: Any = None) -> int:
         """Peak bytes of the full model's trial step with ``b`` samples."""
         return self.trace(b, template).peak
@@ -332,23 +326,22 @@ class DepthEstimator:
             return self._whole.curve(template, sizes=sizes)
         b1, b2 = sizes or self.sizes
         try:
-            (lines, exact), made = self._counting(lambda: self._lines(template, b1, b2))
-            if made and self.on_trace is not None:
-                for b in (b1, b2):
-                    self.on_trace(_Extended(b, self._peak(b, template), sum(made) / 2), False)
+            at, made = self._counting(lambda: self._at_both(template, b1, b2))
         except Deviates as why:
             return self._fall_back(why).curve(template, sizes=sizes)
-        if lines is None:
-            return MemoryCurve.through(b1, self._peak(b1, template), b2, self._peak(b2, template))
-        return MemoryCurve.envelope(lines, exact=exact)
+        if made and self.on_trace is not None:
+            for b, pieces in zip((b1, b2), at):
+                self.on_trace(_Extended(b, _highest(pieces), sum(made) / 2, _highest(pieces[:-1])), False)
+        traced = ((e.trace(b1, template), e.trace(b2, template)) for e in self._parts)  # kept: no trace made again
+        paired = all(t1.ops == t2.ops and t1.marks == t2.marks for t1, t2 in traced)
+        if not paired:  # other operations at the two sizes: only the peaks pair up
+            return MemoryCurve.through(b1, _highest(at[0]), b2, _highest(at[1]))
+        # Each extended point's line through its bytes at the two sizes, their upper envelope.
+        return MemoryCurve.from_traces(b1, [y for piece in at[0] for y in piece], b2, [y for piece in at[1] for y in piece])
 
-    def _lines(self, template: Any, b1: int, b2: int) -> tuple[list[tuple[float, float]] | None, bool]:
-        """The full model's lines: each point of the step extended at both sizes (:meth:`_piecewise`)."""
-        traces = {id(e): (e.trace(b1, template), e.trace(b2, template)) for e in self._parts}
-        if any(t1.ops != t2.ops or t1.marks != t2.marks for t1, t2 in traces.values()):
-            return None, False
-        at = [self._piecewise(lambda e, k=k: _pieces(traces[id(e)][k])) for k in (0, 1)]
-        return [_line(b1, y1, b2, y2) for p1, p2 in zip(*at) for y1, y2 in zip(p1, p2)], True
+    def _at_both(self, template: Any, b1: int, b2: int) -> tuple[list[list[float]], list[list[float]]]:
+        """The full model's step at both sizes, piece by piece (:meth:`_piecewise`)."""
+        return tuple(self._piecewise(lambda e, b=b: _pieces(e.trace(b, template))) for b in (b1, b2))  # type: ignore[return-value]
 
     def largest(self, budget: int, upper: int, *, confirm: bool = True, template: Any = None) -> tuple[int, Callable[[int], int]]:
         """As :meth:`autotune.probe.estimate.Estimator.largest`, for the full model."""
@@ -390,11 +383,8 @@ class DepthEstimator:
     def _confirmed(self, b: int, template: Any) -> bool:
         """Whether the deepest copy's trace at ``b`` is its curve's (the copies' curves hold at the size found:
         one trace of the deepest copy, not one of each)."""
-        t1, t2 = (self.check.trace(size, template) for size in self.sizes)
-        if t1.ops != t2.ops:
-            return False
-        own = MemoryCurve.from_traces(self.sizes[0], t1.live, self.sizes[1], t2.live)
-        return bool(self.check.trace(b, template).peak == own(b))
+        own = self.check.curve(template)
+        return bool(own.exact and self.check(b, template) == own(b))
 
     def allocator(self, b: int, *, cap: int | None = None, template: Any = None) -> AllocatorPeaks:
         """What CUDA's caching allocator would read for the full model at ``b`` samples: the held tensors, the
@@ -472,7 +462,7 @@ def _pieces(trace: Any) -> list[list[int]]:
     return [live[a:z] for a, z in zip(cuts, cuts[1:])] + [[trace.live[-1]]]
 
 
-def _line(b1: int, y1: float, b2: int, y2: float) -> tuple[float, float]:
-    slope = (y2 - y1) / (b2 - b1)
-    return (y1 - slope * b1, slope)
+def _highest(pieces: list[list[float]]) -> int:
+    """The highest point of a step's pieces, in whole bytes."""
+    return round(max(max(piece, default=0) for piece in pieces))
 
