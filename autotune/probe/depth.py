@@ -62,7 +62,7 @@ from autotune.memory.allocator import AllocatorPeaks, cublas_workspace, expandab
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.deeper import extended_micro_step, extended_runs
 from autotune.probe.fakes import template_key
-from autotune.probe.search import estimated_max
+from autotune.probe.search import estimated_max, within_allocator
 from autotune.probe.trial import Workload
 from autotune.step import min_micro_batch
 
@@ -365,20 +365,10 @@ class DepthEstimator:
             return self._whole.largest(budget, upper, confirm=confirm, template=template)
         if self.target != "cuda":
             return size, peak
-
-        def fits(b: int) -> bool:
-            return not self.allocator(b, cap=budget, template=template).out_of_memory
-
-        if size and not fits(size):  # the allocator's rounding and segments take more: search below
-            size, _ = estimated_max(lambda b: 0 if fits(b) else budget + 1, budget, size - 1, lower=lower)
-        if self._whole is not None:
+        found = within_allocator(lambda b, cap: self.allocator(b, cap=cap, template=template), size, budget, lower=lower)
+        if self._whole is not None:  # the allocator's events did not line up: the whole model's answer
             return self._whole.largest(budget, upper, confirm=confirm, template=template)
-
-        def reserved(b: int) -> int:
-            capped = self.allocator(b, cap=budget, template=template)
-            return capped.reserved if not capped.out_of_memory else max(budget + 1, self.allocator(b, template=template).reserved)
-
-        return size, reserved
+        return found
 
     def _confirmed(self, b: int, template: Any) -> bool:
         """Whether the deepest copy's trace at ``b`` is its curve's (the copies' curves hold at the size found:

@@ -99,7 +99,7 @@ from autotune.probe.fakes import (
     quiet_torch,
     template_key,
 )
-from autotune.probe.search import estimated_max
+from autotune.probe.search import estimated_max, within_allocator
 from autotune.probe.trial import Workload
 from autotune.step import forward_backward, min_micro_batch, planning
 
@@ -520,19 +520,7 @@ class Estimator:
         size, peak = self._largest_allocated(budget, upper, confirm=confirm, template=template)
         if self.target != "cuda":
             return size, peak
-        lower = min(self.lower, upper)
-
-        def fits(b: int) -> bool:
-            return not self.allocator(b, cap=budget, template=template).out_of_memory
-
-        if size and not fits(size):  # the allocator's rounding and segments take more: search below
-            size, _ = estimated_max(lambda b: 0 if fits(b) else budget + 1, budget, size - 1, lower=lower)
-
-        def reserved(b: int) -> int:
-            capped = self.allocator(b, cap=budget, template=template)
-            return capped.reserved if not capped.out_of_memory else max(budget + 1, self.allocator(b, template=template).reserved)
-
-        return size, reserved
+        return within_allocator(lambda b, cap: self.allocator(b, cap=cap, template=template), size, budget, lower=min(self.lower, upper))
 
     def _largest_allocated(self, budget: int, upper: int, *, confirm: bool, template: Any) -> tuple[int, Callable[[int], int]]:
         lower = min(self.lower, upper)

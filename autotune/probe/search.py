@@ -25,7 +25,7 @@ from typing import Any
 
 from autotune.memory.curve import Curve
 
-__all__ = ["Measurement", "SearchResult", "Trial", "estimated_max", "largest_fitting"]
+__all__ = ["Measurement", "SearchResult", "Trial", "estimated_max", "largest_fitting", "within_allocator"]
 
 
 @dataclass(frozen=True)
@@ -275,3 +275,21 @@ def _predicted(
         return None
     pred = _largest_below(model, budget, lo + 1, hi - 1)
     return pred if pred > lo else None
+
+
+def within_allocator(allocator: Callable[[int, int | None], Any], size: int, budget: int, *, lower: int) -> tuple[int, Callable[[int], int]]:
+    """For a CUDA target: the largest size up to ``size`` (found on the tensors' bytes) that the caching allocator
+    serves under a cap of ``budget``, and the reserved bytes at any size (over the budget: at least ``budget + 1``).
+    ``allocator(b, cap)`` is the allocator's replay at ``b`` samples (an ``AllocatorPeaks``)."""
+
+    def fits(b: int) -> bool:
+        return not allocator(b, budget).out_of_memory
+
+    if size and not fits(size):  # the allocator's rounding and segments take more: search below
+        size, _ = estimated_max(lambda b: 0 if fits(b) else budget + 1, budget, size - 1, lower=lower)
+
+    def reserved(b: int) -> int:
+        capped = allocator(b, budget)
+        return capped.reserved if not capped.out_of_memory else max(budget + 1, allocator(b, None).reserved)
+
+    return size, reserved
