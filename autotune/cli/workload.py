@@ -105,23 +105,24 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         raise UsageError("--hf-config needs transformers: pip install transformers") from None
 
     def build() -> Any:
-        config = transformers.AutoConfig.for_model(**data) if "model_type" in data else None
-        if config is None:
+        if "model_type" not in data:
             raise ValueError("the config has no model_type")
+        config = transformers.AutoConfig.for_model(**data)
         names = list(data.get("architectures") or [])
         cls = getattr(transformers, names[0], None) if names else None
         dtype = getattr(torch, str(data.get("dtype") or data.get("torch_dtype") or "float32").replace("torch.", ""), torch.float32)
         with torch.device("meta"):
             model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
-        return model.to(dtype), config
+        return model.to(dtype)
 
-    model, config = call_user(build, f"--hf-config {args.hf_config!r}", args.debug)
-    model = _with_lora(args, model)
-    longest = next((v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(config, k, None), int)), None)
+    from autotune.planning.lengths import max_length
+
+    model = _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug))
+    longest = max_length(model)
     tokens = args.tokens or min(2048, longest or 2048)
     if tokens < 1 or (longest is not None and tokens > longest):
-        raise UsageError(f"Invalid --tokens {tokens}: the model takes 1 to {longest} tokens a sample")
-    vocab = int(getattr(config, "vocab_size", None) or args.vocab_size)
+        raise UsageError(f"Invalid --tokens {tokens}: the model takes 1 to {longest or 'any number of'} tokens a sample")
+    vocab = int(getattr(model.config, "vocab_size", None) or args.vocab_size)
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 

@@ -24,10 +24,10 @@ def extended_runs(base: list[Any], step: list[Any], extra: int) -> list[Any] | N
     inserted tensor is freed outside the runs (its copies would never be)."""
     events = bool(step) and isinstance(step[0], tuple)
     key = (lambda e: e[1]) if events else (lambda e: e)
-    matcher = difflib.SequenceMatcher(None, [key(e) for e in base], [key(e) for e in step], autojunk=False)
-    runs = [(j1, j2) for tag, _, _, j1, j2 in matcher.get_opcodes() if tag != "equal"]
-    if any(tag not in ("equal", "insert") for tag, *_ in matcher.get_opcodes()):
+    opcodes = difflib.SequenceMatcher(None, [key(e) for e in base], [key(e) for e in step], autojunk=False).get_opcodes()
+    if any(tag not in ("equal", "insert") for tag, *_ in opcodes):
         return None
+    runs = [(j1, j2) for tag, _, _, j1, j2 in opcodes if tag == "insert"]
     if events:
         runs = _freed_together(step, runs)
     inserted = {step[j][0] for a, z in runs for j in range(a, z) if events and step[j][1] > 0}

@@ -13,7 +13,7 @@ from autotune.memory.shapes import fit_shape_model
 from autotune.probe.trial import Looked, Workload
 from autotune.step import min_micro_batch
 
-__all__ = ["shape_model_for"]
+__all__ = ["max_length", "shape_model_for"]
 
 
 def shape_model_for(work: Workload, looked: Looked, found: Any, budget: int, upper: int, lengths: Sequence[int] | None) -> Any:
@@ -36,7 +36,7 @@ def shape_model_for(work: Workload, looked: Looked, found: Any, budget: int, upp
     if lengths:
         dims = B.length_dims([work.batch, *looked.shapes])
         longest = B.longest_length(work.batch, dims)
-        accepted = _max_length(work.model)
+        accepted = max_length(work.model)
         for length in sorted(set(lengths)):
             if accepted is not None and length > accepted:
                 work.notes.append(f"length {length} left out of the shape model: the model takes at most {accepted}")
@@ -61,7 +61,7 @@ def shape_model_for(work: Workload, looked: Looked, found: Any, budget: int, upp
     )
 
 
-def _max_length(model: nn.Module) -> int | None:
+def max_length(model: nn.Module) -> int | None:
     """The longest sequence a Hugging Face model takes (its position embeddings), when it says."""
     config = getattr(model, "config", None)
     for name in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx"):
