@@ -400,30 +400,16 @@ def binsearch(model: Model, net: nn.Module, samples: list[Any], device: torch.de
 
     import lightning as L
     from lightning.pytorch.tuner import Tuner
-    from torch.utils.data import DataLoader
+    from lit import tunable
 
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-            self.batch_size = 2
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return model.loss(self.net, batch)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-5)
-
-        def train_dataloader(self) -> Any:
-            return DataLoader(samples, batch_size=self.batch_size)
-
+    module = tunable(net, model.loss, lambda params: torch.optim.AdamW(params, lr=1e-5), samples)
     trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         precision="bf16-mixed" if model.precision == "bf16" else "32-true", default_root_dir="/tmp/autotune-gpu-validate")
     start = time.perf_counter()
     with cuda_memory_fraction(device, cap), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        found = Tuner(trainer).scale_batch_size(Lit(), mode="binsearch", max_trials=max_trials)
+        found = Tuner(trainer).scale_batch_size(module, mode="binsearch", max_trials=max_trials)
     return int(found or 0), time.perf_counter() - start
 
 

@@ -115,26 +115,11 @@ def run_autotune(name, opt_name, limit, ds):
 def run_lightning(name, opt_name, limit, ds, mode):
     import lightning as L
     from lightning.pytorch.tuner import Tuner
+    from lit import tunable
 
     torch.manual_seed(0)
     net = MODELS[name]()
-
-    class Lit(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-            self.batch_size = 2
-
-        def training_step(self, batch, batch_idx):
-            return loss_of(self.net, batch)
-
-        def configure_optimizers(self):
-            return OPTIMIZERS[opt_name](self.parameters())
-
-        def train_dataloader(self):
-            return DataLoader(ds, batch_size=self.batch_size)
-
-    model = Lit()
+    model = tunable(net, loss_of, OPTIMIZERS[opt_name], ds)
     calls = count_forwards(net)
     before = copy.deepcopy(net.state_dict())
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,

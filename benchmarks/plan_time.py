@@ -52,7 +52,7 @@ from helpers import MODELS, OPTIMIZERS, true_max  # noqa: E402
 from peers import budget, dataset  # noqa: E402
 
 import autotune  # noqa: E402
-from autotune.probe.largest import estimate as estimate
+from autotune.probe import estimate  # noqa: E402
 
 TARGET = 256
 HARNESS = [
@@ -147,30 +147,15 @@ def real_step(w: Workload, net: torch.nn.Module, size: int) -> float:
 def run_binsearch(w: Workload) -> tuple[int, float]:
     import lightning as L
     from lightning.pytorch.tuner import Tuner
+    from lit import tunable
 
     torch.manual_seed(0)
     net = w.make()
-
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-            self.batch_size = 2
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return w.loss(self.net, batch)
-
-        def configure_optimizers(self) -> Any:
-            return w.make_opt(self.parameters())
-
-        def train_dataloader(self) -> Any:
-            return DataLoader(w.data, batch_size=self.batch_size)
-
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir="/tmp/autotune-plan-time")
     start = time.perf_counter()
     with budget(net, w.data, w.limit), contextlib.redirect_stdout(io.StringIO()):  # its trial-by-trial prints
-        found = Tuner(trainer).scale_batch_size(Lit(), mode="binsearch", max_trials=25)
+        found = Tuner(trainer).scale_batch_size(tunable(net, w.loss, w.make_opt, w.data), mode="binsearch", max_trials=25)
     return int(found or 0), time.perf_counter() - start
 
 
