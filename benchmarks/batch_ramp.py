@@ -20,7 +20,13 @@ Tasks:
 
 - ``digits``: an MLP on the 8x8 digits that ship with scikit-learn, Adam; its noise scale stays flat;
 - ``lm``: a 2-layer causal transformer language model trained from scratch on a synthetic corpus, Adam;
-  its noise scale grows many-fold over the run (``--curve`` measures it).
+  its noise scale grows many-fold over the run (``--curve`` measures it);
+- ``digits-wide`` and ``digits-small``: the digits set up otherwise (other widths, batches and
+  learning-rate grids), to check that a ramp stays out of the way where the noise scale stays flat.
+
+This script compares at an equal budget of samples: where a ramp ends below every fixed batch, there
+is no fixed batch of equal loss in it. ``benchmarks/ramp_saving.py`` measures the saving at equal loss,
+with fixed batches trained until they reach the ramp's loss.
 
 Ramps (``autotune.BatchRamp.adaptive(16, maximum, ...)``): the default, and the variants in ``RAMPS``,
 each differing from it in one or two settings; and fixed stages chosen with hindsight (``STAGES``: when
@@ -32,14 +38,18 @@ reach with the same learning-rate coupling.
     python benchmarks/batch_ramp.py --tasks lm --first-seed 3                # lm on three other seeds
     python benchmarks/batch_ramp.py --meter both --tasks lm --ramps "default (margin 3, lr peak)" "margin 2"   # also every window measured
     python benchmarks/batch_ramp.py --curve --tasks lm --schedules constant --times 4   # the noise scale over a run
+    python benchmarks/batch_ramp.py --tasks digits digits-wide digits-small --schedules constant cosine \\
+        --ramps "default (margin 3, lr peak)" --first-seed 6 --seeds 10 --records digits.jsonl   # seeds that chose nothing
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import multiprocessing
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -76,9 +86,8 @@ def xent(model: nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def digits() -> Task:
-    """An MLP (64-128-10) on scikit-learn's 8x8 digits: 1,500 training and 297 held-out images, 12
-    epochs, Adam at 1e-3 for batch 16, the square-root rule."""
+def digits_data() -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's 8x8 digits, shuffled once: 1,500 training and 297 held-out images."""
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
@@ -86,12 +95,41 @@ def digits() -> Task:
     y = torch.tensor(y)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
+    return TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:])
 
+
+def mlp(*widths: int) -> Any:
+    """A maker of an MLP with ReLUs between layers of these widths."""
     def make() -> nn.Module:
-        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        layers: list[nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        return nn.Sequential(*layers[:-1])
+    return make
 
-    return Task("digits", TensorDataset(x[:1500], y[:1500]), TensorDataset(x[1500:], y[1500:]), make, xent,
+
+def digits() -> Task:
+    """An MLP (64-128-10) on scikit-learn's 8x8 digits: 1,500 training and 297 held-out images, 12
+    epochs, Adam at 1e-3 for batch 16, the square-root rule."""
+    train, test = digits_data()
+    return Task("digits", train, test, mlp(64, 128, 10), xent,
                 fixed=(16, 24, 32, 48, 64, 96, 128, 256), start=16, maximum=256, epochs=12, optimizer="adam", lr=1e-3, rule="sqrt", seeds=5)
+
+
+def digits_wide() -> Task:
+    """The digits set up otherwise: a wider, deeper MLP (64-512-512-10), batches from 32 to 512, 16
+    epochs, Adam at 3e-4 for batch 32 times 1, 2, 4 or 8."""
+    train, test = digits_data()
+    return Task("digits-wide", train, test, mlp(64, 512, 512, 10), xent, fixed=(32, 48, 64, 96, 128, 256, 512), start=32,
+                maximum=512, epochs=16, optimizer="adam", lr=3e-4, rule="sqrt", lr_times=(1.0, 2.0, 4.0, 8.0), seeds=5)
+
+
+def digits_small() -> Task:
+    """The digits set up otherwise: a narrow MLP (64-32-10), batches from 8 to 128, 8 epochs, Adam at
+    2e-3 for batch 8 times 0.5, 1, 2 or 4."""
+    train, test = digits_data()
+    return Task("digits-small", train, test, mlp(64, 32, 10), xent, fixed=(8, 12, 16, 24, 32, 64, 128), start=8,
+                maximum=128, epochs=8, optimizer="adam", lr=2e-3, rule="sqrt", lr_times=(0.5, 1.0, 2.0, 4.0), seeds=5)
 
 
 VOCAB, LENGTH = 32, 24
@@ -138,7 +176,7 @@ def lm() -> Task:
                 fixed=(16, 32, 64, 128, 256, 512), start=16, maximum=512, epochs=4, optimizer="adam", lr=1e-3, rule="sqrt")
 
 
-TASKS = {"digits": digits, "lm": lm}
+TASKS = {"digits": digits, "digits-wide": digits_wide, "digits-small": digits_small, "lm": lm}
 
 
 def make_optimizer(task: Task, model: nn.Module, times: float) -> torch.optim.Optimizer:
@@ -274,11 +312,14 @@ def spread(values: list[float], digits: int = 3) -> str:
 
 
 def versus(loss: float, steps: float, front: list[tuple[float, float]]) -> tuple[str, str]:
-    """(loss above the frontier at ``steps``, the steps of the fixed batch of equal loss and the saving)."""
+    """(loss above the frontier at ``steps``, the steps of the fixed batch of equal loss and the saving).
+    When no fixed batch reached the ramp's loss within the samples every run had, there is no fixed batch
+    of equal loss in the sweep, and no saving is printed (``benchmarks/ramp_saving.py`` trains the fixed
+    batches until they reach it)."""
     at, equal = loss_at(front, steps), steps_for(front, loss)
     above = f"{loss - at:+.4f}" if at is not None else "outside the sweep"
     if equal is None:
-        return above, f"none reaches it (> {math.exp(front[-1][0]):.0f}): > {1 - steps / math.exp(front[-1][0]):.0%}"
+        return above, f"below every fixed batch (the longest, {math.exp(front[-1][0]):.0f} steps): not measured here"
     return above, f"{equal:.0f}: {1 - steps / equal:.0%}"
 
 
@@ -311,9 +352,25 @@ def curve(name: str, schedule: str, times: float = 1.0, points: int = 8) -> list
     return out
 
 
+def recorded(pool: Any, jobs: list[tuple[Any, ...]], path: str | None) -> list[dict[str, Any]]:
+    """The results of ``jobs``: those in the file ``path`` taken from it, the others run (and appended to it)."""
+    have: dict[tuple[Any, ...], dict[str, Any]] = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                have[tuple(r["job"])] = {**r, "job": tuple(r["job"])}
+    new = pool.map(run, [j for j in jobs if j not in have], chunksize=1)
+    if path:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in new)
+    have.update({r["job"]: r for r in new})
+    return [have[j] for j in jobs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", default=["digits", "lm"], choices=list(TASKS))
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--ramps", nargs="+", default=[*RAMPS, *STAGES], choices=[*RAMPS, *STAGES])
     parser.add_argument("--seeds", type=int, default=None, help="default: each task's (digits 5, lm 3)")
@@ -323,6 +380,8 @@ def main() -> None:
     parser.add_argument("--meter", default="eighth", choices=("eighth", "every", "both"), help="the ramps' meter sees one window "
                         "in eight (as here, the target fitting in one micro-batch), every window (as with several micro-batches per "
                         "target, or under data parallelism), or both (each ramp run both ways)")
+    parser.add_argument("--records", metavar="FILE", help="append every run's result to FILE (a line of JSON each) and take "
+                        "the runs already there from it, so that a measurement continues or grows by seeds")
     parser.add_argument("--curve", action="store_true", help="only measure the noise scale over a run at the first batch")
     parser.add_argument("--times", type=float, default=1.0, help="with --curve: the learning rate's multiplier")
     args = parser.parse_args()
@@ -343,13 +402,13 @@ def main() -> None:
         # that was best for the fixed batch they start from (tuned at the small batch, as a user would)
         jobs = [(name, schedule, f"fixed {b}", times, seed) for name, task in tasks.items() for schedule in args.schedules
                 for b in task.fixed for times in task.lr_times for seed in seeds[name]]
-        for r in pool.map(run, jobs, chunksize=1):
+        for r in recorded(pool, jobs, args.records):
             by.setdefault(r["job"][:4], []).append(r)
         best = {(name, schedule, b): min(task.lr_times, key=lambda t: mean([r["test"] for r in by[(name, schedule, f"fixed {b}", t)]]))
                 for name, task in tasks.items() for schedule in args.schedules for b in task.fixed}
         ramp_jobs = [(name, schedule, what, best[(name, schedule, task.start)], seed) for name, task in tasks.items()
                      for schedule in args.schedules for what in ramps for seed in seeds[name]]
-        for r in pool.map(run, ramp_jobs, chunksize=1):
+        for r in recorded(pool, ramp_jobs, args.records):
             by.setdefault(r["job"][:4], []).append(r)
     print(f"{len(jobs) + len(ramp_jobs)} runs in {time.perf_counter() - begin:.0f} s\n")
     print("Frontier A: every fixed batch at the learning rate the ramps use (the rule's, from the multiplier best for the first "
