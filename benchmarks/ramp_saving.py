@@ -31,7 +31,7 @@ seeds 6-10 (``HELD_OUT``), which chose nothing. For each seed and schedule:
 Every run appends a line of JSON to ``--out``; a run already there (the same settings) is not run again, so an
 interrupted measurement continues; ``--report`` prints the tables from such a file alone.
 
-    python benchmarks/ramp_saving.py                 # 5 seeds x 2 schedules (about 50 minutes on 2 cores)
+    python benchmarks/ramp_saving.py                 # 5 seeds x 2 schedules (345 runs, about 75 minutes on 2 cores)
     python benchmarks/ramp_saving.py --report ramp_saving.jsonl
 """
 
@@ -59,7 +59,7 @@ SCHEDULES = ("constant", "cosine")
 RAMP_TIMES = {"constant": 4.0, "cosine": 8.0}  # chosen on seeds 0-2 (batch_ramp.py: fixed 16's best)
 TIMES = {"constant": (4.0, 2.0, 8.0), "cosine": (8.0, 4.0, 16.0)}  # the ramp's multiplier first
 BATCHES = (512, 256, 128, 64, 32, 16)  # largest first
-MAX_LR = 0.03  # 1e-3 x multiplier x sqrt(B / 16) above this: every such run of the equal-samples sweep ended above 1.07
+MAX_LR = 0.03  # 1e-3 x multiplier x sqrt(B / 16) above this left out (batch_ramp.py: 256 and 512 at cosine x8 ended at 1.21, 2.89)
 CAP_STEPS = 2.0  # x the ramp's steps
 CAP_SAMPLES = 144_000  # 6x the ramp's samples (36 epochs)
 HORIZONS = tuple(2 ** (k / 2) for k in range(-4, 3))  # x the ramp's steps
