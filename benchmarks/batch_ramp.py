@@ -193,8 +193,9 @@ def evaluate(model: nn.Module, data: TensorDataset, loss_fn: Any) -> float:
 
 
 # ramp variants: name -> BatchRamp.adaptive's keyword arguments (the default: none)
+DEFAULT = "default (margin 3, lr peak)"
 RAMPS: dict[str, dict[str, Any]] = {
-    "default (margin 3, lr peak)": {},
+    DEFAULT: {},
     "margin 2": {"margin": 2.0},
     "margin 4": {"margin": 4.0},
     "lr follow": {"lr": "follow"},  # the rule at every raise, whatever the schedule (the default before)
@@ -244,17 +245,23 @@ def measure(every: bool) -> None:
     ramp.SPLIT_EVERY = 1 if every else SPLIT_EVERY
 
 
-def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
-    """One training run: (task, schedule, what: 'fixed N' or a ramp's name, learning-rate multiplier, seed)."""
-    task_name, schedule, what, times, seed = job
+def start(task_name: str, times: float, seed: int) -> tuple[Task, nn.Module, torch.optim.Optimizer, DataLoader]:
+    """A run's beginning, on one thread: the task, its model made on ``seed``, its optimizer at the task's
+    learning rate times ``times``, and a loader of its first batch's size shuffled by ``seed``."""
     torch.set_num_threads(1)
-    measure(what.endswith(EVERY))
-    what = what.removesuffix(EVERY)
     task = TASKS[task_name]()
     torch.manual_seed(seed)
     model = task.make()
-    optimizer = make_optimizer(task, model, times)
     loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    return task, model, make_optimizer(task, model, times), loader
+
+
+def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
+    """One training run: (task, schedule, what: 'fixed N' or a ramp's name, learning-rate multiplier, seed)."""
+    task_name, schedule, what, times, seed = job
+    measure(what.endswith(EVERY))
+    what = what.removesuffix(EVERY)
+    task, model, optimizer, loader = start(task_name, times, seed)
     if what.startswith("fixed "):
         target: Any = int(what.split()[1])
     elif what in STAGES:
@@ -270,9 +277,10 @@ def run(job: tuple[str, str, str, float, int]) -> dict[str, Any]:
         result = autotune.fit(model, loader, target, optimizer=optimizer, loss_fn=task.loss_fn, epochs=task.epochs, lr_rule=task.rule,
                               base_batch=task.start, memory_limit="4GiB", scheduler=scheduler, progress=False)
     except autotune.AutotuneError:  # a non-finite loss: this learning rate diverges at this batch
-        return {"job": job, "test": math.inf, "steps": math.inf, "seconds": time.perf_counter() - begin, "stages": []}
+        return {"job": job, "test": math.inf, "steps": math.inf, "samples": math.inf, "seconds": time.perf_counter() - begin, "stages": []}
     return {"job": job, "test": evaluate(model, task.test, task.loss_fn), "steps": len(result.history),
-            "seconds": time.perf_counter() - begin, "stages": [(c.seen, c.target) for c in result.ramp_changes]}
+            "samples": sum(h.samples for h in result.history), "seconds": time.perf_counter() - begin,
+            "stages": [(c.seen, c.target) for c in result.ramp_changes]}
 
 
 def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

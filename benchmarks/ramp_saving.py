@@ -48,11 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autotune  # noqa: E402
-from batch_ramp import TASKS, evaluate, make_optimizer  # noqa: E402
+from batch_ramp import DEFAULT, evaluate, run, start  # noqa: E402
 
 HELD_OUT = (6, 7, 8, 9, 10)
 SCHEDULES = ("constant", "cosine")
@@ -71,21 +70,10 @@ class Reached(Exception):
 
 
 def ramp_run(schedule: str, seed: int) -> dict[str, Any]:
-    """The default ramp on ``seed``: held-out loss, steps, samples and stages."""
-    task = TASKS["lm"]()
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    model = task.make()
-    optimizer = make_optimizer(task, model, RAMP_TIMES[schedule])
-    loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(seed))
-    total = task.epochs * len(task.train) // task.start  # the ramp steps its scheduler once per `start` samples
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total) if schedule == "cosine" else None
-    begin = time.perf_counter()
-    result = autotune.fit(model, loader, autotune.BatchRamp.adaptive(task.start, task.maximum), optimizer=optimizer, loss_fn=task.loss_fn,
-                          epochs=task.epochs, lr_rule=task.rule, base_batch=task.start, memory_limit="4GiB", scheduler=scheduler, progress=False)
-    return {"kind": "ramp", "schedule": schedule, "seed": seed, "times": RAMP_TIMES[schedule], "loss": evaluate(model, task.test, task.loss_fn),
-            "steps": len(result.history), "samples": sum(h.samples for h in result.history),
-            "stages": [(c.seen, c.target) for c in result.ramp_changes], "seconds": time.perf_counter() - begin}
+    """The default ramp on ``seed`` (``batch_ramp.run``): held-out loss, steps, samples and stages."""
+    r = run(("lm", schedule, DEFAULT, RAMP_TIMES[schedule], seed))
+    return {"kind": "ramp", "schedule": schedule, "seed": seed, "times": RAMP_TIMES[schedule], "loss": r["test"], "steps": r["steps"],
+            "samples": r["samples"], "stages": r["stages"], "seconds": r["seconds"]}
 
 
 def target_at(stages: list[tuple[int, int]], seen: int, start: int) -> int:
@@ -101,13 +89,8 @@ def fixed_run(schedule: str, seed: int, batch: int, times: float, ramp: dict[str
     """One fixed batch on ``seed``: with ``horizon`` a cosine over that many steps, run whole (its held-out loss at
     the end); else the constant rate with the ramp's decay of ``lr / B``, until its held-out loss reaches the
     ramp's or ``max_steps`` (its curve)."""
-    task = TASKS["lm"]()
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    model = task.make()
-    optimizer = make_optimizer(task, model, times)
+    task, model, optimizer, loader = start("lm", times, seed)
     n = len(task.train)
-    loader = DataLoader(task.train, batch_size=task.start, shuffle=True, generator=torch.Generator().manual_seed(seed))
     per_epoch = math.ceil(n / batch)
     steps = horizon or max_steps
 
@@ -121,8 +104,8 @@ def fixed_run(schedule: str, seed: int, batch: int, times: float, ramp: dict[str
     curve: list[tuple[int, float]] = []
     every = max(EVAL_STEPS, math.ceil(EVAL_SAMPLES / batch))
 
-    def measure(record: Any) -> None:
-        if horizon is None and record.step % every == 0:
+    def measure(record: Any) -> None:  # the constant rate's curve, until it reaches the ramp's loss
+        if record.step % every == 0:
             curve.append((record.step, evaluate(model, task.test, task.loss_fn)))
             if curve[-1][1] <= ramp["loss"]:
                 raise Reached
@@ -130,7 +113,8 @@ def fixed_run(schedule: str, seed: int, batch: int, times: float, ramp: dict[str
     begin = time.perf_counter()
     try:
         autotune.fit(model, loader, batch, optimizer=optimizer, loss_fn=task.loss_fn, epochs=math.ceil(steps / per_epoch), max_steps=steps,
-                     lr_rule=task.rule, base_batch=task.start, memory_limit="4GiB", scheduler=scheduler, progress=False, callback=measure)
+                     lr_rule=task.rule, base_batch=task.start, memory_limit="4GiB", scheduler=scheduler, progress=False,
+                     callback=measure if horizon is None else None)
     except Reached:
         pass
     except autotune.AutotuneError:  # a non-finite loss: this learning rate diverges at this batch
@@ -141,26 +125,17 @@ def fixed_run(schedule: str, seed: int, batch: int, times: float, ramp: dict[str
             "curve": curve, "seconds": time.perf_counter() - begin}
 
 
-def crossing(curve: list[tuple[int, float]], loss: float) -> float | None:
-    """The steps at which a curve first reaches ``loss``, linear between two measurements (None: never)."""
-    for i, (step, value) in enumerate(curve):
+def crossing(points: list[tuple[int, float]], loss: float, log: bool = False) -> float | None:
+    """Where ``(x, held-out loss)`` points first reach ``loss``, linear in ``x`` (``log``: in log ``x``) between
+    the last point above it and the first at or below (None: never). A constant rate's curve gives the steps;
+    a cosine's horizons with their final losses give the horizon."""
+    to, back = (math.log, math.exp) if log else (float, float)
+    for i, (x, value) in enumerate(points):
         if value <= loss:
             if i == 0:
-                return float(step)
-            s0, v0 = curve[i - 1]
-            return s0 + (step - s0) * (v0 - loss) / (v0 - value)
-    return None
-
-
-def horizon_crossing(ends: list[tuple[int, float]], loss: float) -> float | None:
-    """The horizon at which a cosine's final loss reaches ``loss``: log-linear between the last horizon above it
-    and the first at or below (None: none reached it)."""
-    for i, (h, value) in enumerate(ends):
-        if value <= loss:
-            if i == 0:
-                return float(h)
-            h0, v0 = ends[i - 1]
-            return math.exp(math.log(h0) + (math.log(h) - math.log(h0)) * (v0 - loss) / (v0 - value))
+                return float(x)
+            x0, v0 = points[i - 1]
+            return back(to(x0) + (to(x) - to(x0)) * (v0 - loss) / (v0 - value))
     return None
 
 
@@ -173,7 +148,7 @@ def chain(job: tuple[str, int, dict[str, Any], str, dict[tuple[Any, ...], dict[s
     best = CAP_STEPS * ramp["steps"]
     records = []
 
-    def run(batch: int, times: float, steps: int, horizon: int | None) -> dict[str, Any]:
+    def run_once(batch: int, times: float, steps: int, horizon: int | None) -> dict[str, Any]:
         key = (schedule, seed, batch, times, horizon, steps)
         if key in done:
             return done[key]
@@ -188,16 +163,16 @@ def chain(job: tuple[str, int, dict[str, Any], str, dict[tuple[Any, ...], dict[s
                 continue
             cap = min(max(best, ramp["steps"]), CAP_STEPS * ramp["steps"], CAP_SAMPLES / batch)
             if schedule == "constant":
-                runs = [run(batch, times, math.ceil(cap), None)]
+                runs = [run_once(batch, times, math.ceil(cap), None)]
                 reached = crossing(runs[0]["curve"], ramp["loss"])
             else:
                 runs, ends, reached = [], [], None
                 for h in (round(f * ramp["steps"]) for f in HORIZONS):
                     if (ends and ends[-1][0] >= cap) or h * batch > CAP_SAMPLES:
                         break
-                    runs.append(run(batch, times, h, h))
+                    runs.append(run_once(batch, times, h, h))
                     ends.append((h, runs[-1]["curve"][-1][1]))
-                    reached = horizon_crossing(ends, ramp["loss"])
+                    reached = crossing(ends, ramp["loss"], log=True)
                     if reached is not None:
                         break
             records += runs
@@ -217,7 +192,7 @@ def reach(runs: list[dict[str, Any]], loss: float) -> tuple[float | None, float]
     if runs[0]["horizon"] is None:
         found = [s for s in (crossing(r["curve"], loss) for r in runs) if s is not None]
         return (min(found) if found else None), tried
-    return horizon_crossing(sorted((r["horizon"], r["curve"][-1][1]) for r in runs), loss), tried
+    return crossing(sorted((r["horizon"], r["curve"][-1][1]) for r in runs), loss, log=True), tried
 
 
 def report(records: list[dict[str, Any]]) -> None:
