@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotune.memory.quantized import held_outside_parameters
 from autotune.units import format_bytes
 
 __all__ = [
@@ -303,9 +304,11 @@ class ResidentPeak:
 
 
 def held_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Tensors training holds between steps: parameters, buffers, gradients, optimizer state."""
+    """Tensors training holds between steps: parameters, buffers, the quantization state of quantized layers,
+    gradients, optimizer state."""
     yield from model.parameters()
     yield from model.buffers()
+    yield from held_outside_parameters(model)
     for p in model.parameters():
         if p.grad is not None:
             yield p.grad
