@@ -148,4 +148,6 @@ def test_the_copies_share_the_model_s_parameters_and_leave_it_as_it_was():
     assert cut.lm_head.weight is cut.transformer.wte.weight  # the tie kept
     stacks, why = depth.repeated_stacks(SimpleNamespace(model=model, device=torch.device("cpu")))
     assert [(s.path, s.depth, s.prefix) for s in stacks] == [("transformer.h", 12, 0)] and why is None
-    assert depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=8), device=torch.device("cpu"))) == ([], None)  # 9 blocks traced would save none
+    short, why = depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=8), device=torch.device("cpu")))
+    assert short == [] and "8 blocks of transformer.h are too few to extend" in why  # 9 blocks traced would save none: said
+    assert depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=4), device=torch.device("cpu"))) == ([], None)

@@ -136,6 +136,9 @@ def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
         if 3 * prefix + (12 if work.device.type == "cuda" else 9) >= len(module):  # no fewer blocks traced than the whole stack
             if prefix > len(module) // 2 and len(module) > 9:
                 why = f"the blocks of {path} are not alike ({prefix} of {len(module)} differ from the last)"
+            elif len(module) >= 8 and why is None:
+                why = (f"the {len(module)} blocks of {path} are too few to extend (the shallower copies would trace "
+                       f"as many{f', {prefix} of them unlike the rest' if prefix else ''})")
             continue
         stacks.append(Stack(path, len(module), prefix))
     return stacks, why
@@ -227,6 +230,11 @@ class DepthEstimator:
     def loss_fn(self) -> Any:
         """The workload's loss function (None once the caller let go of it)."""
         return self.base.loss_fn
+
+    @property
+    def assumed(self) -> tuple[str, ...]:
+        """What the copies run in place of what fake tensors cannot run (the same blocks: the base copy's words)."""
+        return self.base.assumed  # type: ignore[no-any-return]
 
     def adopt(self, work: Workload) -> None:
         """Take ``work``'s worst-case batch as the default template (an estimator found for reuse)."""
@@ -357,7 +365,7 @@ class DepthEstimator:
                 return self._whole.largest(budget, upper, confirm=confirm, template=template)
             size = curve.largest(budget, lower, upper)
             at = size or lower
-            if not curve.exact or (confirm and not self._confirmed(at, template)):
+            if not curve.exact or (confirm and not self._confirmed(at, template, curve)):
                 size, _ = estimated_max(peak, budget, upper, lower=lower, start=at)
             else:
                 peak = curve
@@ -370,11 +378,16 @@ class DepthEstimator:
             return self._whole.largest(budget, upper, confirm=confirm, template=template)
         return found
 
-    def _confirmed(self, b: int, template: Any) -> bool:
-        """Whether the deepest copy's trace at ``b`` is its curve's (the copies' curves hold at the size found:
-        one trace of the deepest copy, not one of each)."""
+    def _confirmed(self, b: int, template: Any, curve: MemoryCurve) -> bool:
+        """Whether the full depth's curve holds at ``b``: the deepest copy's curve at its own trace there, and the full
+        depth's step extended from the copies' traces at ``b`` at the curve's figure (a curve made of two sizes can be
+        right for every copy and wrong for their extension, where something not affine in the size, such as a chunk
+        rounded to a power of two, is multiplied by the depth)."""
         own = self.check.curve(template)
-        return bool(own.exact and self.check(b, template) == own(b))
+        if not (own.exact and self.check(b, template) == own(b)):
+            return False
+        extended = self(b, template)
+        return abs(extended - curve(b)) <= max(TOLERANCE_BYTES, TOLERANCE * extended)
 
     def allocator(self, b: int, *, cap: int | None = None, template: Any = None) -> AllocatorPeaks:
         """What CUDA's caching allocator would read for the full model at ``b`` samples: the held tensors, the
@@ -425,6 +438,18 @@ class DepthEstimator:
     def optimizer_state_bytes(self) -> int:
         """Bytes of the full model's optimizer state after a step."""
         return self._held("optimizer_state_bytes")
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the full model's parameters as held (quantized weights packed, with their state)."""
+        return self._held("parameter_bytes")
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the full model's buffers."""
+        return self._held("buffer_bytes")
+
+    def gradient_bytes(self) -> int:
+        """Bytes of the full model's gradients in the steady state."""
+        return self._held("gradient_bytes")
 
     def step_transient(self) -> int:
         """Bytes the full model's optimizer step holds above what it leaves."""

@@ -62,6 +62,7 @@ import contextlib
 import copy
 import inspect
 import time
+import warnings
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
@@ -83,6 +84,8 @@ from autotune.memory.allocator import (
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
 from autotune.memory.ledger import TensorLedger, held_tensors, storage_bytes
+from autotune.memory.optimizers import rebuilt
+from autotune.memory.quantized import held_outside_parameters
 from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend
 from autotune.probe.depth import DepthEstimator, repeated_stacks
 from autotune.probe.fakes import (
@@ -241,7 +244,7 @@ class Estimator:
             groups = optimizer_for_device(work.optimizer, self.target)
             for settings, g in zip(groups, work.optimizer.param_groups):
                 settings["params"] = [fake[id(p)] for p in g["params"]]
-            self.optimizer = type(work.optimizer)(groups)  # type: ignore[call-arg]
+            self.optimizer = rebuilt(work.optimizer, groups)
             initial = {fake[id(p)]: self._fake_state(s) for p, s in work.optimizer.state.items()}
         self._initial = initial
         self.optimizer.state = defaultdict(dict, initial)
@@ -266,6 +269,12 @@ class Estimator:
     def loss_fn(self) -> Any:
         """The workload's loss function (None once the caller let go of it: the estimator is then stale)."""
         return self._loss()
+
+    @property
+    def assumed(self) -> tuple[str, ...]:
+        """What the fake copy runs in place of what fake tensors cannot run (a mixture of experts' routing,
+        an attention kernel's package), in words: :mod:`autotune.probe.experts`, :mod:`autotune.probe.attention`."""
+        return self.copy.notes
 
     def adopt(self, work: Workload) -> None:
         """Take ``work``'s worst-case batch as the default template (an estimator found for reuse)."""
@@ -310,6 +319,9 @@ class Estimator:
         with contextlib.ExitStack() as stack:
             stack.enter_context(quiet_torch())
             stack.enter_context(planning())
+            stack.enter_context(warnings.catch_warnings())
+            # A paged optimizer's states are CUDA unified memory, which fake CPU tensors stand for (see autotune.memory.optimizers)
+            warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
             if self.checkpointing:
                 from autotune.memory.checkpointing import activation_checkpointing
 
@@ -589,6 +601,20 @@ class Estimator:
             *self.params, *self.model.buffers(), *(g for g in self._grads or () if g is not None),
             *(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
         ])
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the parameters as the device holds them: quantized weights packed, with their quantization state."""
+        return storage_bytes([*self.params, *held_outside_parameters(self.model)])
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers."""
+        return storage_bytes(self.model.buffers())
+
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradients the steady state holds (of the parameters that receive one)."""
+        if self._grads is None:
+            self._setup()
+        return storage_bytes(g for g in self._grads or () if g is not None)
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state after a step."""

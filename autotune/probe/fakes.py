@@ -22,6 +22,9 @@ from torch import nn
 
 from autotune import batches as B
 from autotune.memory.ledger import TensorLedger
+from autotune.memory.quantized import copy_memo, fake_quantized, is_quantized
+from autotune.probe.attention import fused_attention
+from autotune.probe.experts import routed_experts
 
 __all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fingerprint", "forget_copies", "is_value", "keep_recent", "optimizer_for_device", "optimizer_signature",
            "quiet_torch", "template_key"]
@@ -91,7 +94,7 @@ class Counter(TensorLedger):
         # integer or boolean (``torch.arange`` of cache positions, which Hugging Face models read to
         # decide on a causal kernel); seeded ones never (an estimate draws no random numbers).
         if inputs is None or (inputs == 0 and torch.Tag.nondeterministic_seeded in func.tags):
-            return func(*args, **kwargs)
+            return _fake_call(func, args, kwargs)
         from torch.utils._python_dispatch import _disable_current_modes
 
         if func is not torch.ops.aten._local_scalar_dense.default:
@@ -106,6 +109,20 @@ class Counter(TensorLedger):
             del fake
         with _disable_current_modes():
             return func(*args, **kwargs)
+
+
+def _fake_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An operation on fake tensors. The fake kernel of a grouped matmul (mixture-of-experts layers) checks CUDA's
+    dtype rule (bf16 inputs), while the CPU's real kernel takes fp32 too and CUDA's newer ones fp16 and fp32: its
+    shapes are taken from bf16 stand-ins, its result made in the dtype the real kernel returns."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as exc:
+        if func is not torch.ops.aten._grouped_mm.default or "Expected inputs of BF16 type" not in str(exc):
+            raise
+    a, b, *rest = args
+    out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **{**kwargs, "out_dtype": None})
+    return torch.empty(out.shape, dtype=kwargs.get("out_dtype") or a.dtype)
 
 
 def _real_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -149,6 +166,9 @@ def fingerprint(model: nn.Module) -> tuple[Any, ...]:
         tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()),
         repr(model),
         repr(getattr(model, "config", None)),
+        # kernels the config chooses outside its repr: the attention and the experts' implementations
+        getattr(getattr(model, "config", None), "_attn_implementation", None),
+        getattr(getattr(model, "config", None), "_experts_implementation", None),
     )
 
 
@@ -157,17 +177,24 @@ class FakeCopy:
 
     def __init__(self, model: nn.Module) -> None:
         self.mode = fake_mode()
-        memo: dict[int, Any] = {}
+        memo: dict[int, Any] = copy_memo(model)  # quantized layers' state: made below, fake
         with self.mode:
             for p in model.parameters():
                 memo[id(p)] = nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
             for b in model.buffers():
                 memo[id(b)] = fake_like(b)
         self.model = copy.deepcopy(model, memo)
+        quantized = [(name, m) for name, m in model.named_modules() if is_quantized(m)]
+        if quantized:
+            with self.mode:
+                for name, original in quantized:
+                    fake_quantized(self.model.get_submodule(name), original, fake_like)
         for module in self.model.modules():  # autotune's own checkpointing wrapper runs the real block
             if getattr(module.__dict__.get("forward"), "autotune_checkpointed", False):
                 del module.forward
         self.params = list(self.model.parameters())
+        # What the copy runs in place of what fake tensors cannot run, said in the plan's notes.
+        self.notes = tuple(n for n in (routed_experts(self.model), fused_attention(self.model)) if n)
 
     def fakes(self, model: nn.Module) -> dict[int, torch.Tensor]:
         """The fake parameter of each of ``model``'s parameters, by id (``model`` has this copy's

@@ -198,8 +198,9 @@ def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tup
     work.curve = peak if isinstance(peak, MemoryCurve) else (estimator.curve() if work.device.type == "cuda" else None)
     if work.device.type == "cuda":
         work.notes.append(_allocator_note(estimator, size or min(estimator.lower, upper), budget))
-    if estimator.note and estimator.note not in work.notes:
-        work.notes.append(estimator.note)
+    for said in (estimator.note, *estimator.assumed):
+        if said and said not in work.notes:
+            work.notes.append(said)
     if estimator.unlearned:
         work.notes.append(
             "CUDA's autocast decision could not be learned for " + ", ".join(sorted(estimator.unlearned))
