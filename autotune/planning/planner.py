@@ -58,6 +58,7 @@ from autotune.planning.scaling import (
     warmup_steps,
 )
 from autotune.planning.scaling import follow_batch as follow_batch_settings
+from autotune.planning.setting import describe as describe_setting
 from autotune.planning.whatif import WhatIf, estimate_rows
 from autotune.probe.largest import Progress, probe
 from autotune.probe.search import Trial
@@ -474,6 +475,8 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
         base_batch_source=source, set_aside=tuple(probed.set_aside), shape_model=probed.shape_model,
         checkpointing=shared.checkpointing, optimizer_settings=settings, probed_size=B.per_sample_numel(work.batch),
         by_shape=probing.by_shape, memory_curve=work.curve, trials=tuple(work.trials), notes=tuple(notes),
+        setting=describe_setting(model, optimizer, device=setup.device, precision=setup.precision, checkpointing=shared.checkpointing,
+                                 batch=work.batch, loss_fn=work.loss_fn),
     )
 
 

@@ -80,6 +80,9 @@ class Plan:
         optimizer: the optimizer's class name, e.g. ``"AdamW"``.
         trials: every measurement, in the order made.
         notes: what a user should know about how the plan was made.
+        setting: what was planned, in words, as ``(what, value)`` pairs: the model and its parameters, the
+            weights policy, quantization, adapters, tokens per sample, attention, checkpointing, the
+            optimizer's implementation, the device (see :mod:`autotune.planning.setting`).
     """
 
     micro_batch: int
@@ -114,6 +117,7 @@ class Plan:
     memory_curve: MemoryCurve | None = None
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    setting: tuple[tuple[str, str], ...] = ()
 
     @property
     def budget(self) -> int:
@@ -165,6 +169,8 @@ class Plan:
             values["micro_batches"] = tuple(int(v) for v in values["micro_batches"])
             values["trials"] = tuple(Trial(**t) for t in values.get("trials", ()))
             values["notes"] = tuple(str(n) for n in values.get("notes", ()))
+            setting = values.get("setting") or {}
+            values["setting"] = tuple((str(k), str(v)) for k, v in (setting.items() if isinstance(setting, dict) else setting))
             values["set_aside"] = tuple((str(name), int(b)) for name, b in values.get("set_aside", ()))
             values["rank_micro_batches"] = tuple(int(v) for v in values.get("rank_micro_batches", ()))
             model = values.get("shape_model")
@@ -213,6 +219,7 @@ class Plan:
         data["micro_batches"] = list(self.micro_batches)
         data["trials"] = [t.to_dict() for t in self.trials]
         data["notes"] = list(self.notes)
+        data["setting"] = dict(self.setting)
         data["set_aside"] = [list(pair) for pair in self.set_aside]
         data["rank_micro_batches"] = list(self.rank_micro_batches)
         data["shape_model"] = self.shape_model.to_dict() if self.shape_model is not None else None
@@ -224,7 +231,7 @@ class Plan:
         return data
 
     def __str__(self) -> str:
-        lines = [
+        lines = [f"{what}: {value}" for what, value in self.setting] + [
             f"micro_batch={self.micro_batch} accumulation_steps={self.accumulation_steps} "
             f"effective_batch={self.effective_batch} world_size={self.world_size}"
             + (f" (micro-batch per rank: {', '.join(map(str, self.rank_micro_batches))})" if self.rank_micro_batches else ""),

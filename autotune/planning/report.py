@@ -212,6 +212,10 @@ def render_text(
     if cached:
         lines.append("(answered from the cache; run with --no-cache to probe again)")
         lines.append("")
+    if plan.setting:
+        lines.append("Setting (what was planned)")
+        lines.extend(_row(what, value) for what, value in plan.setting)
+        lines.append("")
     lines.append("Device")
     if device:
         lines.append(_row("device", f"{device.get('device')} ({device.get('name')})"))

@@ -1,0 +1,108 @@
+"""The question a plan answers, in words: what was planned, under which assumptions.
+
+A number without its setting is a number a user will misapply: "micro-batch 4" means one thing for a
+pure-bf16 full fine-tune with fused AdamW and another for QLoRA with a paged 8-bit optimizer. Every plan
+carries :func:`describe`'s answer (``plan.setting``), which the report prints first and ``--json`` gives
+as ``"setting"``; the CLI adds what only it knows (the tokens of its synthetic batch, packing).
+
+The weights policy is read from the model and the precision, as the Transformers Trainer and FSDP/DeepSpeed
+mixed precision make it: trained weights in fp32 under bf16 or fp16 autocast are *fp32 master weights*
+(weights and gradients fp32, AdamW's two states fp32: 16 bytes a parameter, and autocast's low-precision
+copies of the weights while a step runs); trained weights in bf16 or fp16 are *pure low precision*
+(weights, gradients and both states in that dtype: 8 bytes a parameter).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.memory.optimizers import describe as describe_optimizer
+from autotune.memory.quantized import is_quantized_weight, logical_numel, quantization_of
+from autotune.units import format_bytes
+
+__all__ = ["attention_of", "describe", "lora_of", "set_aside_words", "weights_policy"]
+
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def weights_policy(model: nn.Module, precision: str) -> str:
+    """The weights policy in words, from the trained parameters' dtype and the autocast precision (see the
+    module docstring)."""
+    trained = Counter(_NAMES.get(p.dtype, str(p.dtype)) for p in model.parameters() if p.requires_grad)
+    dtype = trained.most_common(1)[0][0] if trained else "none trained"
+    mixed = f" ({', '.join(f'{n} {k}' for k, n in trained.most_common())})" if len(trained) > 1 else ""
+    if dtype == "fp32" and precision != "fp32":
+        return f"fp32 master weights under {precision} autocast (weights, gradients and optimizer state fp32){mixed}"
+    if dtype in ("bf16", "fp16"):
+        under = f", under {precision} autocast" if precision != "fp32" else ", no autocast"
+        return f"pure {dtype}: weights, gradients and optimizer state in {dtype}{under}{mixed}"
+    return f"{dtype}{' under ' + precision + ' autocast' if precision != 'fp32' else ''}{mixed}"
+
+
+def lora_of(model: nn.Module) -> str | None:
+    """The LoRA adapters of a PEFT model in words (rank, alpha, the modules adapted), or None."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping) or not configs:
+        return None
+    config = next(iter(configs.values()))
+    rank = getattr(config, "r", None)
+    if rank is None:
+        return f"{type(config).__name__}"
+    adapted = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A") and name})
+    return f"LoRA rank {rank}, alpha {getattr(config, 'lora_alpha', '?')}, on {', '.join(adapted) or 'no module'}"
+
+
+def attention_of(model: nn.Module) -> str | None:
+    """The attention implementation a Hugging Face model was built with (``config._attn_implementation``), or None."""
+    config = getattr(model, "config", None)
+    found = getattr(config, "_attn_implementation", None) if config is not None else None
+    return str(found) if found else None
+
+
+def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, precision: str, checkpointing: bool,
+             batch: Any = None, loss_fn: Any = None) -> tuple[tuple[str, str], ...]:
+    """What a plan of ``model`` assumes, as ``(what, value)`` pairs in the order a reader asks them."""
+    params = list(model.parameters())
+    total = sum(logical_numel(p) for p in params)
+    trained = sum(logical_numel(p) for p in params if p.requires_grad)
+    dtypes = Counter(_NAMES.get(p.dtype, str(p.dtype)) for p in params if not is_quantized_weight(p))
+    out: list[tuple[str, str]] = [
+        ("model", type(model).__name__),
+        ("parameters", f"{total / 1e9:.3g}B total, {trained / 1e6:.4g}M trained" if total >= 1e8 else f"{total:,} total, {trained:,} trained"),
+        ("weights", weights_policy(model, precision) + (f"; untrained weights {', '.join(dtypes)}" if trained < total and dtypes else "")),
+    ]
+    quantization = quantization_of(model)
+    if quantization is not None:
+        out.append(("quantization", quantization.describe()))
+    lora = lora_of(model)
+    if lora is not None:
+        out.append(("adapters", lora))
+    tokens = _tokens(batch)
+    if tokens is not None:
+        out.append(("tokens per sample", str(tokens)))
+    attention = attention_of(model)
+    if attention is not None:
+        out.append(("attention", attention))
+    loss = getattr(loss_fn, "setting", None)
+    if loss:
+        out.append(("loss", str(loss)))
+    out.append(("checkpointing", "activation checkpointing on the model's blocks" if checkpointing else "off"))
+    out.append(("optimizer", describe_optimizer(optimizer, device.type)))
+    out.append(("device", str(device)))
+    return tuple(out)
+
+
+def _tokens(batch: Any) -> int | None:
+    """Tokens per sample of a batch of token ids (``input_ids``), or None."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
+def set_aside_words(set_aside: tuple[tuple[str, int], ...]) -> str:
+    """What the limit leaves to others, in words."""
+    return ", ".join(f"{format_bytes(b)} for {name}" for name, b in set_aside) or "nothing"
