@@ -111,9 +111,8 @@ def _cached_plan(entry: dict[str, Any] | None, target: int) -> tuple[Any, Any] |
 
 def _report(args: argparse.Namespace) -> int:
     """``autotune report``: check the flags, build the workload, plan (or read the cache), print."""
-    import torch
-
     from autotune.checks import check_trainable
+    from autotune.memory.optimizers import make_optimizer
 
     base_batch, lengths, ramp, device, on_device = _checked_report_args(args)
     model, loader, loss_fn, described = workload_from_args(args, base_batch)
@@ -121,8 +120,10 @@ def _report(args: argparse.Namespace) -> int:
     lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
     if on_device:
         model.to(device)
-    opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
-    optimizer = opt_class([p for p in model.parameters() if p.requires_grad], lr=lr)  # a frozen base (--lora) has no state
+    try:  # a frozen base (--lora) has no state
+        optimizer = make_optimizer(args.optimizer, [p for p in model.parameters() if p.requires_grad], lr)
+    except ImportError as exc:
+        raise UsageError(f"--optimizer {args.optimizer}: {exc}") from None
     if args.shard is not None:
         return _report_shards(args, model, loader, loss_fn, optimizer, device, on_device)
     facts, key_limit, limit_note = _device_facts(args, model, device, on_device)
@@ -131,7 +132,7 @@ def _report(args: argparse.Namespace) -> int:
                                               base_batch=base_batch, lengths=lengths, facts=facts, limit_note=limit_note)
     by_length = micro_batch_by_length(plan, loader, lengths)
     _print_report(args, plan, model, loader, loss_fn, optimizer, device, on_device, facts=facts, breakdown=breakdown,
-                  cached=cached, by_length=by_length, ramp=ramp)
+                  cached=cached, by_length=by_length, ramp=ramp, tokens=described.get("tokens") if isinstance(described, dict) else None)
     return 0
 
 
@@ -157,8 +158,17 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
             raise UsageError(f"--hf-config makes its own batch of --tokens token ids (a model without weights); drop {', '.join(clash)}")
         if args.memory_limit is None:
             raise UsageError("--hf-config estimates a model without its weights: give the device's memory with --memory-limit (e.g. 80GiB)")
-    elif args.tokens is not None:
-        raise UsageError(f"--tokens {args.tokens} sizes the batch of --hf-config; with MODEL give --input-shape")
+    else:
+        given = [f for f, on in (("--tokens", args.tokens is not None), ("--attention", args.attention), ("--fused-ce", args.fused_ce),
+                                 ("--packing", args.packing)) if on]
+        if given:
+            raise UsageError(f"{', '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the model and batch of --hf-config; with MODEL "
+                             "give --input-shape (or --loader) and build the model as it should run")
+    if args.tokens is not None and args.tokens < 1:
+        raise UsageError(f"Invalid --tokens {args.tokens}: give the tokens of a sample, at least 1 (e.g. 2048)")
+    if args.packing and args.attention not in ("flash_attention_2", "flex_attention"):
+        raise UsageError("--packing joins a micro-batch's sequences into one row, which only a varlen kernel keeps apart without a "
+                         "quadratic mask (TRL's padding-free batches need it too): give --attention flash_attention_2")
     if args.regression and args.num_classes is not None:
         raise UsageError(f"--num-classes {args.num_classes} and --regression ask for two kinds of targets: class targets, or "
                          "float targets shaped like the output; drop one")
@@ -210,6 +220,8 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
     on_device = not args.hf_config and (device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available()))
     if device.type == "cuda" and not on_device and args.memory_limit is None:
         raise UsageError("No CUDA device here: to plan for one, give its memory with --memory-limit (e.g. 80GiB)")
+    if args.attention in ("flash_attention_2", "flex_attention") and device.type != "cuda":
+        raise UsageError(f"--attention {args.attention} runs on CUDA only: give --device cuda (and --memory-limit), or --attention sdpa")
     return base_batch, lengths, ramp, device, on_device
 
 
@@ -248,6 +260,8 @@ def _cache_key(args: argparse.Namespace, model: Any, described: Any, *, lr: floa
         "workload": described,
         "optimizer": [args.optimizer, lr],
         "precision": args.precision,
+        "master_weights": args.master_weights,
+        "quantize": args.quantize,
         "device": [facts["device"], facts["name"], facts["total"]],
         "limit": key_limit,
         "headroom": args.headroom,
@@ -268,6 +282,7 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
     """The plan and its memory breakdown: from the cache, or planned (and stored); and whether it was cached."""
     import autotune
     from autotune.memory.ledger import storage_bytes
+    from autotune.memory.quantized import held_outside_parameters
     from autotune.planning import cache
     from autotune.planning.report import MemoryBreakdown, render_json
     from autotune.probe.estimate import estimator_for
@@ -287,26 +302,25 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
         plan = dataclasses.replace(plan, notes=(limit_note, *plan.notes))
     work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=next(iter(loader)),
                     device=device, precision=plan.precision, checkpointing=plan.checkpointing)  # type: ignore[arg-type]
-    try:  # the plan's own estimator, kept: no new trace
-        state: int | None = estimator_for(work).optimizer_state_bytes()
-    except Exception:  # a step that cannot be estimated: the breakdown says so
-        state = None
-    breakdown = MemoryBreakdown.from_plan(
-        plan,
-        parameters=storage_bytes(model.parameters()),
-        buffers=storage_bytes(model.buffers()),
-        gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
-        optimizer_state=state,
-    )
+    try:  # the plan's own estimator, kept: no new trace; what the device holds (quantized weights packed, with their state)
+        estimator = estimator_for(work)
+        held = dict(parameters=estimator.parameter_bytes(), buffers=estimator.buffer_bytes(), gradients=estimator.gradient_bytes(),
+                    optimizer_state=estimator.optimizer_state_bytes())
+    except Exception:  # a step that cannot be estimated: counted from the model, the optimizer state unknown
+        held = dict(parameters=storage_bytes([*model.parameters(), *held_outside_parameters(model)]), buffers=storage_bytes(model.buffers()),
+                    gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad), optimizer_state=None)
+    breakdown = MemoryBreakdown.from_plan(plan, **held)
     if not args.no_cache:
         cache.store(key, render_json(plan, device=facts, breakdown=breakdown))
     return plan, breakdown, False
 
 
 def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any,
-                  on_device: bool, *, facts: dict[str, Any], breakdown: Any, cached: bool, by_length: Any, ramp: Any) -> None:
+                  on_device: bool, *, facts: dict[str, Any], breakdown: Any, cached: bool, by_length: Any, ramp: Any,
+                  tokens: int | None = None) -> None:
     """The report as asked: JSON, one framework's config, or the text (with the what-if table, the noise
-    scale and the ramp's stages when asked); the plot beside it."""
+    scale and the ramp's stages when asked); the plot beside it. ``tokens``: the tokens of a sample of
+    ``--hf-config``'s batch, which the JSON also gives per micro-batch and per optimizer step."""
     import autotune
     from autotune.planning.report import framework_configs, render_json, render_text
     from autotune.train.noise import advice
@@ -325,6 +339,8 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         plot_memory(plan, args.plot, by_length)
     if args.json:
         data = render_json(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length)
+        if tokens is not None:
+            data["tokens"] = {"per_sample": tokens, "per_micro_batch": tokens * plan.micro_batch, "per_step": tokens * plan.effective_batch}
         if table is not None:
             data["what_if"] = table.to_dict()
         if args.noise_scale:

@@ -11,6 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from autotune.memory.optimizers import DEFAULT as DEFAULT_OPTIMIZER
+from autotune.memory.optimizers import NAMES as OPTIMIZERS
+
 __all__ = ["parse_count", "parse_ramp", "DTYPES", "UsageError", "load_callable", "make_parser", "parse_lengths", "parse_shape"]
 
 
@@ -37,8 +40,20 @@ def make_parser() -> argparse.ArgumentParser:
                    "holding one); the model is built from it on the meta device, without weights, and estimated (give --memory-limit)")
     r.add_argument("--tokens", type=int, metavar="N", help="with --hf-config: tokens per sample of the synthetic batch (default 2048, "
                    "or the model's longest if less)")
-    r.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R on the frozen model (PEFT, its default "
-                   "modules for the architecture) instead of every weight")
+    r.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R on the frozen model (PEFT) instead of every weight")
+    r.add_argument("--lora-modules", metavar="NAMES", help="with --lora: the modules to adapt, comma-separated (e.g. q_proj,v_proj), or "
+                   "all-linear (default: PEFT's default for the architecture)")
+    r.add_argument("--quantize", choices=("nf4", "fp4", "int8"), help="quantize the base model's linear layers with bitsandbytes "
+                   "(nf4/fp4: 4-bit with double quantization, the usual QLoRA; int8: LLM.int8()); a config's own "
+                   "quantization_config is read without it")
+    r.add_argument("--master-weights", choices=("fp32",), help="keep the trained weights in fp32 under --precision's autocast "
+                   "(default with --hf-config: the config's dtype, pure low precision)")
+    r.add_argument("--attention", choices=("eager", "sdpa", "flash_attention_2", "flex_attention"), help="with --hf-config: the attention "
+                   "implementation (default sdpa); flash_attention_2 and flex_attention are estimated without their packages")
+    r.add_argument("--fused-ce", action="store_true", help="with --hf-config: the loss as Liger's fused linear cross-entropy "
+                   "(use_liger_kernel=True): no logits held")
+    r.add_argument("--packing", action="store_true", help="with --hf-config: padding-free packed batches (TRL's packing=True): each "
+                   "sample is a packed row of --tokens tokens, a micro-batch one row of its samples' tokens")
     r.add_argument("--input-shape", action="append", metavar="SHAPE", help="per-sample input shape, e.g. 3,224,224; repeat for several inputs")
     r.add_argument("--input-dtype", action="append", metavar="DTYPE", choices=DTYPES, help="dtype of each input (default float32); long inputs are token ids; mask is an all-ones attention mask (long)")
     r.add_argument("--input-name", action="append", metavar="NAME", help="pass the inputs by keyword, one name per --input-shape, e.g. input_ids and attention_mask")
@@ -50,11 +65,13 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu)")
     r.add_argument("--memory-limit", metavar="SIZE", help="e.g. 24GiB (default: what the device has)")
     r.add_argument("--headroom", type=float, metavar="FRACTION", help="fraction of the limit kept free (default 0.10 on CUDA, 0.05 on CPU)")
-    r.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adamw")
+    r.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=DEFAULT_OPTIMIZER, metavar="NAME",
+                   help=f"the Transformers Trainer's optim name: {', '.join(OPTIMIZERS)} (default {DEFAULT_OPTIMIZER}, the Trainer's)")
     r.add_argument("--lr", type=float, default=None, help="the learning rate tuned at --base-batch (default 1e-3; 0.1 for sgd)")
     r.add_argument("--base-batch", type=int, metavar="N", help="batch size --lr was tuned at (default 32)")
     r.add_argument("--lr-rule", choices=("auto", "linear", "sqrt", "none"), default="auto")
-    r.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    r.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="autocast precision (default fp32; with --master-weights "
+                   "fp32 and --hf-config, the config's dtype)")
     out = r.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan, device facts and memory breakdown as JSON")
     out.add_argument("--format", choices=("lightning", "accelerate", "hf", "deepspeed", "keras"), help="print only that framework's config")

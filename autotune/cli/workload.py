@@ -4,6 +4,7 @@ optimizer, from the command line's arguments (the user's code called, its errors
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -52,8 +53,11 @@ def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, 
     """Build (model, loader, loss_fn, description for the cache key) from the arguments: the model, then
     the user's loader, or inputs made from ``--input-shape`` with targets fitted to the model's output."""
     if args.hf_config:
-        return _config_workload(args)
-    model = _with_lora(args, _model_from_args(args))
+        made = _config_workload(args)
+        args.precision = args.precision or "fp32"
+        return made
+    args.precision = args.precision or "fp32"
+    model = _with_lora(args, _as_asked(args, _model_from_args(args)))
     if args.loader:
         return (model, *_loader_from_args(args))
     inputs, names, describe, g = _inputs_from_args(args, base_batch)
@@ -82,10 +86,27 @@ def _model_from_args(args: argparse.Namespace) -> Any:
     return model
 
 
+def _as_asked(args: argparse.Namespace, model: Any) -> Any:
+    """The model with fp32 weights (``--master-weights fp32``) and its linear layers quantized (``--quantize``), as asked."""
+    import torch
+
+    if args.master_weights == "fp32":
+        model = model.to(torch.float32)
+    if args.quantize:
+        from autotune.memory.quantized import Quantization, quantize
+
+        try:
+            model = quantize(model, Quantization.named(args.quantize))
+        except ImportError as exc:
+            raise UsageError(f"--quantize {args.quantize}: {exc}") from None
+    return model
+
+
 def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any, Any], Any], dict[str, Any]]:
-    """The model of a Hugging Face config, built on the meta device in the config's dtype (no weights: an
-    8B model costs no memory), LoRA on it if asked, and one batch of ``--tokens`` token ids that are their
-    own labels (the model's own causal-LM loss)."""
+    """The model of a Hugging Face config, built on the meta device (no weights: an 8B model costs no memory) in
+    the config's dtype (fp32 with ``--master-weights fp32``), its linear layers quantized as its
+    ``quantization_config`` or ``--quantize`` asks, LoRA on it if asked, and one batch of ``--tokens`` token ids
+    with the labels its head's loss needs."""
     import json
     from pathlib import Path
 
@@ -99,56 +120,171 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         data = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise UsageError(f"Invalid --hf-config {args.hf_config!r}: not a JSON config ({first_line(exc)})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"Invalid --hf-config {args.hf_config!r}: a config is a JSON object, this is a {type(data).__name__}")
     try:
         import transformers
     except ImportError:
         raise UsageError("--hf-config needs transformers: pip install transformers") from None
+    quantization = _quantization_of(args, data)
+    dtype = getattr(torch, str(data.get("dtype") or data.get("torch_dtype") or "float32").replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise UsageError(f"Invalid --hf-config {args.hf_config!r}: its dtype {data.get('dtype') or data.get('torch_dtype')!r} is not a floating-point dtype")
+    weights = torch.float32 if args.master_weights == "fp32" else dtype
+    if args.precision is None and args.master_weights == "fp32" and dtype in (torch.bfloat16, torch.float16):
+        args.precision = "bf16" if dtype == torch.bfloat16 else "fp16"  # fp32 master weights under the config's dtype's autocast
+    attention = args.attention or "sdpa"
 
     def build() -> Any:
         if "model_type" not in data:
             raise ValueError("the config has no model_type")
-        config = transformers.AutoConfig.for_model(**data)
-        names = list(data.get("architectures") or [])
-        cls = getattr(transformers, names[0], None) if names else None
-        dtype = getattr(torch, str(data.get("dtype") or data.get("torch_dtype") or "float32").replace("torch.", ""), torch.float32)
+        fields = {k: v for k, v in data.items() if k != "quantization_config"}
+        config = transformers.AutoConfig.for_model(**fields)
+        cls = _model_class(transformers, data, config)
+        # FlashAttention-2 and FlexAttention need their kernels to build; the model is built with SDPA and told which
+        # it runs, and the estimate stands in for it (autotune.probe.attention)
+        config._attn_implementation = "sdpa" if attention in ("flash_attention_2", "flex_attention") else attention
         with torch.device("meta"):
-            model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
-        return model.to(dtype)
+            model = cls(config).to(weights)
+        model.config._attn_implementation = attention
+        if quantization is not None:
+            from autotune.memory.quantized import quantize
+
+            quantize(model, quantization)
+        return model
 
     from autotune.planning.lengths import max_length
 
     model = _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug))
     longest = max_length(model)
     tokens = args.tokens or min(2048, longest or 2048)
-    if tokens < 1 or (longest is not None and tokens > longest):
-        raise UsageError(f"Invalid --tokens {tokens}: the model takes 1 to {longest or 'any number of'} tokens a sample")
+    if longest is not None and tokens > longest:
+        raise UsageError(f"Invalid --tokens {tokens}: the model takes 1 to {longest} tokens a sample")
     vocab = int(getattr(model.config, "vocab_size", None) or args.vocab_size)
-    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    batch, loss_fn, head = _batch_for_head(model, tokens, vocab)
+    if args.fused_ce:
+        if head != "causal LM":
+            raise UsageError(f"--fused-ce fuses a causal LM's head and loss; {type(model).__name__} is a {head} model")
+        from autotune.losses import fused_causal_lm_loss
+
+        loss_fn = fused_causal_lm_loss
+    if args.packing:
+        if head != "causal LM":
+            raise UsageError(f"--packing packs a causal LM's sequences; {type(model).__name__} is a {head} model")
+        loss_fn = _packed(loss_fn, tokens)
+    described = {"hf_config": data, "tokens": tokens, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
+                 "master_weights": args.master_weights, "attention": attention, "fused_ce": args.fused_ce, "packing": args.packing}
+    return model, [batch], loss_fn, described
+
+
+def _quantization_of(args: argparse.Namespace, data: dict[str, Any]) -> Any:
+    """The quantization ``--quantize`` or the config's ``quantization_config`` asks for (the flag over the config), or None."""
+    from autotune.memory.quantized import Quantization
+
+    if args.quantize:
+        import torch
+
+        dtype = str(data.get("dtype") or data.get("torch_dtype") or "bfloat16").replace("torch.", "")
+        compute = {"float16": torch.float16}.get(dtype, torch.bfloat16)
+        return Quantization.named(args.quantize, compute_dtype=compute)
+    try:
+        return Quantization.from_config(data.get("quantization_config"))
+    except ValueError as exc:
+        raise UsageError(f"Invalid --hf-config {args.hf_config!r}: {exc}") from None
+
+
+def _model_class(transformers: Any, data: dict[str, Any], config: Any) -> Any:
+    """What makes the model of ``config``: the class the config names (``architectures``), else its causal LM; an
+    unknown name refused whole, with the fix."""
+    names = list(data.get("architectures") or [])
+    if not names:
+        return transformers.AutoModelForCausalLM.from_config
+    cls = getattr(transformers, names[0], None)
+    if cls is None:
+        raise ValueError(f"its architecture {names[0]!r} is not a class of this transformers ({transformers.__version__}); "
+                         "upgrade transformers, or set \"architectures\" to one it has (e.g. LlamaForCausalLM)")
+    return cls
+
+
+def _batch_for_head(model: Any, tokens: int, vocab: int) -> tuple[dict[str, Any], Callable[[Any, Any], Any], str]:
+    """One sample of ``tokens`` token ids and the labels the model's head computes its loss from: token ids for a causal
+    or masked LM, a class for sequence classification, a class per token for token classification, target ids for a
+    sequence-to-sequence model; and the loss (the model's own), and what the head is."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    batch: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    base = getattr(model, "get_base_model", lambda: model)()  # under PEFT's wrapper
+    name = type(base).__name__
+    labels = max(1, int(getattr(model.config, "num_labels", 2) or 2))
+    if name.endswith("ForSequenceClassification"):
+        head = "sequence classification"
+        batch["labels"] = torch.randint(0, labels, (1,), generator=g)
+    elif name.endswith("ForTokenClassification"):
+        head = "token classification"
+        batch["labels"] = torch.randint(0, labels, (1, tokens), generator=g)
+    elif getattr(model.config, "is_encoder_decoder", False):
+        head = "sequence-to-sequence"
+        batch["labels"] = ids.clone()
+    elif name.endswith("ForMaskedLM"):
+        head = "masked LM"
+        batch["labels"] = ids.clone()
+    else:
+        head = "causal LM"
+        batch["labels"] = ids.clone()
 
     def loss_fn(model: Any, batch: Any) -> Any:
         return model(**batch).loss
 
-    described = {"hf_config": data, "tokens": tokens, "lora": args.lora}
-    return model, [batch], loss_fn, described
+    return batch, loss_fn, head
+
+
+def _packed(loss_fn: Callable[[Any, Any], Any], tokens: int) -> Callable[[Any, Any], Any]:
+    """``loss_fn`` on padding-free packed batches, as TRL's ``packing=True`` with its flattening collator makes them:
+    a micro-batch's rows (each a packed sequence of ``tokens`` tokens) joined into one row, the positions restarting
+    at each sequence, no label predicted across a boundary."""
+    import torch
+
+    def packed(model: Any, batch: Any) -> Any:
+        rows, length = batch["input_ids"].shape
+        labels = batch["labels"].clone()
+        labels[:, 0] = -100  # a sequence's first token is not predicted from the one before it
+        flat = {"input_ids": batch["input_ids"].reshape(1, -1), "labels": labels.reshape(1, -1),
+                "position_ids": torch.arange(length, device=batch["input_ids"].device).repeat(rows).reshape(1, -1)}
+        return loss_fn(model, flat)
+
+    packed.setting = f"padding-free packing: a micro-batch of n rows is one row of n x {tokens} tokens"  # type: ignore[attr-defined]
+    return packed
 
 
 def _with_lora(args: argparse.Namespace, model: Any) -> Any:
-    """``model`` with LoRA adapters of rank ``--lora`` on its default modules (PEFT), the rest frozen."""
+    """``model`` with LoRA adapters of rank ``--lora`` on ``--lora-modules`` (PEFT's default for the architecture
+    without it), the rest frozen."""
     if args.lora is None:
+        if args.lora_modules:
+            raise UsageError(f"--lora-modules {args.lora_modules} names the modules LoRA adapts: give --lora R too")
         return model
     if args.lora < 1:
         raise UsageError(f"Invalid --lora {args.lora}: give the adapters' rank, at least 1 (e.g. 16)")
     try:
+        from autotune.memory.quantized import bitsandbytes
+
+        with contextlib.suppress(ImportError):
+            bitsandbytes()  # imported quietly first: PEFT imports it, and it logs about an optional kernel package
         import peft
     except ImportError:
         raise UsageError("--lora needs peft: pip install peft") from None
+    modules: Any = None
+    if args.lora_modules:
+        modules = "all-linear" if args.lora_modules == "all-linear" else [m.strip() for m in args.lora_modules.split(",") if m.strip()]
+
     def wrap() -> Any:
         with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns (not the user's doing)
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return peft.get_peft_model(model, peft.LoraConfig(r=args.lora))
+            return peft.get_peft_model(model, peft.LoraConfig(r=args.lora, target_modules=modules))
 
-    return call_user(wrap, f"--lora {args.lora}", args.debug)
+    return call_user(wrap, f"--lora {args.lora}" + (f" --lora-modules {args.lora_modules}" if modules else ""), args.debug)
 
 
 def _loader_from_args(args: argparse.Namespace) -> tuple[Any, None, dict[str, Any]]:
