@@ -12,15 +12,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 # before it. This is the one place the order is written.
 WINGS = {
     # base: what everything may use
-    "base": ["units", "errors", "batches", "checks", "rng", "step"],
+    "base": ["units", "errors", "batches", "checks", "rng", "step", "losses"],
     # what a step holds and would hold
-    "memory": ["memory", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.ledger", "memory.device", "memory.checkpointing"],
+    "memory": ["memory", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.quantized", "memory.optimizers", "memory.ledger", "memory.device", "memory.checkpointing"],
     # ranks: agreements for planning, the exchange of training
     "parallel": ["parallel", "parallel.ranks", "parallel.stops", "parallel.exchange", "parallel.lockstep"],
     # trials that change nothing, real and on fake tensors, and the search
-    "probe": ["probe", "probe.search", "probe.trial", "probe.cuda", "probe.fakes", "probe.depth", "probe.estimate", "probe.priced", "probe.largest"],
+    "probe": ["probe", "probe.search", "probe.trial", "probe.cuda", "probe.experts", "probe.attention", "probe.fakes", "probe.depth", "probe.estimate", "probe.priced", "probe.largest"],
     # the plan (pure) and the verbs that make plans
-    "planning": ["planning", "planning.scaling", "planning.options", "planning.plans", "planning.report", "planning.cache",
+    "planning": ["planning", "planning.scaling", "planning.options", "planning.setting", "planning.plans", "planning.report", "planning.cache",
                  "planning.whatif", "planning.sharding", "planning.advice", "planning.lengths", "planning.planner"],
     # training at the planned batch: the loop, its windows, BatchNorm, the noise scale, BN tuning
     "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.arguments", "train.caps", "train.run", "train.resume", "train.attempt",
