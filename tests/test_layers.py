@@ -135,14 +135,14 @@ def test_the_model_passes_through_few_modules_on_its_way_through_fit():
     """The reader's path (``benchmarks/model_path.py``): every autotune function that receives the model
     or a part of it, in the order of the code, for one process's fit and the plan it makes first. The
     loop calls down into a few helpers, each doing a whole job: at most 7 modules, at most 8 moves back
-    up a layer."""
+    up a layer; the plan one module more, the words of the setting it states (``planning.setting``)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("model_path", Path(__file__).resolve().parents[1] / "benchmarks" / "model_path.py")
     model_path = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(model_path)
     for name, path in model_path.measure().items():
-        assert len(set(path)) <= 7, (name, path)
+        assert len(set(path)) <= (8 if name == "planning" else 7), (name, path)
         assert model_path.moves_up(path) <= 8, (name, path)
 
 

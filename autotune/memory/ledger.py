@@ -19,12 +19,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotune.memory.quantized import held_outside_parameters
 from autotune.units import format_bytes
 
 __all__ = [
     "ResidentPeak",
     "TensorLedger",
+    "held_outside_parameters",
     "held_tensors",
     "is_out_of_memory",
     "storage_bytes",
@@ -301,6 +301,23 @@ class ResidentPeak:
         self._thread.join()
         self._peak = max(self._peak, int(self._process.memory_info().rss))
         self.growth = self._peak - self._start
+
+
+def held_outside_parameters(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Tensors a model holds besides its parameters and buffers: the quantization state of quantized layers
+    (:mod:`autotune.memory.quantized`), read from the weights' own attributes: a 4-bit weight's ``quant_state``
+    (absmax, nested absmax, codes, offset), an 8-bit weight's row scales (``SCB``)."""
+    for module in model.modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is None:
+            continue
+        state = getattr(weight, "quant_state", None)
+        while state is not None:
+            yield from (t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor))
+            state = state.state2
+        for scales in (getattr(weight, "SCB", None), getattr(getattr(module, "state", None), "SCB", None)):
+            if isinstance(scales, torch.Tensor):
+                yield scales
 
 
 def held_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

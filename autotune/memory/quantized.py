@@ -12,7 +12,7 @@ layer holds less than its weight's dtype says, and holds some of it outside its 
   ``float32`` scale per output row (``SCB``).
 
 The quantization state is an attribute of the weight (``weight.quant_state``), not a parameter or a
-buffer: :func:`held_outside_parameters` lists it so that every count of what training holds includes it.
+buffer: :func:`autotune.memory.ledger.held_outside_parameters` lists it so that every count of what training holds includes it.
 
 A model gets quantized layers three ways, all estimated alike: quantized by bitsandbytes already (on the
 CPU, bitsandbytes quantizes and runs forward and backward), :func:`quantize` (here; on the meta device the
@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "bitsandbytes", "copy_memo", "fake_quantized", "held_outside_parameters", "is_quantized", "is_quantized_weight", "logical_numel", "quantization_of", "quantize"]
+__all__ = ["Quantization", "bitsandbytes", "copy_memo", "fake_quantized", "is_quantized", "is_quantized_weight", "logical_numel", "quantization_of", "quantize", "quantized_layer_types"]
 
 KINDS = ("nf4", "fp4", "int8")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp32": torch.float32,
@@ -148,12 +149,16 @@ class Quantization:
         return ", ".join(parts)
 
 
+def quantized_layer_types() -> tuple[type, ...]:
+    """bitsandbytes' 4-bit and 8-bit linear classes where bitsandbytes has been imported, else none: no layer can
+    be one before (so a model's modules are checked with ``isinstance``, and nothing is imported to check them)."""
+    modules = sys.modules.get("bitsandbytes.nn.modules")
+    return tuple(getattr(modules, name) for name in ("Linear4bit", "Linear8bitLt") if hasattr(modules, name)) if modules else ()
+
+
 def is_quantized(module: nn.Module) -> bool:
     """Whether ``module`` is a bitsandbytes 4-bit or 8-bit linear layer (without importing bitsandbytes)."""
-    return any(f"{c.__module__}.{c.__name__}" in _LAYERS for c in type(module).__mro__)
-
-
-_LAYERS = ("bitsandbytes.nn.modules.Linear4bit", "bitsandbytes.nn.modules.Linear8bitLt")
+    return isinstance(module, quantized_layer_types())
 
 
 def quantization_of(model: nn.Module) -> Quantization | None:
@@ -246,26 +251,11 @@ def logical_numel(p: torch.Tensor) -> int:
     return p.numel()
 
 
-def held_outside_parameters(model: nn.Module) -> Iterator[torch.Tensor]:
-    """Tensors quantized layers hold besides their parameters and buffers: a 4-bit weight's quantization state
-    (absmax, nested absmax, codes, offset), an 8-bit weight's row scales."""
-    for module in model.modules():
-        if not is_quantized(module):
-            continue
-        state = getattr(module.weight, "quant_state", None)
-        while state is not None:
-            yield from (t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor))
-            state = state.state2
-        for scales in (getattr(module.weight, "SCB", None), getattr(getattr(module, "state", None), "SCB", None)):
-            if isinstance(scales, torch.Tensor):
-                yield scales
-
-
-def copy_memo(model: nn.Module) -> dict[int, Any]:
-    """Entries for ``copy.deepcopy``'s memo that keep the quantization state of ``model``'s quantized layers out of
-    a copy (an estimate's fake copy makes its own, :func:`fake_quantized`)."""
+def copy_memo(layers: Iterable[nn.Module]) -> dict[int, Any]:
+    """Entries for ``copy.deepcopy``'s memo that keep the quantization state of a model's quantized ``layers`` out
+    of a copy (an estimate's fake copy makes its own, :func:`fake_quantized`)."""
     memo: dict[int, Any] = {}
-    for module in model.modules():
+    for module in layers:
         if is_quantized(module):
             for held in (getattr(module.weight, "quant_state", None), getattr(module, "quant_state", None),
                          getattr(getattr(module, "state", None), "CB", None), getattr(getattr(module, "state", None), "SCB", None)):

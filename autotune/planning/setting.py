@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from autotune.memory.optimizers import describe as describe_optimizer
-from autotune.memory.quantized import is_quantized_weight, logical_numel, quantization_of
+from autotune.memory.quantized import is_quantized_weight, logical_numel, quantization_of, quantized_layer_types
 from autotune.units import format_bytes
 
 __all__ = ["attention_of", "describe", "lora_of", "set_aside_words", "weights_policy"]
@@ -68,15 +68,19 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
              batch: Any = None, loss_fn: Any = None) -> tuple[tuple[str, str], ...]:
     """What a plan of ``model`` assumes, as ``(what, value)`` pairs in the order a reader asks them."""
     params = list(model.parameters())
-    total = sum(logical_numel(p) for p in params)
-    trained = sum(logical_numel(p) for p in params if p.requires_grad)
-    dtypes = Counter(_NAMES.get(p.dtype, str(p.dtype)) for p in params if not is_quantized_weight(p))
+    types = quantized_layer_types()  # none before bitsandbytes is imported: nothing to ask of quantized weights
+    quantized = bool(types) and any(isinstance(m, types) for m in model.modules())
+    numel = logical_numel if quantized else torch.Tensor.numel
+    total = sum(numel(p) for p in params)
+    trained = sum(numel(p) for p in params if p.requires_grad)
+    dtypes = Counter(_NAMES.get(p.dtype, str(p.dtype)) for p in params if not (quantized and is_quantized_weight(p)))
     out: list[tuple[str, str]] = [
-        ("model", type(model).__name__),
+        ("model", type(getattr(model, "get_base_model", lambda: model)()).__name__),  # under PEFT's wrapper: the model it wraps
         ("parameters", f"{total / 1e9:.3g}B total, {trained / 1e6:.4g}M trained" if total >= 1e8 else f"{total:,} total, {trained:,} trained"),
         ("weights", weights_policy(model, precision) + (f"; untrained weights {', '.join(dtypes)}" if trained < total and dtypes else "")),
     ]
-    quantization = quantization_of(model)
+    config = getattr(model, "config", None)
+    quantization = quantization_of(model) if quantized or getattr(config, "quantization_config", None) is not None else None
     if quantization is not None:
         out.append(("quantization", quantization.describe()))
     lora = lora_of(model)

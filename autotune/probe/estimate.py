@@ -83,9 +83,8 @@ from autotune.memory.allocator import (
 )
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
-from autotune.memory.ledger import TensorLedger, held_tensors, storage_bytes
+from autotune.memory.ledger import TensorLedger, held_outside_parameters, held_tensors, storage_bytes
 from autotune.memory.optimizers import rebuilt
-from autotune.memory.quantized import held_outside_parameters
 from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend
 from autotune.probe.depth import DepthEstimator, repeated_stacks
 from autotune.probe.fakes import (

@@ -22,7 +22,7 @@ from torch import nn
 
 from autotune import batches as B
 from autotune.memory.ledger import TensorLedger
-from autotune.memory.quantized import copy_memo, fake_quantized, is_quantized
+from autotune.memory.quantized import copy_memo, fake_quantized, quantized_layer_types
 from autotune.probe.attention import fused_attention
 from autotune.probe.experts import routed_experts
 
@@ -177,14 +177,15 @@ class FakeCopy:
 
     def __init__(self, model: nn.Module) -> None:
         self.mode = fake_mode()
-        memo: dict[int, Any] = copy_memo(model)  # quantized layers' state: made below, fake
+        types = quantized_layer_types()  # none before bitsandbytes is imported
+        quantized = [(name, m) for name, m in model.named_modules() if isinstance(m, types)] if types else []
+        memo: dict[int, Any] = copy_memo(m for _, m in quantized) if quantized else {}  # their state: made below, fake
         with self.mode:
             for p in model.parameters():
                 memo[id(p)] = nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
             for b in model.buffers():
                 memo[id(b)] = fake_like(b)
         self.model = copy.deepcopy(model, memo)
-        quantized = [(name, m) for name, m in model.named_modules() if is_quantized(m)]
         if quantized:
             with self.mode:
                 for name, original in quantized:
