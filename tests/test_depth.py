@@ -2,6 +2,7 @@
 and 4 of them and extended to its depth (autotune.probe.depth). The reference is the same model traced
 whole, the estimate before the extension existed."""
 
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -151,3 +152,44 @@ def test_the_copies_share_the_model_s_parameters_and_leave_it_as_it_was():
     short, why = depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=8), device=torch.device("cpu")))
     assert short == [] and "8 blocks of transformer.h are too few to extend" in why  # 9 blocks traced would save none: said
     assert depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=4), device=torch.device("cpu"))) == ([], None)
+
+
+def rebound_checkpointing(model, blocks):
+    """Activation checkpointing on ``blocks`` as it is often written by hand: each block's ``forward`` rebound (as a
+    method of the block, so that a copy of the model calls its own block)."""
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
+
+    for block in blocks:
+        block.forward = types.MethodType(forward, block)
+    model.config.use_cache = False  # as Transformers' own checkpointing sets it: the recomputed forward must not grow a cache
+    return model
+
+
+def scaled_by_a_hook(model, blocks):
+    """A forward hook on ``blocks`` that replaces each block's output with a new tensor (kept for the backward)."""
+    def hook(module, args, out):
+        return (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
+
+    for block in blocks:
+        block.register_forward_hook(hook)
+    return model
+
+
+@pytest.mark.parametrize("change", [rebound_checkpointing, scaled_by_a_hook], ids=["rebound-forward", "forward-hook"])
+def test_blocks_changed_on_the_instance_are_not_taken_for_alike(change, monkeypatch):
+    """Six of twelve blocks checkpointed by rebinding ``forward``, or given a hook: the class and the weights are the
+    same, what runs is not; priced as the first blocks, every block would be checkpointed (or hooked)."""
+    def make():
+        model = hf_models.gpt2(layers=12)
+        return change(model, model.transformer.h[:6])
+
+    loader = [text_batch(8, 64, seed=s) for s in range(2)]
+    extended, reference = plan_both(make, loader, monkeypatch, target_batch=4096, memory_limit="100MiB")
+    assert any("traced the whole model" in n and "6 of them unlike the rest" in n for n in extended.notes), extended.notes
+    assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
+    stacks, _ = depth.repeated_stacks(SimpleNamespace(model=change(hf_models.gpt2(layers=24), []), device=torch.device("cpu")))
+    assert [s.depth for s in stacks] == [24]  # the same change on no block, or (below) on every block: alike, extended
+    every = hf_models.gpt2(layers=24)
+    stacks, _ = depth.repeated_stacks(SimpleNamespace(model=change(every, every.transformer.h), device=torch.device("cpu")))
+    assert [(s.depth, s.prefix) for s in stacks] == [(24, 0)]

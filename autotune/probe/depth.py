@@ -51,6 +51,7 @@ fall-back of the other.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -88,14 +89,36 @@ class Stack:
     prefix: int
 
 
+def _code(fn: Any) -> Any:
+    """A callable by the code it runs (a partial's function, a bound method's), not by its identity: the
+    closures one ``def`` makes, or one function bound to two modules, compare equal."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    return (code.co_filename, code.co_firstlineno, code.co_name) if code is not None else type(fn).__qualname__
+
+
+def _behaviour(module: nn.Module) -> tuple[Any, ...]:
+    """What a module runs beyond its class's code: a ``forward`` bound on the instance (checkpointing by
+    rebinding ``forward``, a common hand-written way), and its hooks."""
+    own = module.__dict__.get("forward")
+    hooks = tuple(
+        (kind, tuple(_code(h) for h in getattr(module, kind, {}).values()))
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    )
+    return (None if own is None else _code(own), hooks)
+
+
 def _shapes(blocks: list[nn.Module]) -> list[tuple[Any, ...]]:
-    """What two blocks must share to add the same bytes: parameters, buffers, modules and their settings.
-    A setting that counts the blocks (its value the block's index plus a constant, as a layer index) is
-    left out."""
+    """What two blocks must share to add the same bytes: parameters, buffers, modules and their settings,
+    and what each module runs beyond its class's code (:func:`_behaviour`). A setting that counts the
+    blocks (its value the block's index plus a constant, as a layer index) is left out."""
     settings: list[dict[tuple[str, str], Any]] = []
     for block in blocks:
-        found = {}
+        found: dict[tuple[str, str], Any] = {}
         for name, module in block.named_modules():
+            found[(name, "<runs>")] = _behaviour(module)
             for key, value in vars(module).items():
                 if key.startswith("_") or key == "training":
                     continue
