@@ -176,7 +176,7 @@ def test_the_cli_answers_the_8b_question_from_a_config_directory_with_lora_and_w
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--tokens", "64"), "--tokens 64 sizes the batch of --hf-config"),
+    (("--tokens", "64"), "--tokens 64 shapes the model and batch of --hf-config"),
     (("--hf-config", "{config}", "--input-shape", "8"), "drop --input-shape"),
     (("--hf-config", "{config}"), "give the device's memory with --memory-limit"),
     (("--hf-config", "{missing}", "--memory-limit", "1GiB"), "Invalid --hf-config .*no such file"),

@@ -159,8 +159,8 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
         if args.memory_limit is None:
             raise UsageError("--hf-config estimates a model without its weights: give the device's memory with --memory-limit (e.g. 80GiB)")
     else:
-        given = [f for f, on in (("--tokens", args.tokens is not None), ("--attention", args.attention), ("--fused-ce", args.fused_ce),
-                                 ("--packing", args.packing)) if on]
+        given = [f for f, on in ((f"--tokens {args.tokens}", args.tokens is not None), (f"--attention {args.attention}", args.attention),
+                                 ("--fused-ce", args.fused_ce), ("--packing", args.packing)) if on]
         if given:
             raise UsageError(f"{', '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the model and batch of --hf-config; with MODEL "
                              "give --input-shape (or --loader) and build the model as it should run")
@@ -282,7 +282,7 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
     """The plan and its memory breakdown: from the cache, or planned (and stored); and whether it was cached."""
     import autotune
     from autotune.memory.ledger import storage_bytes
-    from autotune.memory.quantized import held_outside_parameters
+    from autotune.memory.ledger import held_outside_parameters
     from autotune.planning import cache
     from autotune.planning.report import MemoryBreakdown, render_json
     from autotune.probe.estimate import estimator_for
@@ -339,6 +339,8 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         plot_memory(plan, args.plot, by_length)
     if args.json:
         data = render_json(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length)
+        if args.lr is None:  # the optimizer's rate is a default: the rule, not a rate
+            data["learning_rate"] = {"given": False, "rule": plan.lr_rule, "scale": plan.lr_scale, "base_batch": plan.base_batch}
         if tokens is not None:
             data["tokens"] = {"per_sample": tokens, "per_micro_batch": tokens * plan.micro_batch, "per_step": tokens * plan.effective_batch}
         if table is not None:
@@ -350,9 +352,9 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         print(json.dumps(data, indent=2))
         return
     if args.format:
-        print(framework_configs(plan)[args.format])
+        print(framework_configs(plan, lr_given=args.lr is not None)[args.format])
         return
-    print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length))
+    print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length, lr_given=args.lr is not None))
     if table is not None:
         print()
         print("What if (estimates; the verified row ran for real)")

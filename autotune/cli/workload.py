@@ -23,6 +23,8 @@ def call_user(fn: Callable[[], Any], what: str, debug: bool) -> Any:
     """Call the user's factory; its error becomes a one-line usage error (``--debug``: the traceback)."""
     try:
         return fn()
+    except UsageError:  # already the one line, with its fix
+        raise
     except Exception as exc:
         if debug:
             raise
@@ -201,8 +203,9 @@ def _model_class(transformers: Any, data: dict[str, Any], config: Any) -> Any:
         return transformers.AutoModelForCausalLM.from_config
     cls = getattr(transformers, names[0], None)
     if cls is None:
-        raise ValueError(f"its architecture {names[0]!r} is not a class of this transformers ({transformers.__version__}); "
-                         "upgrade transformers, or set \"architectures\" to one it has (e.g. LlamaForCausalLM)")
+        raise UsageError(f"Invalid --hf-config: its architecture {names[0]!r} is not a class of this transformers "
+                         f"({transformers.__version__}); upgrade transformers, or set \"architectures\" to one it has "
+                         "(e.g. LlamaForCausalLM)")
     return cls
 
 

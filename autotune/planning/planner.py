@@ -38,13 +38,7 @@ from autotune.memory.device import (
 )
 from autotune.memory.ledger import storage_bytes
 from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
-from autotune.parallel.ranks import (
-    bypass_nested,
-    gather,
-    group_broken,
-    parallel,
-    world,
-)
+from autotune.parallel.ranks import bypass_nested, gather, group_broken, parallel, world
 from autotune.parallel.stops import on_every_rank
 from autotune.planning.advice import nothing_fits, shards_if_resident_too_big
 from autotune.planning.lengths import shape_model_for
@@ -78,20 +72,31 @@ from autotune.units import format_bytes
 __all__ = ["plan", "plan_with", "what_if"]
 
 
-def _check_limit_within(device: torch.device, limit: int) -> None:
-    """Refuse a memory limit larger than the device has (a typo such as '100000TiB' would plan for memory
-    that is not there, and the run would meet the out-of-memory killer instead of a clear error)."""
+LIMIT_SLACK = 0.05  # a limit this far above the device's total is its total as its maker counts it ("24GiB": 23.99)
+
+
+def _limit_within(device: torch.device, limit: int) -> tuple[int, str | None]:
+    """The memory limit to plan with on ``device``, and a note when it was lowered to the device's total.
+
+    Raises:
+        ValueError: the limit is more than 5% above the total (a typo such as '100000TiB': planned for memory that
+            is not there, the run would meet the out-of-memory killer instead of a clear error).
+    """
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-        return
+        return limit, None
     try:
         total = device_memory(device).total
     except Exception:  # the device cannot tell: nothing to compare with
-        return
-    if total and limit > total:
+        return limit, None
+    if not total or limit <= total:
+        return limit, None
+    if limit > total * (1 + LIMIT_SLACK):
         raise ValueError(
             f"Invalid memory_limit {format_bytes(limit)}: this {device.type} has {format_bytes(total)}; give at most that "
             "(or leave memory_limit out: what the device has), or plan for another device with verify=False"
         )
+    return total, (f"memory_limit {format_bytes(limit)} is above what this {device.type} reports ({format_bytes(total)}, "
+                   "as devices count their own): planned with the device's total")
 
 
 def _bn_base_momentum(model: nn.Module) -> float | None:
@@ -245,6 +250,7 @@ class _Setup:
     precision: Precision
     rank: int
     world_size: int
+    notes: tuple[str, ...] = ()  # what the checks changed, said with the plan
 
 
 @dataclasses.dataclass
@@ -283,8 +289,9 @@ def _set_up(model: nn.Module, shared: Options, probing: Probing, optimizer: Any,
     else:  # estimate only: nothing runs on the device, so it need not hold the model (or its weights), or exist
         device = resolve_device(par.inner, device, estimate=True)
     headroom = default_headroom(device) if shared.headroom is None else shared.headroom
-    if shared.memory_limit is not None and probing.verify:  # a limit is enforced on this device: no more than it has
-        _check_limit_within(device, shared.memory_limit)
+    limit, limit_note = shared.memory_limit, None
+    if limit is not None and probing.verify:  # a limit is enforced on this device: no more than it has
+        limit, limit_note = _limit_within(device, limit)
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     check_optimizer(par.inner, optimizer)
@@ -306,8 +313,8 @@ def _set_up(model: nn.Module, shared: Options, probing: Probing, optimizer: Any,
     # Under DDP the probe runs the inner module: a trial's backward must not start collectives that
     # the other ranks, busy with trials of their own, would never join.
     return _Setup(model=par.inner, ddp=par.ddp, fsdp=par.fsdp, nested=par.nested, group=par.group, device=device,
-                  limit=shared.memory_limit, headroom=headroom, optimizer=optimizer, precision=shared.precision or "fp32",
-                  rank=rank, world_size=world_size)
+                  limit=limit, headroom=headroom, optimizer=optimizer, precision=shared.precision or "fp32",
+                  rank=rank, world_size=world_size, notes=(limit_note,) if limit_note else ())
 
 
 def _probe_every_rank(setup: _Setup, loader: Iterable[Any], shared: Options, probing: Probing, loss_fn: LossFn | None) -> _Probed:
@@ -439,7 +446,7 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
     """The Plan: this rank's micro-batches, the learning rate and its warm-up, BatchNorm's momentum, the notes."""
     target_batch, optimizer, model = shared.target_batch, setup.optimizer, setup.model
     assert target_batch is not None
-    notes = list(probed.work.notes)
+    notes = [*setup.notes, *probed.work.notes]
     if setup.world_size > 1 and not setup.fsdp:
         notes.append(
             f"each rank uses the micro-batch its own device fits (per rank: {', '.join(map(str, probed.maxima))}); "

@@ -122,14 +122,23 @@ def equal_split(plan: Plan) -> EqualSplit:
 _KERAS_OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "adagrad": "Adagrad", "adamax": "Adamax", "nadam": "Nadam"}
 
 
-def framework_configs(plan: Plan) -> dict[str, str]:
-    """Ready-to-paste settings for each framework in :data:`FORMATS`, as text."""
+def lr_rule_words(plan: Plan) -> str:
+    """The learning-rate rule as a rule, for a plan whose base rate nobody gave: the factor, not a rate."""
+    if plan.lr_rule == "none":
+        return "not scaled (lr_rule none)"
+    return (f"your rate tuned at batch {plan.base_batch} x{plan.lr_scale:.4g} ({plan.lr_rule} rule, to batch {plan.effective_batch})"
+            + (f", warmed up over {plan.warmup_steps} steps" if plan.warmup_steps else ""))
+
+
+def framework_configs(plan: Plan, *, lr_given: bool = True) -> dict[str, str]:
+    """Ready-to-paste settings for each framework in :data:`FORMATS`, as text. ``lr_given=False`` (a plan whose
+    base learning rate is a default, not the user's): no rate is written, the rule is said in a comment."""
     split = equal_split(plan)
     lr = f"{plan.lr:.6g}"
     lr_note = (
         f"# learning rate {lr}: {plan.lr_rule} rule, x{plan.lr_scale:.4g} from {plan.base_lr:.6g} at batch {plan.base_batch}"
         + (f"; warm up over {plan.warmup_steps} steps" if plan.warmup_steps else "")
-    )
+    ) if lr_given else f"# learning rate: {lr_rule_words(plan)}"
     if split.per_device is None:
         reason = f"# {split.note}"
         return {name: reason for name in FORMATS}
@@ -140,10 +149,10 @@ def framework_configs(plan: Plan) -> dict[str, str]:
     short = "drop_last=True: these loops divide every window by the same count, so a short last window would be mis-weighted"
     keras_opt = _KERAS_OPTIMIZERS.get(plan.optimizer.lower(), "AdamW")
     o = plan.optimizer_settings
-    torch_args = f"lr={lr}"
-    keras_args = f"learning_rate={lr}"
+    torch_args = f"lr={lr}" if lr_given else "lr=lr"
+    keras_args = f"learning_rate={lr}" if lr_given else "learning_rate=lr"
     hf_args: list[str] = []
-    ds_params: dict[str, Any] = {"lr": float(lr)}
+    ds_params: dict[str, Any] = {"lr": float(lr)} if lr_given else {}
     if o is not None:
         lr_note += f"\n# betas, eps and weight decay for the batch: square-root rule of Malladi et al. 2022 (x{o.kappa:.4g} batch)"
         torch_args += f", betas=({o.betas[0]:.6g}, {o.betas[1]:.6g}), eps={o.eps:.6g}"
@@ -157,7 +166,7 @@ def framework_configs(plan: Plan) -> dict[str, str]:
             ds_params["weight_decay"] = o.weight_decay
     optimizer_line = f"optimizer = torch.optim.{plan.optimizer or 'AdamW'}(model.parameters(), {torch_args})"
     deepspeed: dict[str, Any] = {"train_batch_size": target, "train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}
-    if o is not None:
+    if o is not None and ds_params:
         deepspeed["optimizer"] = {"type": plan.optimizer or "AdamW", "params": ds_params}
     configs = {
         "lightning": "\n".join([
@@ -174,12 +183,13 @@ def framework_configs(plan: Plan) -> dict[str, str]:
         ]),
         "hf": "\n".join([
             head,
+            *([] if lr_given else [lr_note]),
             "training_args = TrainingArguments(",
             f"    per_device_train_batch_size={m},",
             f"    gradient_accumulation_steps={k},",
-            f"    learning_rate={lr},",
+            *([f"    learning_rate={lr},"] if lr_given else []),
             *hf_args,
-            *([f"    warmup_steps={plan.warmup_steps},"] if plan.warmup_steps else []),
+            *([f"    warmup_steps={plan.warmup_steps},"] if plan.warmup_steps and lr_given else []),
             "    dataloader_drop_last=True,",
             "    # and your other arguments: output_dir, num_train_epochs, and so on",
             ")",
@@ -205,9 +215,10 @@ def render_text(
     breakdown: MemoryBreakdown | None = None,
     cached: bool = False,
     by_length: Sequence[tuple[int, int]] = (),
+    lr_given: bool = True,
 ) -> str:
-    """The full report: device, plan, memory breakdown, micro-batch by length (when asked), trials
-    and framework configs."""
+    """The full report: the setting, device, plan, memory breakdown, micro-batch by length (when asked),
+    trials and framework configs. ``lr_given=False``: the learning rate as a rule (see :func:`framework_configs`)."""
     lines: list[str] = []
     if cached:
         lines.append("(answered from the cache; run with --no-cache to probe again)")
@@ -236,7 +247,10 @@ def render_text(
     lines.append(_row("micro-batch", f"{plan.micro_batch} (largest that fits{'' if plan.verified else ', estimated'})"))
     lines.append(_row("accumulation steps", f"{plan.accumulation_steps}: micro-batches of {', '.join(map(str, plan.micro_batches))}"))
     lines.append(_row("effective batch", f"{plan.effective_batch} ({plan.world_size} device{'s' if plan.world_size > 1 else ''})"))
-    lines.append(_row("learning rate", f"{plan.lr:.6g} ({plan.lr_rule} rule, x{plan.lr_scale:.4g} from {plan.base_lr:.6g} at batch {plan.base_batch}; {plan.optimizer or 'optimizer'})"))
+    if lr_given:
+        lines.append(_row("learning rate", f"{plan.lr:.6g} ({plan.lr_rule} rule, x{plan.lr_scale:.4g} from {plan.base_lr:.6g} at batch {plan.base_batch}; {plan.optimizer or 'optimizer'})"))
+    else:
+        lines.append(_row("learning rate", lr_rule_words(plan).split(", warmed")[0] + " (give --lr for a rate)"))
     lines.append(_row("warm-up", f"{plan.warmup_steps} steps" if plan.warmup_steps else "none needed"))
     if plan.optimizer_settings is not None:
         o = plan.optimizer_settings
@@ -277,7 +291,7 @@ def render_text(
         lines.append("")
         lines.append("Notes")
         lines.extend(f"  - {n}" for n in plan.notes)
-    configs = framework_configs(plan)
+    configs = framework_configs(plan, lr_given=lr_given)
     titles = {"lightning": "PyTorch Lightning", "accelerate": "Accelerate", "hf": "Transformers TrainingArguments", "deepspeed": "DeepSpeed config", "keras": "Keras 3"}
     for name in FORMATS:
         lines.append("")

@@ -1,0 +1,152 @@
+"""An answer says what it answered: the question and its assumptions echoed at the top of the report (text and
+JSON), bad values refused before anything runs, every head of a config planned with the labels its loss needs."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+from test_meta import report, write_config  # noqa: E402
+
+from autotune.cli.main import main  # noqa: E402
+
+SMALL_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+               "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 500,
+               "max_position_embeddings": 256, "torch_dtype": "bfloat16"}
+COMMON = ("--target-batch", "8", "--device", "cuda", "--memory-limit", "1GiB", "--tokens", "64")
+
+
+def text_report(capsys, monkeypatch, tmp_path, *argv):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = main(["report", *argv, "--no-cache"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def parameter_count():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{k: v for k, v in SMALL_LLAMA.items() if k not in ("architectures", "torch_dtype")})
+    return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+
+
+@pytest.mark.parametrize("kind", ["full", "lora", "qlora"])
+def test_the_answer_begins_with_the_question_it_answered(kind, capsys, monkeypatch, tmp_path):
+    config = dict(SMALL_LLAMA)
+    flags = ["--precision", "bf16"]
+    if kind in ("lora", "qlora"):
+        flags += ["--lora", "8"]
+    if kind == "qlora":
+        pytest.importorskip("bitsandbytes")
+        config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                         "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"}
+    path = write_config(tmp_path, config)
+    code, data, err = report(capsys, monkeypatch, tmp_path, "--hf-config", path, *COMMON, *flags)
+    assert code == 0, err
+    setting = data["plan"]["setting"]
+    total = parameter_count()
+    assert setting["model"] == "LlamaForCausalLM" and setting["tokens per sample"] == "64" and setting["device"] == "cuda"
+    assert setting["parameters"].startswith(f"{total:,} total") if kind == "full" else f"{total:,} total" not in setting["parameters"]
+    if kind == "full":
+        assert setting["parameters"] == f"{total:,} total, {total:,} trained"
+        assert setting["weights"].startswith("pure bf16") and "adapters" not in setting and "quantization" not in setting
+    else:
+        # PEFT's default for Llama adapts the query and value projections only: said, as the adapters a user gets
+        assert setting["adapters"] == "LoRA rank 8, alpha 8, on q_proj, v_proj"
+        lora = 2 * (2 * 8 * 64 + 8 * 64 + 8 * 32)  # per layer: q_proj 64->64 and v_proj 64->32 (2 key-value heads of 16)
+        assert setting["parameters"].endswith(f", {lora:,} trained")
+    if kind == "qlora":
+        assert setting["quantization"].startswith("bitsandbytes nf4, double quantization, compute bfloat16")
+    assert setting["optimizer"] == "AdamW (torch, fused)" and setting["checkpointing"] == "off" and setting["attention"] == "sdpa"
+    code, text, err = text_report(capsys, monkeypatch, tmp_path, "--hf-config", path, *COMMON, *flags)
+    assert code == 0, err
+    head = text.split("\n\n")[0].splitlines()
+    assert head[0] == "Setting (what was planned)"
+    assert [line.split(None, 1)[0] for line in head[1:3]] == ["model", "parameters"]
+    for what, value in setting.items():
+        assert any(line.strip() == f"{what:<22}{value}".strip() for line in head), (what, value, head)
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_token_count_below_one_is_refused_by_value(value, capsys, monkeypatch, tmp_path):
+    code, _, err = report(capsys, monkeypatch, tmp_path, "--hf-config", write_config(tmp_path, SMALL_LLAMA), "--target-batch", "8",
+                          "--device", "cuda", "--memory-limit", "1GiB", "--tokens", value)
+    assert code == 2 and f"Invalid --tokens {value}" in err and "at least 1" in err and "Traceback" not in err
+
+
+def test_a_token_count_that_is_not_an_integer_is_refused(capsys, monkeypatch, tmp_path):
+    code, _, err = report(capsys, monkeypatch, tmp_path, "--hf-config", write_config(tmp_path, SMALL_LLAMA), "--target-batch", "8",
+                          "--device", "cuda", "--memory-limit", "1GiB", "--tokens", "2k")
+    assert code == 2 and "--tokens" in err and "'2k'" in err
+
+
+BERT_CLASSIFIER = {"architectures": ["BertForSequenceClassification"], "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 500, "max_position_embeddings": 128,
+                   "num_labels": 3}
+T5_SMALL = {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+            "num_heads": 4, "vocab_size": 500, "decoder_start_token_id": 0, "pad_token_id": 0}
+BERT_TOKENS = {**BERT_CLASSIFIER, "architectures": ["BertForTokenClassification"]}
+BERT_MLM = {**BERT_CLASSIFIER, "architectures": ["BertForMaskedLM"]}
+
+
+@pytest.mark.parametrize("config, head", [(BERT_CLASSIFIER, "BertForSequenceClassification"), (BERT_TOKENS, "BertForTokenClassification"),
+                                          (BERT_MLM, "BertForMaskedLM"), (T5_SMALL, "T5ForConditionalGeneration")],
+                         ids=["sequence-classification", "token-classification", "masked-lm", "t5"])
+def test_every_head_from_a_config_plans_with_the_labels_its_loss_needs(config, head, capsys, monkeypatch, tmp_path):
+    code, data, err = report(capsys, monkeypatch, tmp_path, "--hf-config", write_config(tmp_path, config), "--target-batch", "16",
+                             "--device", "cuda", "--memory-limit", "1GiB", "--tokens", "64")
+    assert code == 0, err
+    assert data["plan"]["setting"]["model"] == head and data["plan"]["micro_batch"] >= 1 and data["plan"]["peak_memory"] > 0
+    # the same model on the CPU, built here with its weights, takes a step on such labels: the loss the plan ran is real
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    model = getattr(transformers, head)(cfg)
+    ids = torch.randint(0, 500, (2, 16))
+    labels = {"BertForSequenceClassification": torch.randint(0, 3, (2,)), "BertForTokenClassification": torch.randint(0, 3, (2, 16))}
+    out = model(input_ids=ids, labels=labels.get(head, ids))
+    assert out.loss.isfinite()
+
+
+def test_an_unknown_architecture_is_refused_whole_with_the_fix(capsys, monkeypatch, tmp_path):
+    config = {**SMALL_LLAMA, "architectures": ["LlamaForSomethingNobodyWroteWithAVeryLongNameThatGoesOnAndOnForQuiteAWhile"]}
+    folder = tmp_path / ("a-deep-folder-" * 12)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    code, _, err = report(capsys, monkeypatch, tmp_path, "--hf-config", str(folder), *COMMON)
+    assert code == 2 and "Traceback" not in err
+    line = err.strip()
+    assert line.endswith('upgrade transformers, or set "architectures" to one it has (e.g. LlamaForCausalLM)'), line
+    assert "LlamaForSomethingNobodyWroteWithAVeryLongNameThatGoesOnAndOnForQuiteAWhile" in line
+
+
+def test_no_learning_rate_is_written_that_nobody_gave(capsys, monkeypatch, tmp_path):
+    path = write_config(tmp_path, SMALL_LLAMA)
+    argv = ["--hf-config", path, "--target-batch", "128", "--device", "cuda", "--memory-limit", "1GiB", "--tokens", "64"]
+    for fmt in ("hf", "lightning", "accelerate", "keras", "deepspeed"):
+        code, out, err = text_report(capsys, monkeypatch, tmp_path, *argv, "--format", fmt)
+        assert code == 0, err
+        assert "0.001" not in out and "0.002" not in out and "learning_rate=0" not in out and '"lr"' not in out, (fmt, out)
+        if fmt != "deepspeed":
+            assert "your rate tuned at batch 32 x2 (sqrt rule, to batch 128)" in out, (fmt, out)  # --base-batch's default
+    code, data, err = report(capsys, monkeypatch, tmp_path, *argv)
+    assert data["learning_rate"] == {"given": False, "rule": "sqrt", "scale": pytest.approx(2.0), "base_batch": 32}
+    code, out, err = text_report(capsys, monkeypatch, tmp_path, *argv, "--format", "hf", "--lr", "2e-5", "--base-batch", "8")
+    assert code == 0 and "learning_rate=8e-05," in out  # given: scaled by the rule from batch 8 to 128, sqrt(16) = 4
+    code, data, err = report(capsys, monkeypatch, tmp_path, *argv, "--lr", "2e-5")
+    assert "learning_rate" not in data and data["plan"]["lr"] == pytest.approx(2e-5 * 2)
+
+
+def test_a_limit_a_little_above_what_the_device_reports_is_the_device_s_total_with_a_note():
+    import autotune
+    from autotune.memory.device import device_memory
+
+    total = device_memory(torch.device("cpu")).total
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    loader = [(torch.randn(4, 8), torch.randint(0, 2, (4,)))]
+    loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    plan = autotune.plan(model, loader, target_batch=8, loss_fn=loss, memory_limit=int(total * 1.02), progress=False)
+    assert plan.memory_limit == total
+    assert any("is above what this cpu reports" in n and "planned with the device's total" in n for n in plan.notes), plan.notes
+    with pytest.raises(ValueError, match="Invalid memory_limit .*: this cpu has .*; give at most that"):
+        autotune.plan(model, loader, target_batch=8, loss_fn=loss, memory_limit=int(total * 1.2), progress=False)
