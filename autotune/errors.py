@@ -32,18 +32,21 @@ class NothingFits(AutotuneError, RuntimeError):
         limit: the memory limit in bytes.
         micro_batch: the smallest micro-batch tried (1, or 2 for models with BatchNorm).
         measured: whether ``needed`` comes from a real step (else from an estimate).
-        what_if: the what-if table (:class:`autotune.WhatIf`: other precisions, activation
-            checkpointing, an optimizer with less state), when the step could be estimated.
-        shards: when parameters, gradients and optimizer state alone exceed the budget on one
-            device, FSDP2 over 2, 4 and 8 devices estimated per rank (a list of
-            :class:`autotune.planning.sharding.ShardEstimate`); else empty.
+        what_if: the what-if table (:class:`autotune.WhatIf`: another precision, activation
+            checkpointing, an optimizer with less state, LoRA and QLoRA), when the step could be estimated.
+        shards: FSDP2 over 2, 4, 8 devices and on (doubling, up to the first count that fits, at least 8),
+            estimated per rank (a list of :class:`autotune.planning.sharding.ShardEstimate`), when some
+            count fits; else empty.
+        held: where the bytes of the smallest step go, in words (weights, gradients, optimizer state, and
+            the rest), when the step could be estimated.
     """
 
     def __init__(
         self, message: str, *, needed: int, budget: int, limit: int, micro_batch: int = 1, measured: bool = True,
-        what_if: Any = None, shards: Any = (),
+        what_if: Any = None, shards: Any = (), held: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.held = held
         self.what_if = what_if
         self.shards = list(shards)
         self.needed = needed

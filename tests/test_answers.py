@@ -150,3 +150,30 @@ def test_a_limit_a_little_above_what_the_device_reports_is_the_device_s_total_wi
     assert any("is above what this cpu reports" in n and "planned with the device's total" in n for n in plan.notes), plan.notes
     with pytest.raises(ValueError, match="Invalid memory_limit .*: this cpu has .*; give at most that"):
         autotune.plan(model, loader, target_batch=8, loss_fn=loss, memory_limit=int(total * 1.2), progress=False)
+
+
+@pytest.mark.slow  # the 8B shape: the plan, then each row of what would fit estimated (half a minute)
+def test_when_nothing_fits_the_8b_full_fine_tune_hears_what_would_never_sgd_never_a_flag_it_gave(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from test_meta import LLAMA_3_8B_CONFIG
+
+    argv = ("--hf-config", write_config(tmp_path, LLAMA_3_8B_CONFIG), "--target-batch", "64", "--device", "cuda", "--memory-limit",
+            "80GiB", "--precision", "bf16", "--tokens", "2048", "--optimizer", "adamw_torch_fused")
+    code, _, err = report(capsys, monkeypatch, tmp_path, *argv)
+    assert code == 1 and "Traceback" not in err
+    message = err.split("autotune: nothing fits: ", 1)[1]
+    head, *rows = message.strip().splitlines()
+    assert "held: weights 14.96 GiB, gradients 14.96 GiB, optimizer state 29.92 GiB" in head  # 8.03e9 x 2, x 2, x 4 bytes
+    fitting = [r for r in rows if "micro-batch" in r]
+    changes = [r.split("micro-batch")[0].strip() for r in fitting]
+    assert "--checkpointing" in changes and "--lora 16 --lora-modules all-linear" in changes
+    shard = next(r for r in fitting if r.strip().startswith("--shard"))
+    assert "the fewest that fit" in shard
+    assert "sgd" not in message.lower()
+    for given in ("--precision", "--tokens", "--optimizer adamw_torch_fused", "--memory-limit 80GiB"):
+        assert not any(given in c for c in changes), (given, changes)
+    # each row is a promise: the command with its flags fits (the cheapest, and LoRA)
+    for flags in ("--checkpointing", "--lora 16 --lora-modules all-linear"):
+        code, data, err = report(capsys, monkeypatch, tmp_path, *argv, *flags.split())
+        row = next(r for r in fitting if r.split("micro-batch")[0].strip() == flags)
+        assert code == 0 and data["plan"]["micro_batch"] == int(row.split("micro-batch")[1].split()[0]), (flags, err)

@@ -87,28 +87,53 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
 
 
 def nothing_fits_message(err: Any) -> str:
-    """A NothingFits error in the command line's words: flags, not Python keywords."""
+    """A NothingFits error in the command line's words: flags, not Python keywords. Its first line has the figures
+    and where the bytes go; then what would fit, as the flags that change it, the cheapest first (estimated), and the
+    fewest devices FSDP2 would fit on. Never a flag already given: every row says what differs from the command."""
     from autotune.units import format_bytes
 
     text = (
         f"even micro-batch {err.micro_batch} needs {'at least ' if err.measured else 'an estimated '}"
         f"{format_bytes(err.needed)}, the budget is {format_bytes(err.budget)} (of --memory-limit "
         f"{format_bytes(err.limit)}, less the headroom and what is set aside)"
-    )
-    best = err.what_if.smallest_change() if err.what_if is not None else None
-    if best is None and err.what_if is not None:
-        return text + ": no combination of --precision bf16, --checkpointing and --optimizer sgd fits either (estimated); use a larger --memory-limit or a smaller model"
-    if best is None:
+    ) + (f"; held: {err.held}" if getattr(err, "held", None) else "")
+    table = err.what_if
+    fits = [r for r in table.fitting() if r.changes > 0 and not table.checkpointing_hurts(r)] if table is not None else []
+    fits.sort(key=lambda r: (r.cost, -r.micro_batch))
+    shard = next((s for s in err.shards if s.fits), None)
+    if not fits and shard is None:
+        if table is not None:
+            own = next((r for r in table.rows if r.changes == 0), None)
+            tried = ", ".join(dict.fromkeys(flag for r in table.rows if r.changes > 0 for flag in _flags(r, own)))
+            return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model"
         return text + ": try --precision bf16, --checkpointing, a larger --memory-limit, or shorter inputs (--input-shape)"
+    own = next((r for r in table.rows if r.changes == 0), None) if table is not None else None
+    lines = [text + ": what would fit, estimated, the cheapest change first:"]
+    for row in fits:
+        flags = " ".join(_flags(row, own))
+        lines.append(f"  {flags:<68} micro-batch {row.micro_batch}")
+    if shard is not None:
+        lines.append(f"  {f'--shard {shard.ranks}':<68} micro-batch {shard.micro_batch} per device: FSDP2 over {shard.ranks} devices, "
+                     f"{format_bytes(shard.peak)} a device (the fewest that fit)")
+    if table is not None and len(table.rows) > len(fits) + 1:
+        lines.append(f"  ({len(table.rows) - len(fits) - 1} other changes estimated do not fit; --what-if prints them all)")
+    lines.append("  or a larger --memory-limit")
+    return "\n".join(lines)
+
+
+_OPTIMIZER_FLAGS = {"AdamW 8-bit (bitsandbytes)": "--optimizer adamw_8bit", "SGD without momentum": "--optimizer sgd"}
+
+
+def _flags(row: Any, own: Any) -> list[str]:
+    """The flags that turn the command's own settings (``own``, the table's row of no change) into ``row``'s."""
     flags = []
-    if best.precision != "fp32":
-        flags.append(f"--precision {best.precision}")
-    if best.checkpointing:
-        flags.append("--checkpointing")
-    if "(given)" not in best.optimizer:
-        flags.append("--optimizer sgd")
-    fitting = "; ".join(f"{r.describe()}: {r.micro_batch}" for r in err.what_if.fitting())
-    return (
-        text + f": with {' '.join(flags)} an estimated {best.micro_batch} samples per micro-batch fit "
-        f"(what fits, estimated: {fitting})"
-    )
+    if own is None or row.precision != own.precision:
+        flags.append(f"--precision {row.precision}")
+    if own is None or row.checkpointing != own.checkpointing:
+        flags.append("--checkpointing" if row.checkpointing else "(no --checkpointing)")
+    if "(given)" not in row.optimizer:
+        flags.append(_OPTIMIZER_FLAGS.get(row.optimizer, f"an optimizer like {row.optimizer} (through the API)"))
+    if row.adapters:
+        rank = row.adapters.split("LoRA r=", 1)[1].split(",", 1)[0]
+        flags.append(f"{'--quantize nf4 ' if row.adapters.startswith('QLoRA') else ''}--lora {rank} --lora-modules all-linear")
+    return flags

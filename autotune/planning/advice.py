@@ -14,23 +14,41 @@ from autotune.probe.trial import Workload
 from autotune.step import min_micro_batch
 from autotune.units import format_bytes
 
-__all__ = ["nothing_fits", "shards_if_resident_too_big"]
+__all__ = ["nothing_fits", "shards_that_fit", "where_the_bytes_go"]
 
 
-def shards_if_resident_too_big(work: Workload, budget: int, target_batch: int) -> list[Any]:
-    """FSDP2 over 2, 4 and 8 ranks, estimated, when the weights, gradients and optimizer state alone
-    exceed ``budget`` (accumulation cannot help then); else empty."""
+def shards_that_fit(work: Workload, budget: int, target_batch: int) -> tuple[list[Any], bool]:
+    """FSDP2 over 2, 4, 8 ranks and on, doubling (at most the target batch and 1024), estimated up to the first count
+    that fits (and at least 8), and whether the weights, gradients and optimizer state alone exceed ``budget``
+    (accumulation cannot help then). The counts are advice where those bytes alone are too many, or where one node's
+    8 devices fit (the rest held with activations); else, and when no count fits, there are none."""
     lower = min_micro_batch(work.model)
     parts, activations = estimated(work, lower)
-    if parts.resident <= budget:
-        return []
-    return shard_estimates(parts, activations, ranks=[n for n in (2, 4, 8) if n <= target_batch], budget=budget,
-                           target_batch=target_batch, lower=lower)
+    alone = parts.resident > budget
+    rows: list[Any] = []
+    n = 2
+    while n <= min(target_batch, 1024 if alone else 8) and not (rows and rows[-1].fits and n > 8):
+        rows.extend(shard_estimates(parts, activations, ranks=[n], budget=budget, target_batch=target_batch, lower=lower))
+        n *= 2
+    return (rows if any(r.fits for r in rows) else []), alone
+
+
+def where_the_bytes_go(estimator: Any, lower: int) -> str:
+    """What the smallest step holds, in words: the weights, gradients and optimizer state, and the rest, said as the
+    optimizer step's when its peak is the step's."""
+    held = {"weights": estimator.parameter_bytes(), "gradients": estimator.gradient_bytes(),
+            "optimizer state": estimator.optimizer_state_bytes()}
+    trace = estimator.trace(lower)
+    words = ", ".join(f"{name} {format_bytes(b)}" for name, b in held.items())
+    if trace.backward_peak < trace.peak:
+        return f"{words}; the peak is the optimizer step's, whatever the micro-batch (its temporaries: {format_bytes(estimator.step_transient())})"
+    return f"{words}; activations and temporaries of micro-batch {lower}: {format_bytes(max(0, trace.peak - sum(held.values())))}"
 
 
 def nothing_fits(
     trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
-    table: Any = None, shards: Sequence[Any] = (), out_of_memory_on: dict[int, str] | None = None,
+    table: Any = None, shards: Sequence[Any] = (), out_of_memory_on: dict[int, str] | None = None, resident_too_big: bool = False,
+    held: str | None = None,
 ) -> NothingFits:
     """The error for a probe that found no size: measured numbers when a real step ran.
     ``out_of_memory_on``: under FSDP2, for each size whose trial ran out of memory on some rank, which
@@ -43,7 +61,7 @@ def nothing_fits(
     aside = "".join(f" less {format_bytes(b)} for {name}," for name, b in set_aside)
     advice = _smallest_change(table) or "try precision='bf16', a smaller model, activation checkpointing, or a larger memory_limit"
     if shards:
-        advice = _shard_advice(shards) + "; or " + advice
+        advice = _shard_advice(shards, resident_too_big) + "; or " + advice
     where = (out_of_memory_on or {}).get(smallest)
     if where:
         # Under FSDP2 every rank abandons a trial that ran out of memory on any rank: say on which.
@@ -65,7 +83,8 @@ def nothing_fits(
     return NothingFits(
         f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
         f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
-        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}: " + advice,
+        f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}"
+        f"{f' (held: {held})' if held else ''}: " + advice,
         needed=needed,
         budget=budget,
         limit=limit,
@@ -73,18 +92,21 @@ def nothing_fits(
         measured=measured,
         what_if=table,
         shards=shards,
+        held=held,
     )
 
 
-def _shard_advice(shards: Sequence[Any]) -> str:
-    """The message's words for FSDP2: the resident bytes alone are too many for one device."""
+def _shard_advice(shards: Sequence[Any], resident_too_big: bool) -> str:
+    """The message's words for FSDP2: the resident bytes alone too many for one device, or sharding them leaving
+    room for a micro-batch."""
     per_rank = "; ".join(
         f"{s.ranks} ranks: {format_bytes(s.peak)}" + (f", micro_batch={s.micro_batch}" if s.fits else " (does not fit)")
         for s in shards
     )
+    why = ("the weights, gradients and optimizer state alone exceed the budget, so no micro-batch can fit on one device: "
+           if resident_too_big else "")
     return (
-        "the weights, gradients and optimizer state alone exceed the budget, so no micro-batch can fit on one device: "
-        "shard the model with FSDP2 (torch.distributed.fsdp.fully_shard on each block, then the model), which "
+        f"{why}shard the model with FSDP2 (torch.distributed.fsdp.fully_shard on each block, then the model), which "
         f"autotune drives; estimated per rank: {per_rank} (err.shards; `autotune report --shard N`)"
     )
 

@@ -40,7 +40,7 @@ from autotune.memory.ledger import storage_bytes
 from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
 from autotune.parallel.ranks import bypass_nested, gather, group_broken, parallel, world
 from autotune.parallel.stops import on_every_rank
-from autotune.planning.advice import nothing_fits, shards_if_resident_too_big
+from autotune.planning.advice import nothing_fits, shards_that_fit, where_the_bytes_go
 from autotune.planning.lengths import shape_model_for
 from autotune.planning.options import Options, Probing, check_target, options
 from autotune.planning.plans import Plan, budget_of, largest_share, window_layout
@@ -432,14 +432,15 @@ def _set_aside(setup: _Setup, work: Workload, probing: Probing, limit_given: boo
 def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
                        upper: int, shared: Options, setup: _Setup) -> NothingFits:
     """The error when not even the smallest micro-batch fits, with what would fit instead (estimated)."""
-    table = None
-    shards: list[Any] = []
-    if work.estimator is not None:  # say what would fit instead
-        table = estimate_rows(work, budget=budget, upper=upper, lower=min_micro_batch(work.model))
+    table, held, shards, alone = None, None, [], False
+    if work.estimator is not None:  # say where the bytes go, and what would fit instead
+        lower = min_micro_batch(work.model)
+        table = estimate_rows(work, budget=budget, upper=upper, lower=lower)
+        held = where_the_bytes_go(work.estimator, lower)
         if setup.world_size == 1 and not setup.fsdp:
-            shards = shards_if_resident_too_big(work, budget, shared.target_batch)  # type: ignore[arg-type]
+            shards, alone = shards_that_fit(work, budget, shared.target_batch)  # type: ignore[arg-type]
     return nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside,
-                        table=table, shards=shards, out_of_memory_on=work.oom_ranks)
+                        table=table, shards=shards, out_of_memory_on=work.oom_ranks, resident_too_big=alone, held=held)
 
 
 def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Options, probing: Probing) -> Plan:

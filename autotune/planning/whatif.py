@@ -6,10 +6,16 @@ touching the model: for each combination of
 
 - precision: fp32, or bf16 autocast (fp16 when that is what you train in),
 - activation checkpointing: off, or on (the model's blocks; see :mod:`autotune.memory.checkpointing`),
-- optimizer: the one given, or one with smaller state (SGD with momentum: one buffer per parameter
-  instead of Adam's two; SGD without momentum when the given one is SGD with momentum),
+- optimizer: the one given, or one with smaller state, of the kind such models train with: for a model
+  of convolutions (what SGD trains), SGD with momentum (one buffer per parameter instead of Adam's two;
+  SGD without momentum when the given one is SGD with momentum); for the rest (transformers), AdamW with
+  8-bit states (bitsandbytes, where installed), never SGD;
+- for a Hugging Face model trained in full, LoRA adapters (rank 16, every linear layer) on the frozen
+  model, and on its weights quantized to 4 bits (QLoRA, where bitsandbytes is installed), estimated on a
+  copy of the model on the meta device (no byte of its weights copied),
 
-it estimates the largest micro-batch and the peak per sample, with the same estimator as the plan
+a precision only where it would change something (bf16 autocast for a model of fp32 weights trained in fp32;
+never back to fp32), it estimates the largest micro-batch and the peak per sample, with the same estimator as the plan
 (:mod:`autotune.probe.estimate`: two traces and one confirming trace per row; the row of your own settings
 is the plan's, verified by a real step). :func:`autotune.what_if` makes the table for a model;
 ``NothingFits`` carries it.
@@ -17,14 +23,19 @@ is the plan's, verified by a real step). :func:`autotune.what_if` makes the tabl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
+from autotune.memory.optimizers import make_optimizer, rebuilt
+from autotune.memory.quantized import bitsandbytes, quantize
 from autotune.probe.estimate import estimator_for
 from autotune.units import format_bytes
 
@@ -44,6 +55,7 @@ class WhatIfRow:
         fixed: bytes of the peak that do not grow with the samples (weights, gradients, state).
         changes: how many settings differ from yours (0: your own row).
         verified: whether ``micro_batch`` ran for real (your own row, when the plan verified it).
+        adapters: what the row trains instead of every weight (``"LoRA r=16, all linear"``), or None.
     """
 
     precision: str
@@ -54,6 +66,7 @@ class WhatIfRow:
     fixed: float | None
     changes: int
     verified: bool = False
+    adapters: str | None = None
 
     def describe(self) -> str:
         """The row's settings in words, e.g. ``"bf16 autocast, activation checkpointing"``."""
@@ -61,7 +74,18 @@ class WhatIfRow:
         if self.checkpointing:
             parts.append("activation checkpointing")
         parts.append(self.optimizer)
+        if self.adapters:
+            parts.append(self.adapters)
         return ", ".join(parts)
+
+    @property
+    def cost(self) -> int:
+        """What the row's changes cost a user, for ranking: a precision or checkpointing 1 each (time), another
+        optimizer 2 (its numerics), LoRA 3 and QLoRA 4 (another training: fewer weights learn)."""
+        optimizer = 0 if "(given)" in self.optimizer else 2
+        adapters = (4 if self.adapters.startswith("QLoRA") else 3) if self.adapters else 0
+        others = self.changes - bool(optimizer) - bool(adapters)  # precision, checkpointing
+        return others + optimizer + adapters
 
 
 @dataclass(frozen=True)
@@ -83,8 +107,9 @@ class WhatIf:
         return tuple(r for r in self.rows if r.micro_batch >= self.lower)
 
     def without_checkpointing(self, row: WhatIfRow) -> WhatIfRow | None:
-        """The row with ``row``'s precision and optimizer and checkpointing off (None if absent)."""
-        return next((r for r in self.rows if not r.checkpointing and r.precision == row.precision and r.optimizer == row.optimizer), None)
+        """The row with ``row``'s precision, optimizer and adapters and checkpointing off (None if absent)."""
+        return next((r for r in self.rows if not r.checkpointing and r.precision == row.precision and r.optimizer == row.optimizer
+                     and r.adapters == row.adapters), None)
 
     def checkpointing_hurts(self, row: WhatIfRow) -> bool:
         """Whether ``row`` turns checkpointing on and fits fewer samples than without it: every block's
@@ -98,11 +123,13 @@ class WhatIf:
         fits = [r for r in self.fitting() if r.changes > 0 and not self.checkpointing_hurts(r)]
         if not fits:
             return None
-        return min(fits, key=lambda r: (r.changes, -r.micro_batch))
+        return min(fits, key=lambda r: (r.cost, -r.micro_batch))
 
     def __str__(self) -> str:
+        adapters = any(r.adapters for r in self.rows)
+        trains = f" {'trains':<24}" if adapters else ""
         lines = [
-            f"{'precision':<10} {'checkpointing':<14} {'optimizer':<26} {'micro-batch':>11} {'per sample':>12} {'fixed':>12}  ",
+            f"{'precision':<10} {'checkpointing':<14} {'optimizer':<28}{trains} {'micro-batch':>11} {'per sample':>12} {'fixed':>12}  ",
         ]
         for r in self.rows:
             per = "-" if r.per_sample is None else format_bytes(r.per_sample)
@@ -110,7 +137,9 @@ class WhatIf:
             tag = "verified" if r.verified else ("yours, estimate" if r.changes == 0 else "estimate")
             if self.checkpointing_hurts(r):
                 tag += ", fewer than without checkpointing"
-            lines.append(f"{r.precision:<10} {'on' if r.checkpointing else 'off':<14} {r.optimizer:<26} {r.micro_batch:>11} {per:>12} {fixed:>12}  {tag}")
+            what = f" {r.adapters or 'every weight':<24}" if adapters else ""
+            lines.append(f"{r.precision:<10} {'on' if r.checkpointing else 'off':<14} {r.optimizer:<28}{what} {r.micro_batch:>11} {per:>12} "
+                         f"{fixed:>12}  {tag}")
         hurt = [r for r in self.rows if self.checkpointing_hurts(r)]
         if hurt:
             r = hurt[0]
@@ -127,13 +156,68 @@ class WhatIf:
         return {"budget": self.budget, "lower": self.lower, "rows": [dataclasses.asdict(r) for r in self.rows]}
 
 
-def _smaller_optimizer(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] | None:
-    """An optimizer with less state than ``optimizer`` (for the table), or None if there is none."""
+def _smaller_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] | None:
+    """An optimizer with less state than ``optimizer``, of the kind ``model`` trains with (see the module docstring),
+    or None if there is none."""
     if isinstance(optimizer, torch.optim.SGD):
         if any(g.get("momentum", 0) for g in optimizer.param_groups):
             return "SGD without momentum", lambda groups: torch.optim.SGD(groups, lr=0.01)
         return None
-    return "SGD with momentum", lambda groups: torch.optim.SGD(groups, lr=0.01, momentum=0.9)
+    if any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()) and not hasattr(model, "config"):
+        return "SGD with momentum", lambda groups: torch.optim.SGD(groups, lr=0.01, momentum=0.9)
+    if "adam" not in type(optimizer).__name__.lower() or getattr(getattr(optimizer, "args", None), "optim_bits", 32) == 8:
+        return None
+    try:
+        bitsandbytes()
+    except ImportError:
+        return None
+    lr = float(optimizer.param_groups[0].get("lr", 1e-3))
+    return "AdamW 8-bit (bitsandbytes)", lambda groups: make_optimizer("adamw_8bit", groups, lr)
+
+
+LORA_RANK = 16
+
+
+def _adapted(work: Any, quantized: bool) -> Any:
+    """``work`` with LoRA adapters (rank :data:`LORA_RANK`, every linear layer) on a copy of its model on the meta
+    device (weights quantized to nf4 first when ``quantized``), its optimizer of the same class over the adapters;
+    None where this is not a question for the model (not a Hugging Face model trained in full, or PEFT missing)."""
+    model = work.model
+    params = list(model.parameters())
+    if not hasattr(model, "config") or getattr(model, "peft_config", None) or not params or not all(p.requires_grad for p in params):
+        return None
+    try:
+        bitsandbytes()  # imported quietly before PEFT imports it
+    except ImportError:
+        if quantized:
+            return None
+    try:
+        import peft
+    except ImportError:
+        return None
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True) for p in params}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    copied = copy.deepcopy(model, memo)
+    if quantized:
+        quantize(copied, "nf4")
+    with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns
+        warnings.simplefilter("ignore")
+        adapted = peft.get_peft_model(copied, peft.LoraConfig(r=LORA_RANK, target_modules="all-linear"))
+    trained = [p for p in adapted.parameters() if p.requires_grad]
+    settings = {k: v for k, v in work.optimizer.param_groups[0].items() if k != "params"}
+    optimizer = rebuilt(work.optimizer, [{**settings, "params": trained}])
+    return dataclasses.replace(work, model=adapted, optimizer=optimizer, trials=[], notes=[], on_trial=None, on_start=None,
+                               estimator=None, curve=None, oom_ranks={})
+
+
+def _precisions(work: Any) -> list[str]:
+    """The precisions worth a row: yours, and bf16 (fp16 when that is what you train in) only for fp32 weights
+    trained in fp32, where autocast changes what is held; never fp32 for a step given a lower precision."""
+    if work.precision != "fp32":
+        return [work.precision]
+    if not any(p.requires_grad and p.dtype == torch.float32 for p in work.model.parameters()):
+        return ["fp32"]  # weights in bf16 or fp16 already: autocast to them changes nothing held
+    return ["fp32", "bf16"]
 
 
 def estimate_rows(
@@ -151,12 +235,10 @@ def estimate_rows(
 
     ``own_micro_batch`` and ``own_curve`` are the plan's answer for your own settings, reused.
     """
-    precisions = ["fp32", "fp16" if work.precision == "fp16" else "bf16"]
-    if work.precision != "fp32":
-        precisions.reverse()
+    precisions = _precisions(work)
     given = f"{type(work.optimizer).__name__} (given)"
     optimizers: list[tuple[str, Any]] = [(given, None)]
-    smaller = _smaller_optimizer(work.optimizer)
+    smaller = _smaller_optimizer(work.optimizer, work.model)
     if smaller is not None:
         optimizers.append(smaller)
     checkpointings = [bool(work.checkpointing), not work.checkpointing]
@@ -177,8 +259,28 @@ def estimate_rows(
                 size = own_micro_batch
         per, fixed = _line(peak, size, lower)  # type: ignore[arg-type]
         rows.append(WhatIfRow(precision, ckpt, name, size, per, fixed, changes, verified and own))  # type: ignore[arg-type]
-    rows.sort(key=lambda r: (r.changes, r.precision != work.precision, r.checkpointing != bool(work.checkpointing)))
+    rows.extend(_adapter_rows(work, budget=budget, upper=upper, lower=lower, given=given))
+    rows.sort(key=lambda r: (r.changes > 0, r.cost, r.precision != work.precision, r.checkpointing != bool(work.checkpointing)))
     return WhatIf(tuple(rows), budget, lower)
+
+
+def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str) -> list[WhatIfRow]:
+    """LoRA on the model as it is, and QLoRA, each with your checkpointing and with it on (see the module docstring)."""
+    rows = []
+    for quantized in (False, True):
+        adapted = _adapted(work, quantized)
+        if adapted is None:
+            continue
+        name = f"{'QLoRA nf4 + ' if quantized else ''}LoRA r={LORA_RANK}, all linear"
+        for ckpt in dict.fromkeys([bool(work.checkpointing), True]):
+            try:
+                size, peak = estimator_for(adapted, checkpointing=ckpt).largest(budget, upper, confirm=True)
+            except Exception:  # a loss that does not take the adapted model, no blocks to checkpoint: no such row
+                continue
+            per, fixed = _line(peak, size, lower)
+            rows.append(WhatIfRow(work.precision, ckpt, given, size, per, fixed, 1 + int(ckpt != bool(work.checkpointing)),
+                                  adapters=name))
+    return rows
 
 
 def _line(peak: Callable[[int], int], size: int, lower: int) -> tuple[float | None, float | None]:
