@@ -177,3 +177,22 @@ def test_when_nothing_fits_the_8b_full_fine_tune_hears_what_would_never_sgd_neve
         code, data, err = report(capsys, monkeypatch, tmp_path, *argv, *flags.split())
         row = next(r for r in fitting if r.split("micro-batch")[0].strip() == flags)
         assert code == 0 and data["plan"]["micro_batch"] == int(row.split("micro-batch")[1].split()[0]), (flags, err)
+
+
+LLAMA_3_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+               "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8, "vocab_size": 128256,
+               "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.slow  # the 70B shape estimated twice (a quarter of a minute)
+def test_shard_auto_finds_the_fewest_devices_the_70b_full_fine_tune_fits_on(capsys, monkeypatch, tmp_path):
+    argv = ("--hf-config", write_config(tmp_path, LLAMA_3_70B), "--target-batch", "32", "--device", "cuda", "--memory-limit", "80GiB",
+            "--tokens", "4096", "--precision", "bf16", "--checkpointing")
+    code, data, err = report(capsys, monkeypatch, tmp_path, *argv, "--shard", "auto")
+    assert code == 0 and data["fewest"], err
+    fewest = data["fsdp2"]["ranks"]
+    assert data["fsdp2"]["fits"] and data["fsdp2"]["peak"] <= data["fsdp2"]["budget"] and 8 < fewest <= 32
+    code, data, err = report(capsys, monkeypatch, tmp_path, *argv, "--shard", str(fewest - 1))
+    assert code == 1 and not data  # one device fewer: does not fit (the JSON of a shard plan that does not fit exits 1)
+    code, _, err = report(capsys, monkeypatch, tmp_path, *argv, "--shard", "many")
+    assert code == 2 and "--shard" in err and "auto" in err

@@ -103,3 +103,13 @@ def test_report_shard_prints_the_per_rank_plan(tmp_path, capsys):
 def test_report_shard_usage_errors(capsys, argv, words):
     assert main(["report", "--demo", "--target-batch", "256", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_fewest_devices_is_searched_past_the_target_batch():
+    from autotune.planning.sharding import fewest_devices
+
+    parts = ShardParts(parameters=1000, buffers=0, gradients=1000, optimizer_state=2000, gathered_units=20, outside_units=0)
+    row = fewest_devices(parts, lambda b: 10 * b, budget=300, target_batch=4)
+    # per device at n devices and one sample each (no accumulation): its shards of 4000 bytes, 20 gathered, 10 of activations
+    expected = next(n for n in range(1, 1000) if -(-1000 // n) * 2 + -(-2000 // n) + 20 + 10 <= 300)
+    assert (row.ranks, row.target_batch, row.micro_batch) == (expected, expected, 1) and expected > 4

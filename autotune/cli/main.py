@@ -197,7 +197,7 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
         raise UsageError(f"Invalid --lr {args.lr}: it must be positive")
     if args.plot:
         check_plot_path(args.plot)
-    if args.shard is not None:
+    if args.shard is not None and args.shard != "auto":
         if args.shard < 1 or args.shard > args.target_batch:
             raise UsageError(f"Invalid --shard {args.shard}: give the number of devices, from 1 to --target-batch ({args.target_batch})")
         clash = [flag for flag, on in (("--what-if", args.what_if), ("--noise-scale", args.noise_scale), ("--lengths", args.lengths),
@@ -391,15 +391,19 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     (row,) = shard_plan(model, loader, target_batch=args.target_batch, ranks=args.shard, optimizer=optimizer, loss_fn=loss_fn,
                         device=device, memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision,
                         checkpointing=args.checkpointing)
+    auto = args.shard == "auto"
     if args.json:
-        print(json.dumps({"fsdp2": row.to_dict(), "device": str(device), "estimate": True}, indent=2))
-        return 0
-    print(f"FSDP2 over {row.ranks} devices ({device}), per rank (estimated from the unsharded model; run autotune.plan on the "
-          "sharded model to verify)")
+        print(json.dumps({"fsdp2": row.to_dict(), "device": str(device), "estimate": True, "fewest": auto}, indent=2))
+        return 0 if row.fits else 1
+    fewest = " (the fewest that fit)" if auto and row.fits else (" (not even these fit)" if auto else "")
+    print(f"FSDP2 over {row.ranks} devices{fewest} ({device}), per rank (estimated from the unsharded model; run autotune.plan on "
+          "the sharded model to verify)")
+    if row.target_batch > args.target_batch:
+        print(f"  target batch       {row.target_batch}: one sample per device a step, more than --target-batch {args.target_batch}")
     if row.fits:
-        shares = sorted(set(split_evenly(args.target_batch, row.ranks)), reverse=True)
+        shares = sorted(set(split_evenly(row.target_batch, row.ranks)), reverse=True)
         print(f"  micro_batch        {row.micro_batch}")
-        print(f"  accumulation_steps {row.accumulation_steps}  (per-rank shares of the target {args.target_batch}: "
+        print(f"  accumulation_steps {row.accumulation_steps}  (per-rank shares of the target {row.target_batch}: "
               f"{' or '.join(map(str, shares))} samples)")
     else:
         print(f"  does not fit: even the smallest micro-batch needs {format_bytes(row.peak)} per rank")

@@ -24,6 +24,16 @@ class UsageError(Exception):
     """A mistake on the command line: reported in one line, exit code 2."""
 
 
+def _shard_count(value: str) -> int | str:
+    """``--shard``'s value: a number of devices, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give a number of devices (e.g. 8) or auto") from None
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotune", description="Find the largest micro-batch that fits and plan gradient accumulation.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,7 +91,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--follow-batch", action="store_true", help="Adam family: move betas, eps and weight decay to the target batch too (Malladi et al. 2022)")
     r.add_argument("--noise-scale", action="store_true", help="also measure the gradient noise scale on the --loader batches, and say whether the target is far from it")
     r.add_argument("--what-if", action="store_true", help="also print the largest micro-batch with bf16, activation checkpointing and an optimizer with less state (estimates)")
-    r.add_argument("--shard", type=int, metavar="N", help="instead of a plan for one device: estimate an FSDP2 run (fully_shard) over N devices, per rank, for a model too large for one")
+    r.add_argument("--shard", type=_shard_count, metavar="N|auto", help="instead of a plan for one device: estimate an FSDP2 run (fully_shard) over N devices, per rank, for a model too large for one; auto: the fewest devices that fit")
     r.add_argument("--lengths", metavar="L,L,...", help="also print the micro-batch for these sequence lengths (the first dim of each --input-shape, or the length dim of --loader batches), e.g. 128,512,2048")
     r.add_argument("--ramp", metavar="SPEC", help="also say what a growing target would do, up to --target-batch: fixed stages "
                    "TARGET,TARGET@FROM,... (samples seen; the first from 0), e.g. 256,512@2e6,2048@4e6; or "

@@ -49,7 +49,7 @@ from autotune.rng import RNGState
 from autotune.step import default_loss, min_micro_batch, normalize_precision
 from autotune.units import format_bytes, parse_bytes
 
-__all__ = ["ShardEstimate", "ShardParts", "shard_estimates", "shard_parts", "shard_plan"]
+__all__ = ["ShardEstimate", "ShardParts", "fewest_devices", "shard_estimates", "shard_parts", "shard_plan"]
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def shard_plan(
     loader: Iterable[Any],
     *,
     target_batch: int,
-    ranks: int | Sequence[int] = (2, 4, 8),
+    ranks: int | Sequence[int] | str = (2, 4, 8),
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: Any = None,
     device: torch.device | str = "cuda",
@@ -257,6 +257,8 @@ def shard_plan(
     (default: what ``device`` has, when this machine has it); the budget is taken from it as
     :func:`autotune.plan` takes it (less the CUDA context for CUDA, less the headroom).
 
+    ``ranks="auto"``: the fewest devices that fit (:func:`fewest_devices`).
+
     Returns:
         One :class:`ShardEstimate` per number of ranks, in the order given.
 
@@ -264,9 +266,9 @@ def shard_plan(
         >>> for row in autotune.shard_plan(model, loader, target_batch=512, memory_limit="80GiB"):  # doctest: +SKIP
         ...     print(row)
     """
-    counts = [ranks] if isinstance(ranks, int) else list(ranks)
-    if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
-        raise ValueError(f"Invalid ranks {ranks!r}: give how many devices to shard over, e.g. 8 or (2, 4, 8)")
+    counts = [] if ranks == "auto" else [ranks] if isinstance(ranks, int) else list(ranks)
+    if ranks != "auto" and (not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)):
+        raise ValueError(f"Invalid ranks {ranks!r}: give how many devices to shard over, e.g. 8 or (2, 4, 8), or 'auto'")
     check_target(target_batch)  # as plan and fit check it
     device = torch.device(device)
     if memory_limit is None:
@@ -288,4 +290,30 @@ def shard_plan(
                     precision=normalize_precision(precision), checkpointing=checkpointing)
     lower = min_micro_batch(model)
     parts, activations = estimated(work, lower)
+    if ranks == "auto":
+        return [fewest_devices(parts, activations, budget=budget, target_batch=target_batch, lower=lower)]
     return shard_estimates(parts, activations, ranks=counts, budget=budget, target_batch=target_batch, lower=lower)
+
+
+def fewest_devices(parts: ShardParts, activations: Callable[[int], int], *, budget: int, target_batch: int, lower: int = 1,
+                   most: int = 1024) -> ShardEstimate:
+    """The fewest devices, up to ``most``, over which FSDP2 fits (see :func:`shard_estimates`), not limited by the
+    target batch: over more devices than ``target_batch`` every device trains one sample a step (the row's
+    ``target_batch`` says so). When none fits, the row of ``most``."""
+
+    def at(n: int) -> ShardEstimate:
+        (row,) = shard_estimates(parts, activations, ranks=[n], budget=budget, target_batch=max(target_batch, n), lower=lower)
+        return row
+
+    below, n = 0, 1
+    row = at(n)
+    while not row.fits and n < most:  # doubling to a count that fits
+        below, n = n, min(2 * n, most)
+        row = at(n)
+    while row.fits and n - below > 1:  # then the fewest between the last that did not and it
+        middle = at((below + n) // 2)
+        if middle.fits:
+            n, row = middle.ranks, middle
+        else:
+            below = middle.ranks
+    return row
