@@ -2,6 +2,7 @@
 JSON), bad values refused before anything runs, every head of a config planned with the labels its loss needs."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -196,3 +197,20 @@ def test_shard_auto_finds_the_fewest_devices_the_70b_full_fine_tune_fits_on(caps
     assert code == 1 and not data  # one device fewer: does not fit (the JSON of a shard plan that does not fit exits 1)
     code, _, err = report(capsys, monkeypatch, tmp_path, *argv, "--shard", "many")
     assert code == 2 and "--shard" in err and "auto" in err
+
+
+@pytest.mark.slow  # the 8B shape planned at several lengths (about a minute)
+def test_tokens_max_is_the_longest_sample_the_8b_lora_fits_at_micro_batch_1(capsys, monkeypatch, tmp_path):
+    from test_meta import LLAMA_3_8B_CONFIG
+
+    argv = ("--hf-config", write_config(tmp_path, LLAMA_3_8B_CONFIG), "--target-batch", "16", "--device", "cuda", "--memory-limit",
+            "24GiB", "--precision", "bf16", "--checkpointing", "--lora", "16")
+    code, data, err = report(capsys, monkeypatch, tmp_path, *argv, "--tokens", "max")
+    assert code == 0, err
+    longest = data["tokens"]["per_sample"]
+    assert data["plan"]["micro_batch"] == 1 and 1024 < longest < 8192
+    assert any(n.startswith(f"--tokens max: {longest} tokens a sample is the longest") for n in data["plan"]["notes"])
+    code, data, err = report(capsys, monkeypatch, tmp_path, *argv, "--tokens", str(longest))
+    assert code == 0 and data["plan"]["micro_batch"] == 1, err
+    code, _, err = report(capsys, monkeypatch, tmp_path, *argv, "--tokens", str(math.ceil(longest * 1.1)))
+    assert code == 1 and "nothing fits" in err

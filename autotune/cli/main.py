@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -115,6 +116,7 @@ def _report(args: argparse.Namespace) -> int:
     from autotune.memory.optimizers import make_optimizer
 
     base_batch, lengths, ramp, device, on_device = _checked_report_args(args)
+    longest_note = _longest_tokens(args, base_batch, device) if args.tokens == "max" else None
     model, loader, loss_fn, described = workload_from_args(args, base_batch)
     check_trainable(model, estimate=not on_device)  # no parameters, all frozen, lazy: said plainly, before anything runs
     lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3)
@@ -127,6 +129,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.shard is not None:
         return _report_shards(args, model, loader, loss_fn, optimizer, device, on_device)
     facts, key_limit, limit_note = _device_facts(args, model, device, on_device)
+    limit_note = "; ".join(n for n in (longest_note, limit_note) if n) or None
     key = _cache_key(args, model, described, lr=lr, facts=facts, key_limit=key_limit, base_batch=base_batch, lengths=lengths)
     plan, breakdown, cached = _plan_or_cached(args, key, model, loader, loss_fn, optimizer, device, on_device=on_device,
                                               base_batch=base_batch, lengths=lengths, facts=facts, limit_note=limit_note)
@@ -134,6 +137,60 @@ def _report(args: argparse.Namespace) -> int:
     _print_report(args, plan, model, loader, loss_fn, optimizer, device, on_device, facts=facts, breakdown=breakdown,
                   cached=cached, by_length=by_length, ramp=ramp, tokens=described.get("tokens") if isinstance(described, dict) else None)
     return 0
+
+
+def _longest_tokens(args: argparse.Namespace, base_batch: int, device: Any) -> str:
+    """``--tokens max``: the longest sample (in tokens) whose step fits at micro-batch 1, set as ``args.tokens``; and
+    the note that says so. The memory model in length (fitted on estimates at several lengths) proposes it; estimated
+    steps at it and 5% longer confirm it (moving it by 5% until one fits and the next does not)."""
+    import autotune
+    from autotune import batches as B
+    from autotune.errors import NothingFits
+    from autotune.memory.optimizers import make_optimizer
+    from autotune.planning.lengths import max_length
+
+    def plan_at(tokens: int, lengths: list[int] | None = None) -> Any:
+        args.tokens = tokens
+        model, loader, loss_fn, _ = workload_from_args(args, base_batch)
+        optimizer = make_optimizer(args.optimizer, [p for p in model.parameters() if p.requires_grad], 1e-3)
+        try:
+            return autotune.plan(model, loader, target_batch=1, optimizer=optimizer, loss_fn=loss_fn, device=device,
+                                 memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision, verify=False,
+                                 progress=0.0, checkpointing=args.checkpointing, lengths=lengths), model, loader
+        except NothingFits:
+            return None, model, loader
+
+    args.tokens = None
+    model, loader, _, _ = workload_from_args(args, base_batch)
+    start, longest = B.per_sample_numel(next(iter(loader))), max_length(model) or 131072
+    first = int(next(iter(loader))["input_ids"].shape[1])
+    probe = [n for n in (first // 4, first // 2, 2 * first, 4 * first, 8 * first) if 16 <= n <= longest]
+    plan, model, loader = plan_at(first, probe)
+    guess = first
+    if plan is not None and plan.shape_model is not None:
+        per_token = start / first  # the batch's numbers per token (ids, mask, labels)
+        fits = [n for n in range(16, longest + 1, 16) if plan.shape_model.peak(1, n * per_token) <= plan.budget]
+        guess = fits[-1] if fits else 16
+    fit, miss, step = 0, None, 1.05
+    tokens = min(max(guess, 1), longest)
+    for _ in range(16):  # to a bracket of two estimated plans at most 5% apart: faster steps while on one side
+        if plan_at(tokens)[0] is not None:
+            fit = tokens
+        else:
+            miss = tokens
+        if (fit and miss is not None and miss <= math.ceil(fit * 1.05)) or fit == longest or miss == 1:
+            break
+        if fit and miss is not None:
+            tokens = (fit + miss) // 2
+        else:
+            tokens = min(longest, math.ceil(tokens * step)) if fit else max(1, math.floor(tokens / step))
+            step *= step
+    if not fit:
+        args.tokens = 1
+        return "--tokens max: not even a sample of 1 token fits at micro-batch 1"
+    args.tokens = fit
+    more = "the longest the model takes" if fit == longest else f"{miss} tokens do not"
+    return f"--tokens max: {fit} tokens a sample is the longest that fits at micro-batch 1 ({more}; estimated)"
 
 
 def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any, Any, bool]:
@@ -164,7 +221,9 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
         if given:
             raise UsageError(f"{', '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the model and batch of --hf-config; with MODEL "
                              "give --input-shape (or --loader) and build the model as it should run")
-    if args.tokens is not None and args.tokens < 1:
+    if args.tokens == "max" and args.shard is not None:
+        raise UsageError("--tokens max finds the longest sample one device fits at micro-batch 1; with --shard give --tokens N")
+    if args.tokens is not None and args.tokens != "max" and args.tokens < 1:
         raise UsageError(f"Invalid --tokens {args.tokens}: give the tokens of a sample, at least 1 (e.g. 2048)")
     if args.packing and args.attention not in ("flash_attention_2", "flex_attention"):
         raise UsageError("--packing joins a micro-batch's sequences into one row, which only a varlen kernel keeps apart without a "

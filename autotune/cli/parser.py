@@ -24,6 +24,16 @@ class UsageError(Exception):
     """A mistake on the command line: reported in one line, exit code 2."""
 
 
+def _tokens(value: str) -> int | str:
+    """``--tokens``' value: tokens per sample, or ``max``."""
+    if value == "max":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give the tokens of a sample (e.g. 2048) or max") from None
+
+
 def _shard_count(value: str) -> int | str:
     """``--shard``'s value: a number of devices, or ``auto``."""
     if value == "auto":
@@ -48,8 +58,8 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--demo", action="store_true", help="use the built-in demo model (a small CNN) and settings")
     r.add_argument("--hf-config", metavar="PATH", help="instead of MODEL: a Hugging Face config (config.json, or a local directory "
                    "holding one); the model is built from it on the meta device, without weights, and estimated (give --memory-limit)")
-    r.add_argument("--tokens", type=int, metavar="N", help="with --hf-config: tokens per sample of the synthetic batch (default 2048, "
-                   "or the model's longest if less)")
+    r.add_argument("--tokens", type=_tokens, metavar="N|max", help="with --hf-config: tokens per sample of the synthetic batch (default "
+                   "2048, or the model's longest if less); max: the longest sample that fits at micro-batch 1, planned at it")
     r.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R on the frozen model (PEFT) instead of every weight")
     r.add_argument("--lora-modules", metavar="NAMES", help="with --lora: the modules to adapt, comma-separated (e.g. q_proj,v_proj), or "
                    "all-linear (default: PEFT's default for the architecture)")
