@@ -51,6 +51,21 @@ def seq2seq_batch(seed=0):
             "labels": torch.randint(0, 500, (8, 16), generator=g)}
 
 
+def whisper(layers=12):
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    return WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=500, num_mel_bins=16, encoder_layers=layers, decoder_layers=layers, d_model=64, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=32, max_target_positions=64,
+        pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2))
+
+
+def audio_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_features": torch.randn(8, 16, 64, generator=g), "labels": torch.randint(3, 500, (8, 20), generator=g)}
+
+
 CASES = {
     "gpt2": (lambda: hf_models.gpt2(layers=12), lambda s: text_batch(8, 64, seed=s), "transformer.h at 2, 3 and 4 of its 12 blocks"),
     "llama": (lambda: hf_models.llama(layers=12), lambda s: text_batch(8, 64, seed=s), "model.layers at 2, 3 and 4 of its 12 blocks"),
@@ -58,6 +73,8 @@ CASES = {
     "vit": (lambda: hf_models.vit(layers=12), image_batch, "vit.layers at 2, 3 and 4 of its 12 blocks"),
     # T5's first block alone holds the relative position bias: kept whole in every copy, one copy more per stack.
     "t5": (t5, seq2seq_batch, "encoder.block at 3, 4 and 5 of its 16 blocks and decoder.block at 3, 4 and 5 of its 16 blocks"),
+    # two stacks of 12: the curve of the full depth is confirmed at the size found, not only the deepest copy's
+    "whisper": (whisper, audio_batch, "model.encoder.layers at 2, 3 and 4 of its 12 blocks and model.decoder.layers at 2, 3 and 4 of its 12 blocks"),
 }
 
 
@@ -193,3 +210,45 @@ def test_blocks_changed_on_the_instance_are_not_taken_for_alike(change, monkeypa
     every = hf_models.gpt2(layers=24)
     stacks, _ = depth.repeated_stacks(SimpleNamespace(model=change(every, every.transformer.h), device=torch.device("cpu")))
     assert [(s.depth, s.prefix) for s in stacks] == [(24, 0)]
+
+
+def bert_large():
+    """BERT-large's shape (24 layers of 1024, 16 heads, MLP 4096, 512 positions) as a sequence classifier, on the meta
+    device."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=30522,
+                        max_position_embeddings=512, num_labels=2)
+    with torch.device("meta"):
+        return BertForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("device, precision", [("cpu", "fp32"), ("cuda", "fp16")])
+def test_bert_large_s_shape_is_extended_and_plans_as_traced_whole(device, precision, monkeypatch):
+    ids = torch.randint(0, 30522, (1, 512), generator=torch.Generator().manual_seed(0))
+    loader = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([1])}]
+    extended, reference = plan_both(bert_large, loader, monkeypatch, device=device, target_batch=64, memory_limit="16GiB",
+                                    precision=precision)
+    blocks = "2, 3 and 4" if device == "cpu" else "3, 4 and 5"
+    assert any(f"bert.encoder.layer at {blocks} of its 24 blocks" in n and "extended" in n for n in extended.notes), extended.notes
+    assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
+    assert 1 < extended.micro_batch < 64
+
+
+def test_per_layer_attention_types_are_traced_whole_and_the_note_says_why(monkeypatch):
+    """Qwen3 with a sliding window on every other layer (``layer_types``): the layers differ in a setting (the
+    window), so no copy of the first ones stands for the rest."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def make():
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(Qwen3Config(
+            num_hidden_layers=12, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=500, max_position_embeddings=256, use_sliding_window=True, sliding_window=16, max_window_layers=0,
+            layer_types=["sliding_attention", "full_attention"] * 6))
+
+    loader = [text_batch(8, 64, seed=s) for s in range(2)]
+    extended, reference = plan_both(make, loader, monkeypatch, target_batch=4096, memory_limit="100MiB")
+    assert any(n == "the estimate traced the whole model: the blocks of model.layers are not alike (11 of 12 differ from the last)"
+               for n in extended.notes), extended.notes
+    assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
