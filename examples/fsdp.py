@@ -42,11 +42,11 @@ def main() -> None:
     x, y = load_digits(return_X_y=True)
     data = TensorDataset(torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y))
     loader = DataLoader(data, batch_size=64, sampler=DistributedSampler(data, shuffle=True, seed=0))
-    limit = None if cuda else "6MiB"  # small on purpose on CPUs, to show accumulation
+    limit = None if cuda else "6.5MiB"  # small on purpose on CPUs, to show accumulation
 
     if rank == 0:  # what one rank would hold, estimated from the unsharded model
         whole = model()
-        (estimate,) = autotune.shard_plan(whole, loader, target_batch=512, ranks=world_size, device=device,
+        (estimate,) = autotune.shard_plan(whole, loader, target_batch=1024, ranks=world_size, device=device,
                                           memory_limit=limit or torch.cuda.get_device_properties(device).total_memory)
         print(f"estimate: {estimate}")
 
@@ -60,7 +60,7 @@ def main() -> None:
     result = autotune.fit(
         net,
         loader,
-        target_batch=512,  # global: over all ranks
+        target_batch=1024,  # global: over all ranks
         optimizer=optimizer,
         base_batch=64,  # the batch the learning rate was tuned at
         memory_limit=limit,

@@ -69,6 +69,6 @@ def test_ddp_example_under_torchrun(tmp_path):
 @pytest.mark.slow
 def test_fsdp_example_under_torchrun(tmp_path):
     out = torchrun("fsdp.py", tmp_path)
-    assert "estimate: 2 ranks" in out and "world_size=2" in out and "effective_batch=512" in out
+    assert "estimate: 2 ranks" in out and "world_size=2" in out and "effective_batch=1024" in out
     assert int(re.search(r"accumulation_steps=(\d+)", out.split("estimate:")[1].split("\n", 1)[1]).group(1)) > 1
     assert float(re.search(r"last loss ([\d.]+)", out).group(1)) < 0.5

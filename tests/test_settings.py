@@ -412,3 +412,18 @@ def test_mixtures_of_experts_for_cuda_extend_as_the_whole_model_replays(make):
                          verify=False, progress=False)
     assert plan.micro_batch >= 4 and any("mixture of experts" in n for n in plan.notes)
     assert re.search(r"top-2", " ".join(plan.notes))
+
+
+@pytest.mark.slow  # bitsandbytes quantizes three 4096-wide layers in 8 bits for the reference
+def test_llama_2_7b_shape_in_8_bit_holds_what_bitsandbytes_packs():
+    model = llama_2_7b_on_meta(Quantization.from_config({"quant_method": "bitsandbytes", "load_in_8bit": True}))
+    ids = torch.randint(0, 32000, (1, 2048), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    work = Workload(model=model, optimizer=opt, loss_fn=own_loss, batch=batch, device=torch.device("cuda"), precision="bf16")
+    held, expected = estimator_for(work).parameter_bytes(), expected_held(model, "int8")
+    assert abs(held - expected) <= 0.02 * expected, (held, expected)
+    assert 6.6e9 < held < 7.2e9  # 6.5B parameters at a byte (and a scale per row), 0.26B embedding and head at two
+    plan = autotune.plan(model, [batch], target_batch=32, optimizer=opt, loss_fn=own_loss, device="cuda", memory_limit="24GiB",
+                         precision="bf16", checkpointing=True, verify=False, progress=False)
+    assert plan.micro_batch >= 1 and dict(plan.setting)["quantization"].startswith("bitsandbytes int8")
