@@ -252,3 +252,15 @@ def test_per_layer_attention_types_are_traced_whole_and_the_note_says_why(monkey
     assert any(n == "the estimate traced the whole model: the blocks of model.layers are not alike (11 of 12 differ from the last)"
                for n in extended.notes), extended.notes
     assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
+
+
+def test_two_stacks_for_cuda_are_traced_whole_and_the_note_says_why():
+    model = t5()
+    work = SimpleNamespace(model=model, device=torch.device("cuda"))
+    assert len(depth.repeated_stacks(work)[0]) == 2
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    estimate.forget()
+    made = estimate.estimator_for(estimate.Workload(model=model, optimizer=opt, loss_fn=lambda m, b: m(**b).loss, batch=seq2seq_batch(),
+                                                    device=torch.device("cuda"), precision="fp32"))
+    assert made.note == ("the estimate traced the whole model: its 2 stacks of blocks (encoder.block, decoder.block) are extended "
+                         "for the CPU only, not for CUDA's allocator")

@@ -145,8 +145,9 @@ def estimator_for(
                          copy=fake_copy(w.model, shape or fingerprint(w.model)))
 
     stacks, why = repeated_stacks(work)
-    if len(stacks) > 1 and work.device.type == "cuda":
-        stacks, why = [], None  # the caching allocator's events are made for one stack (see autotune.probe.depth)
+    if len(stacks) > 1 and work.device.type == "cuda":  # the caching allocator's events are made for one stack
+        why = f"its {len(stacks)} stacks of blocks ({', '.join(s.path for s in stacks)}) are extended for the CPU only, not for CUDA's allocator"
+        stacks = []
     if ckpt and stacks and not getattr(work.model, "supports_gradient_checkpointing", False) and len(stacks) > 1:
         stacks, why = [], "checkpointing blocks autotune finds itself, in a model of several stacks"
     made: Any = DepthEstimator(work, stacks, make, lambda: make(work, structure)) if stacks else make(work, structure)
