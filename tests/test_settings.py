@@ -23,7 +23,7 @@ import hf_models  # noqa: E402
 from test_estimate import text_batch  # noqa: E402
 from test_meta import report, write_config  # noqa: E402
 
-from autotune.memory.optimizers import NAMES, describe, make_optimizer  # noqa: E402
+from autotune.memory.optimizers import describe, make_optimizer  # noqa: E402
 from autotune.memory.quantized import Quantization, quantize  # noqa: E402
 
 
@@ -116,6 +116,15 @@ def llama_2_7b_on_meta(quantization):
     return lora(quantize(model, quantization) if quantization else model, r=16)
 
 
+def llama_2_7b_work(quantization):
+    """The quantized Llama-2-7B shape with LoRA, one sample of 2048 tokens, AdamW over the adapters, for a bf16 CUDA step."""
+    model = llama_2_7b_on_meta(quantization)
+    ids = torch.randint(0, 32000, (1, 2048), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return model, Workload(model=model, optimizer=opt, loss_fn=own_loss, batch=batch, device=torch.device("cuda"), precision="bf16")
+
+
 def expected_held(model, kind):
     """Parameters as held: each quantized layer as bitsandbytes holds one of its shape, the rest as they are."""
     total, shapes = 0, {}
@@ -130,11 +139,7 @@ def expected_held(model, kind):
 
 @pytest.mark.slow  # bitsandbytes quantizes three 4096-wide layers for the reference; the 32 layers are estimated
 def test_llama_2_7b_shape_in_4_bit_holds_what_bitsandbytes_packs_and_plans_otherwise_than_in_16_bit(capsys, monkeypatch, tmp_path):
-    model = llama_2_7b_on_meta(Quantization.from_config(NF4))
-    ids = torch.randint(0, 32000, (1, 2048), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    work = Workload(model=model, optimizer=opt, loss_fn=own_loss, batch=batch, device=torch.device("cuda"), precision="bf16")
+    model, work = llama_2_7b_work(Quantization.from_config(NF4))
     held, expected = estimator_for(work).parameter_bytes(), expected_held(model, "nf4")
     assert abs(held - expected) <= 0.02 * expected, (held, expected)
     assert 3.4e9 < held < 4.4e9  # 6.5B parameters at about half a byte, 0.26B embedding and head at two
@@ -416,14 +421,10 @@ def test_mixtures_of_experts_for_cuda_extend_as_the_whole_model_replays(make):
 
 @pytest.mark.slow  # bitsandbytes quantizes three 4096-wide layers in 8 bits for the reference
 def test_llama_2_7b_shape_in_8_bit_holds_what_bitsandbytes_packs():
-    model = llama_2_7b_on_meta(Quantization.from_config({"quant_method": "bitsandbytes", "load_in_8bit": True}))
-    ids = torch.randint(0, 32000, (1, 2048), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    work = Workload(model=model, optimizer=opt, loss_fn=own_loss, batch=batch, device=torch.device("cuda"), precision="bf16")
+    model, work = llama_2_7b_work(Quantization.from_config({"quant_method": "bitsandbytes", "load_in_8bit": True}))
     held, expected = estimator_for(work).parameter_bytes(), expected_held(model, "int8")
     assert abs(held - expected) <= 0.02 * expected, (held, expected)
     assert 6.6e9 < held < 7.2e9  # 6.5B parameters at a byte (and a scale per row), 0.26B embedding and head at two
-    plan = autotune.plan(model, [batch], target_batch=32, optimizer=opt, loss_fn=own_loss, device="cuda", memory_limit="24GiB",
-                         precision="bf16", checkpointing=True, verify=False, progress=False)
+    plan = autotune.plan(model, [work.batch], target_batch=32, optimizer=work.optimizer, loss_fn=own_loss, device="cuda",
+                         memory_limit="24GiB", precision="bf16", checkpointing=True, verify=False, progress=False)
     assert plan.micro_batch >= 1 and dict(plan.setting)["quantization"].startswith("bitsandbytes int8")

@@ -24,24 +24,22 @@ class UsageError(Exception):
     """A mistake on the command line: reported in one line, exit code 2."""
 
 
-def _tokens(value: str) -> int | str:
-    """``--tokens``' value: tokens per sample, or ``max``."""
-    if value == "max":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give the tokens of a sample (e.g. 2048) or max") from None
+def _count_or(word: str, what: str) -> Any:
+    """An argparse type: a whole number, or ``word`` (``--tokens max``, ``--shard auto``)."""
+
+    def parse(value: str) -> int | str:
+        if value == word:
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {value!r}: give {what} or {word}") from None
+
+    return parse
 
 
-def _shard_count(value: str) -> int | str:
-    """``--shard``'s value: a number of devices, or ``auto``."""
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give a number of devices (e.g. 8) or auto") from None
+_tokens = _count_or("max", "the tokens of a sample (e.g. 2048)")
+_shard_count = _count_or("auto", "a number of devices (e.g. 8)")
 
 
 def make_parser() -> argparse.ArgumentParser:
