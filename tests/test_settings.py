@@ -247,7 +247,7 @@ SMALL_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hi
 
 @pytest.mark.parametrize("master, per_parameter, policy", [
     (True, 16, "fp32 master weights under bf16 autocast"),
-    (False, 8, "pure bf16: weights, gradients and optimizer state in bf16"),
+    (False, 8, "pure bf16: trained weights and their gradients in bf16"),
 ], ids=["fp32-master", "pure-bf16"])
 def test_the_weights_policy_sets_the_bytes_a_parameter_and_is_said(master, per_parameter, policy, capsys, monkeypatch, tmp_path):
     argv = ["--hf-config", write_config(tmp_path, SMALL_LLAMA), "--target-batch", "8", "--device", "cuda", "--memory-limit", "1GiB",

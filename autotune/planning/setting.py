@@ -7,9 +7,10 @@ as ``"setting"``; the CLI adds what only it knows (the tokens of its synthetic b
 
 The weights policy is read from the model and the precision, as the Transformers Trainer and FSDP/DeepSpeed
 mixed precision make it: trained weights in fp32 under bf16 or fp16 autocast are *fp32 master weights*
-(weights and gradients fp32, AdamW's two states fp32: 16 bytes a parameter, and autocast's low-precision
-copies of the weights while a step runs); trained weights in bf16 or fp16 are *pure low precision*
-(weights, gradients and both states in that dtype: 8 bytes a parameter).
+(weights and gradients fp32, and torch's AdamW keeps its two states fp32: 16 bytes a parameter, and autocast's
+low-precision copies of the weights while a step runs); trained weights in bf16 or fp16 are *pure low precision*
+(weights and gradients in that dtype, and torch's AdamW's states too: 8 bytes a parameter). The optimizer's
+states are said on its own line (an 8-bit optimizer keeps them in 8 bits whatever the weights).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def weights_policy(model: nn.Module, precision: str) -> str:
     dtype = trained.most_common(1)[0][0] if trained else "none trained"
     mixed = f" ({', '.join(f'{n} {k}' for k, n in trained.most_common())})" if len(trained) > 1 else ""
     if dtype == "fp32" and precision != "fp32":
-        return f"fp32 master weights under {precision} autocast (weights, gradients and optimizer state fp32){mixed}"
+        return f"fp32 master weights under {precision} autocast (trained weights and their gradients fp32){mixed}"
     if dtype in ("bf16", "fp16"):
         under = f", under {precision} autocast" if precision != "fp32" else ", no autocast"
-        return f"pure {dtype}: weights, gradients and optimizer state in {dtype}{under}{mixed}"
+        return f"pure {dtype}: trained weights and their gradients in {dtype}{under}{mixed}"
     return f"{dtype}{' under ' + precision + ' autocast' if precision != 'fp32' else ''}{mixed}"
 
 
