@@ -214,3 +214,29 @@ def test_tokens_max_is_the_longest_sample_the_8b_lora_fits_at_micro_batch_1(caps
     assert code == 0 and data["plan"]["micro_batch"] == 1, err
     code, _, err = report(capsys, monkeypatch, tmp_path, *argv, "--tokens", str(math.ceil(longest * 1.1)))
     assert code == 1 and "nothing fits" in err
+
+
+def test_a_model_from_a_file_quantized_on_the_command_line_plans_and_verifies_on_the_cpu(capsys, monkeypatch, tmp_path):
+    """``--quantize nf4 --lora`` on a model of the user's: its first forward (which makes the targets) runs in training
+    mode, as bitsandbytes repacks a quantized layer's CPU weights in place for inference (and needs its rows in blocks
+    of 32 then); the plan's real trial then runs the 4-bit layers."""
+    pytest.importorskip("bitsandbytes")
+    (tmp_path / "my_mlp.py").write_text(
+        "import torch\n"
+        "class MLP(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.up = torch.nn.Linear(64, 256)\n"
+        "        self.down = torch.nn.Linear(256, 10)\n"
+        "    def forward(self, x):\n"
+        "        return self.down(torch.relu(self.up(x)))\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return MLP()\n"
+    )
+    code, data, err = report(capsys, monkeypatch, tmp_path, f"{tmp_path}/my_mlp.py:make", "--input-shape", "64", "--target-batch", "256",
+                             "--memory-limit", "2MiB", "--quantize", "nf4", "--lora", "8", "--lora-modules", "up,down")
+    assert code == 0, err
+    setting = data["plan"]["setting"]
+    assert setting["quantization"].startswith("bitsandbytes nf4") and setting["adapters"] == "LoRA rank 8, alpha 8, on down, up"
+    assert data["plan"]["verified"] and any(not t["estimate"] for t in data["plan"]["trials"])

@@ -354,10 +354,14 @@ def _first_output(args: argparse.Namespace, model: Any, call: Callable[[Any, Seq
     import torch
     from torch import nn
 
+    from autotune.memory.quantized import quantized_layer_types
+
     dtypes = args.input_dtype or ["float32"]
+    types = quantized_layer_types()
     with torch.no_grad():
         was_training = model.training
-        model.eval()
+        if not (types and any(isinstance(m, types) for m in model.modules())):
+            model.eval()  # a quantized model stays in training mode: for inference bitsandbytes repacks its CPU weights in place
         try:
             return call(model, [t[:2] for t in inputs])
         except IndexError as exc:
