@@ -495,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except NothingFits as exc:
         print(f"autotune: nothing fits: {nothing_fits_message(exc)}", file=sys.stderr)
+        if getattr(args, "what_if", False) and exc.what_if is not None:  # the whole table, the rows that do not fit too
+            print("What if (estimates)", file=sys.stderr)
+            print("\n".join("  " + line for line in str(exc.what_if).splitlines()), file=sys.stderr)
         return 1
     except Exception as exc:  # bad input caught by autotune.plan, or the user's code failing
         if getattr(args, "debug", False):
