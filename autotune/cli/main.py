@@ -156,16 +156,16 @@ def _longest_tokens(args: argparse.Namespace, base_batch: int, device: Any) -> s
         try:
             return autotune.plan(model, loader, target_batch=1, optimizer=optimizer, loss_fn=loss_fn, device=device,
                                  memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision, verify=False,
-                                 progress=0.0, checkpointing=args.checkpointing, lengths=lengths), model, loader
+                                 progress=0.0, checkpointing=args.checkpointing, lengths=lengths)
         except NothingFits:
-            return None, model, loader
+            return None
 
     args.tokens = None
     model, loader, _, _ = workload_from_args(args, base_batch)
     start, longest = B.per_sample_numel(next(iter(loader))), max_length(model) or 131072
     first = int(next(iter(loader))["input_ids"].shape[1])
     probe = [n for n in (first // 4, first // 2, 2 * first, 4 * first, 8 * first) if 16 <= n <= longest]
-    plan, model, loader = plan_at(first, probe)
+    plan = plan_at(first, probe)
     guess = first
     if plan is not None and plan.shape_model is not None:
         per_token = start / first  # the batch's numbers per token (ids, mask, labels)
@@ -174,7 +174,7 @@ def _longest_tokens(args: argparse.Namespace, base_batch: int, device: Any) -> s
     fit, miss, step = 0, None, 1.05
     tokens = min(max(guess, 1), longest)
     for _ in range(16):  # to a bracket of two estimated plans at most 5% apart: faster steps while on one side
-        if plan_at(tokens)[0] is not None:
+        if plan_at(tokens) is not None:
             fit = tokens
         else:
             miss = tokens

@@ -98,16 +98,14 @@ def nothing_fits_message(err: Any) -> str:
         f"{format_bytes(err.limit)}, less the headroom and what is set aside)"
     ) + (f"; held: {err.held}" if getattr(err, "held", None) else "")
     table = err.what_if
-    fits = [r for r in table.fitting() if r.changes > 0 and not table.checkpointing_hurts(r)] if table is not None else []
-    fits.sort(key=lambda r: (r.cost, -r.micro_batch))
+    fits = table.changes_that_fit() if table is not None else []
+    own = next((r for r in table.rows if r.changes == 0), None) if table is not None else None
     shard = next((s for s in err.shards if s.fits), None)
     if not fits and shard is None:
         if table is not None:
-            own = next((r for r in table.rows if r.changes == 0), None)
             tried = ", ".join(dict.fromkeys(flag for r in table.rows if r.changes > 0 for flag in _flags(r, own)))
             return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model"
         return text + ": try --precision bf16, --checkpointing, a larger --memory-limit, or shorter inputs (--input-shape)"
-    own = next((r for r in table.rows if r.changes == 0), None) if table is not None else None
     lines = [text + ": what would fit, estimated, the cheapest change first:"]
     for row in fits:
         flags = " ".join(_flags(row, own))
@@ -134,6 +132,7 @@ def _flags(row: Any, own: Any) -> list[str]:
     if "(given)" not in row.optimizer:
         flags.append(_OPTIMIZER_FLAGS.get(row.optimizer, f"an optimizer like {row.optimizer} (through the API)"))
     if row.adapters:
-        rank = row.adapters.split("LoRA r=", 1)[1].split(",", 1)[0]
-        flags.append(f"{'--quantize nf4 ' if row.adapters.startswith('QLoRA') else ''}--lora {rank} --lora-modules all-linear")
+        from autotune.planning.whatif import LORA_RANK
+
+        flags.append(f"{'--quantize nf4 ' if row.adapters.startswith('QLoRA') else ''}--lora {LORA_RANK} --lora-modules all-linear")
     return flags

@@ -118,13 +118,15 @@ class WhatIf:
         other = self.without_checkpointing(row) if row.checkpointing else None
         return other is not None and row.micro_batch < other.micro_batch
 
-    def smallest_change(self) -> WhatIfRow | None:
-        """The row with the fewest changed settings that fits (the largest micro-batch among them),
-        never one whose checkpointing fits fewer samples than the same row without it."""
+    def changes_that_fit(self) -> list[WhatIfRow]:
+        """The rows of some change that fit, the cheapest first (:attr:`WhatIfRow.cost`, then the largest
+        micro-batch), never one whose checkpointing fits fewer samples than the same row without it."""
         fits = [r for r in self.fitting() if r.changes > 0 and not self.checkpointing_hurts(r)]
-        if not fits:
-            return None
-        return min(fits, key=lambda r: (r.cost, -r.micro_batch))
+        return sorted(fits, key=lambda r: (r.cost, -r.micro_batch))
+
+    def smallest_change(self) -> WhatIfRow | None:
+        """The cheapest change that fits (the first of :meth:`changes_that_fit`), or None."""
+        return next(iter(self.changes_that_fit()), None)
 
     def __str__(self) -> str:
         adapters = any(r.adapters for r in self.rows)
@@ -275,14 +277,13 @@ def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str)
         if adapted is None:
             continue
         name = f"{'QLoRA nf4 + ' if quantized else ''}LoRA r={LORA_RANK}, all linear"
-        for ckpt in [True if quantized else bool(work.checkpointing)]:
-            try:
-                size, peak = estimator_for(adapted, checkpointing=ckpt).largest(budget, upper, confirm=True)
-            except Exception:  # a loss that does not take the adapted model, no blocks to checkpoint: no such row
-                continue
-            per, fixed = _line(peak, size, lower)
-            rows.append(WhatIfRow(work.precision, ckpt, given, size, per, fixed, 1 + int(ckpt != bool(work.checkpointing)),
-                                  adapters=name))
+        ckpt = True if quantized else bool(work.checkpointing)
+        try:
+            size, peak = estimator_for(adapted, checkpointing=ckpt).largest(budget, upper, confirm=True)
+        except Exception:  # a loss that does not take the adapted model, no blocks to checkpoint: no such row
+            continue
+        per, fixed = _line(peak, size, lower)
+        rows.append(WhatIfRow(work.precision, ckpt, given, size, per, fixed, 1 + int(ckpt != bool(work.checkpointing)), adapters=name))
     return rows
 
 
