@@ -22,6 +22,11 @@ Each case runs under its own time limit and reports its figures and its pass cri
    which), timed from nothing kept against one training step at the size found and against Lightning's
    ``Tuner.scale_batch_size(mode="binsearch")`` under the same cap, in the same run.
 
+8. ``published: lit-gpt``, ``bert-large``, ``cuda context``: the published measurements' settings run on the
+   card (``published.py``: LitGPT's LoRA and QLoRA cases on lit-gpt's code where ``LITGPT_DIR`` names a checkout
+   at 8641822, and Transformers' Llama-2-7B), BERT-large at 512 tokens, and the CUDA context with CUDA's modules
+   loaded lazily and eagerly.
+
 It writes every figure to one JSON file (``--json``) and prints a table; the figures go into
 ``docs/benchmarks.md`` ("GPU validation").
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import signal
@@ -452,8 +458,122 @@ def plan_time(ctx: Context, res: Result) -> None:
         res.checks["a note says which way the plan ran and its cost in steps"] = bool(said)
 
 
+def published_steps(ctx: Context, res: Result) -> None:
+    """LitGPT's published LoRA cases that need no bitsandbytes (``published.py``), their first steps run here with
+    random weights on lit-gpt's code (``LITGPT_DIR``: a checkout at 8641822) and on Transformers' Llama-2-7B:
+    the estimate / ``max_memory_allocated`` here, and the published figure beside it."""
+    import published
+
+    codes = (["lit-gpt"] if published.litgpt_path(None) else []) + ["transformers"]
+    small = ctx.scale < 1
+    quantized = ctx.device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None  # its CUDA layers
+    only = os.environ.get("PUBLISHED_ONLY")  # some cases: their ids' first words, comma-separated
+    for code in codes:
+        for case in published.CASES:
+            if (case.quantization and not quantized) or (code == "transformers" and not case.shape.startswith("llama-2-7b")):
+                continue
+            if small:  # the CPU test: two layers, 32 tokens, the control flow only
+                import dataclasses
+
+                published.SHAPES[case.shape] = dataclasses.replace(published.SHAPES[case.shape], layers=2, tokens=32)
+            if only and not any(case.id.startswith(w) for w in only.split(",")):
+                continue
+            key = f"{code}: {case.id}"
+            if case.quantization and code == "lit-gpt":
+                try:
+                    res.figures[f"{key}: lightning init peak"] = published.lightning_init_peak(case, ctx.device)
+                except Exception as exc:  # Lightning's quantizing loader is a reference, not the case
+                    res.figures[f"{key}: lightning init peak"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                clean(ctx.device)
+            try:
+                got = published.measure(case, code, ctx.device)
+            except Exception as exc:  # one case that breaks is reported; the others run
+                import traceback
+
+                res.figures[key] = f"{type(exc).__name__}: {traceback.format_exc()[-1500:]}"
+                res.checks[f"{key}: ran"] = False
+                continue
+            finally:
+                clean(ctx.device)
+            try:
+                est = published.estimate(case, code)
+            except Exception as exc:  # the measurement stands; the estimate is made again where it runs
+                res.figures[f"{key}: estimate"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                est = float("nan")
+            res.figures[key] = {"published": case.published, "measured_allocated": got.allocated, "measured_reserved": got.reserved,
+                                "at_backward": got.at_backward, "per_block": got.per_block[:3] + got.per_block[-1:],
+                                "saved_by_block_2": got.saved, "estimate": est, "estimate/measured": est / max(got.allocated, 1e-9),
+                                "measured/published": got.allocated / case.published}
+            if ctx.device.type == "cuda":
+                res.checks[f"{key}: estimate / measured in [0.97, 1.03]"] = within(est / max(got.allocated, 1e-9), 0.97, 1.03)
+            else:
+                res.checks[f"{key}: ran"] = True
+
+
+def context_bytes(ctx: Context, res: Result) -> None:
+    """What the CUDA context and libraries hold outside torch's allocator, with CUDA's modules loaded lazily (the
+    default) and eagerly (``CUDA_MODULE_LOADING=EAGER``), each in a fresh process: after the context, after a cuBLAS
+    matmul, after a flash-attention call."""
+    import subprocess
+
+    probe = (
+        "import json,torch,torch.nn.functional as F\n"
+        "from autotune.memory.device import outside_allocator\n"
+        "d=torch.device('cuda',0); out={}\n"
+        "torch.zeros(1,device=d); out['context']=outside_allocator(d)\n"
+        "x=torch.randn(1024,1024,device=d,dtype=torch.bfloat16); (x@x).sum().item(); out['cublas']=outside_allocator(d)\n"
+        "q=torch.randn(1,8,256,64,device=d,dtype=torch.bfloat16,requires_grad=True)\n"
+        "F.scaled_dot_product_attention(q,q,q,is_causal=True).sum().backward(); torch.cuda.synchronize(); out['sdpa']=outside_allocator(d)\n"
+        "print(json.dumps(out))\n"
+    )
+    if ctx.device.type != "cuda":
+        res.checks["skipped on the CPU"] = True
+        res.figures["skipped"] = "the context is CUDA's"
+        return
+    for loading in ("LAZY", "EAGER"):
+        env = {**os.environ, "CUDA_MODULE_LOADING": loading}
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        res.figures[loading.lower()] = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else done.stderr[-300:]
+    res.figures["driver"] = torch.cuda.get_device_properties(ctx.device).name
+    res.checks["measured in both loadings"] = all(isinstance(res.figures[k], dict) for k in ("lazy", "eager"))
+
+
+def bert_large(ctx: Context, res: Result) -> None:
+    """BERT-large sequence classification at 512 tokens (Transformers' single-GPU performance page's model), batch 1
+    and 4, fp32 and fp16 mixed precision, eager attention (as Transformers ran it then) and SDPA: the step's
+    allocated and reserved peaks here and the estimate's."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    small = ctx.scale < 1
+    config = BertConfig(hidden_size=64 if small else 1024, num_hidden_layers=2 if small else 24, num_attention_heads=4 if small else 16,
+                        intermediate_size=256 if small else 4096, vocab_size=30522, max_position_embeddings=512)
+    length = 32 if small else 512
+    for attention in ("eager", "sdpa"):
+        config._attn_implementation = attention
+        for precision in ("fp32", "fp16"):
+            for n in (1, 4):
+                torch.manual_seed(0)
+                net = BertForSequenceClassification(config).to(ctx.device)
+                opt = torch.optim.AdamW(net.parameters(), lr=1e-5, foreach=False)
+                ids = torch.randint(0, 30522, (n, length))
+                batch = {"input_ids": ids, "labels": torch.randint(0, 2, (n,))}
+                est = Estimator(Workload(model=net, optimizer=opt, loss_fn=hf_loss, batch=batch, device=torch.device("cuda"),
+                                         precision=precision)).allocator(n)  # type: ignore[arg-type]
+                real = measured_step(Model(lambda *_, made=net: made, tokens, hf_loss, precision, length), net, opt, batch, ctx.device, None) \
+                    if ctx.device.type == "cuda" else {"allocated": 1, "reserved": 1}
+                key = f"{attention} {precision} batch {n}"
+                res.figures[key] = {"measured": real, "estimated_allocated": est.allocated, "estimated_reserved": est.reserved,
+                                    "ratio": est.allocated / max(real["allocated"], 1)}
+                res.checks[f"{key}: estimate / measured in [0.95, 1.05]"] = ctx.device.type != "cuda" or within(est.allocated / real["allocated"], 0.95, 1.05)
+                del net, opt
+                clean(ctx.device)
+
+
 # Each case with its time limit in seconds; the sum stays under 10 minutes with the plans' estimates.
 CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
+    "published: lit-gpt": (published_steps, 240),
+    "cuda context": (context_bytes, 60),
+    "bert-large": (bert_large, 150),
     "estimate-only: gpt2": (estimate_only("gpt2"), 120),
     "estimate-only: llama": (estimate_only("llama"), 90),
     "estimate-only: cnn": (estimate_only("cnn"), 60),
@@ -543,12 +663,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         results.append(run_case(name, ctx))
         print(f"{name}: {'pass' if results[-1].passed else 'FAIL'} ({results[-1].seconds:.1f} s)", file=sys.stderr, flush=True)
+        if args.json:  # after each case: a run stopped from outside keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"environment": env, "limit": ctx.limit,
+                           "results": [{"case": r.case, "passed": r.passed, "seconds": r.seconds, "error": r.error,
+                                        "checks": r.checks, "figures": r.figures} for r in results]}, f, indent=2, default=str)
     print(table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "limit": ctx.limit,
-                       "results": [{"case": r.case, "passed": r.passed, "seconds": r.seconds, "error": r.error,
-                                    "checks": r.checks, "figures": r.figures} for r in results]}, f, indent=2, default=str)
     return 0 if all(r.passed for r in results) else 1
 
 

@@ -1,0 +1,383 @@
+"""The CUDA estimate against peaks others measured on real GPUs and published: each case rebuilt from its
+public configuration and code on the meta device (no weights), estimated for its GPU, and the ratio
+estimate / published printed beside its source.
+
+Sources (each case says which, what its figure is, and how it was taken):
+
+- ``litgpt``: LitGPT's resource tables (``tutorials/resource-tables.md``, added in commit 0cc02afa,
+  measured with lit-gpt at commit 8641822 on an A100-SXM4-40GB, PyTorch 2.1.0, bitsandbytes 0.41.1).
+  ``finetune/lora.py`` prints ``torch.cuda.max_memory_allocated() / 1e9`` after the run: bf16-true weights,
+  LoRA r=8, alpha 16, dropout 0.05 on the query and value projections, AdamW (bitsandbytes' paged AdamW with a
+  quantized base), the lm head's logits in chunks of 128 tokens and cross-entropy per chunk, the longest
+  Alpaca sample first (phi-1.5 1044 tokens, StableLM-alpha 1034, Llama 2 1304) and every sample of a
+  micro-batch padded to it.
+
+Model code: the figures were measured on lit-gpt's own model code at commit 8641822. Where a checkout of it
+is given (``--litgpt DIR``, or the ``LITGPT_DIR`` variable; ``git clone https://github.com/Lightning-AI/litgpt
+&& git -C litgpt checkout 8641822``), that code is estimated; Transformers' model of the same shape is
+estimated beside it, with the same LoRA and the same chunked loss.
+
+    python benchmarks/published.py                        # Transformers' models; a few minutes on 2 cores
+    python benchmarks/published.py --litgpt ../litgpt     # lit-gpt's code too
+    python benchmarks/published.py --cases llama-2-7b     # some cases (their ids' first words)
+
+``measure()`` runs a case's first training step on a CUDA device with random weights (``gpu_validate.py``
+calls it), so that a lent GPU checks the estimate against the same code's real step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GB = 1e9
+LORA = {"r": 8, "alpha": 16, "dropout": 0.05}  # finetune/lora.py at 8641822
+CHUNK = 128  # lm_head_chunk_size in finetune/lora.py
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    where: str
+    gpu: str
+    figure: str  # what the published number measures
+
+
+SOURCES = {
+    "litgpt": Source("LitGPT resource tables", "github.com/Lightning-AI/litgpt tutorials/resource-tables.md @ 0cc02afa (lit-gpt 8641822)",
+                     "A100-SXM4-40GB, PyTorch 2.1.0+cu121", "max_memory_allocated / 1e9 over the run"),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model as lit-gpt names it and as Transformers builds it (``config`` for ``family``)."""
+
+    litgpt: str
+    family: str  # "llama", "phi", "gpt_neox"
+    config: dict[str, Any]
+    tokens: int  # the longest Alpaca sample in this model's tokens
+    layers: int | None = None  # fewer layers than published (a quick check of the code path)
+
+
+SHAPES = {
+    # Config values as published in each model's config.json (and lit-gpt's lit_gpt/config.py at 8641822).
+    "phi-1.5": Shape("phi-1_5", "phi", {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "intermediate_size": 8192,
+                                        "vocab_size": 51200, "partial_rotary_factor": 0.5, "hidden_act": "gelu_new",
+                                        "max_position_embeddings": 2048, "layer_norm_eps": 1e-5}, 1044),
+    "stablelm-alpha-3b": Shape("stablelm-base-alpha-3b", "gpt_neox", {"hidden_size": 4096, "num_hidden_layers": 16, "num_attention_heads": 32,
+                                                                      "intermediate_size": 16384, "vocab_size": 50688, "rotary_pct": 0.25,
+                                                                      "use_parallel_residual": True, "max_position_embeddings": 4096,
+                                                                      "layer_norm_eps": 1e-5}, 1034),
+    "llama-2-7b": Shape("Llama-2-7b-hf", "llama", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                                                   "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096,
+                                                   "rms_norm_eps": 1e-5}, 1304),
+    "llama-2-13b": Shape("Llama-2-13b-hf", "llama", {"hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
+                                                     "num_key_value_heads": 40, "intermediate_size": 13824, "vocab_size": 32000,
+                                                     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}, 1304),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    source: str
+    shape: str
+    micro_batch: int
+    published: float  # GB, as printed
+    quantization: str | None = None  # "nf4", "nf4-dq"
+    comparable: str | None = None  # why not, where measured to be not comparable
+
+
+CASES = [
+    Case("phi-1.5 lora mb1", "litgpt", "phi-1.5", 1, 4.82),
+    Case("phi-1.5 lora mb2", "litgpt", "phi-1.5", 2, 6.76),
+    Case("phi-1.5 lora mb4", "litgpt", "phi-1.5", 4, 10.68),
+    Case("phi-1.5 qlora nf4 mb1", "litgpt", "phi-1.5", 1, 3.78, "nf4"),
+    Case("phi-1.5 qlora nf4-dq mb1", "litgpt", "phi-1.5", 1, 3.72, "nf4-dq"),
+    Case("stablelm-alpha-3b lora mb1", "litgpt", "stablelm-alpha-3b", 1, 9.69),
+    Case("stablelm-alpha-3b lora mb2", "litgpt", "stablelm-alpha-3b", 2, 12.10),
+    Case("stablelm-alpha-3b lora mb4", "litgpt", "stablelm-alpha-3b", 4, 16.92),
+    Case("stablelm-alpha-3b qlora nf4 mb1", "litgpt", "stablelm-alpha-3b", 1, 6.35, "nf4"),
+    Case("stablelm-alpha-3b qlora nf4-dq mb1", "litgpt", "stablelm-alpha-3b", 1, 6.19, "nf4-dq"),
+    Case("llama-2-7b lora mb1", "litgpt", "llama-2-7b", 1, 21.30),
+    Case("llama-2-7b lora mb2", "litgpt", "llama-2-7b", 2, 29.07),
+    Case("llama-2-7b qlora nf4 mb1", "litgpt", "llama-2-7b", 1, 14.14, "nf4"),
+    Case("llama-2-7b qlora nf4-dq mb1", "litgpt", "llama-2-7b", 1, 13.84, "nf4-dq"),
+    Case("llama-2-13b lora mb1", "litgpt", "llama-2-13b", 1, 38.12),
+    Case("llama-2-13b qlora nf4 mb1", "litgpt", "llama-2-13b", 1, 23.14, "nf4"),
+    Case("llama-2-13b qlora nf4-dq mb1", "litgpt", "llama-2-13b", 1, 22.55, "nf4-dq"),
+]
+
+
+# --- building a case ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def litgpt_path(given: str | None) -> str | None:
+    """The lit-gpt checkout to import ``lit_gpt`` from (``--litgpt`` or ``LITGPT_DIR``), put on ``sys.path``."""
+    path = given or os.environ.get("LITGPT_DIR")
+    if path and path not in sys.path:
+        if not os.path.isdir(os.path.join(path, "lit_gpt")):
+            raise SystemExit(f"--litgpt {path!r} holds no lit_gpt package: give a checkout of lit-gpt at commit 8641822")
+        sys.path.insert(0, path)
+    return path
+
+
+def bnb_quantization(kind: str | None) -> Any:
+    """Lightning's ``BitsandbytesPrecision`` as lit-gpt's ``--quantize bnb.nf4[-dq]`` sets it: every linear layer
+    (the lm head too) in 4 bits, bf16 compute."""
+    if kind is None:
+        return None
+    from autotune.memory.quantized import Quantization
+
+    return Quantization("nf4", double_quant=kind.endswith("-dq"), compute_dtype=torch.bfloat16)
+
+
+def litgpt_model(shape: Shape, device: str, quantization: str | None = None) -> nn.Module:
+    """lit-gpt's GPT with its LoRA (query and value) as ``finetune/lora.py`` makes it under ``bf16-true``; the
+    rope cache rebuilt at the longest sample's length outside the bf16 default, as its ``train()`` does."""
+    from lit_gpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+    fewer = {"n_layer": shape.layers} if shape.layers else {}
+    config = Config.from_name(shape.litgpt, r=LORA["r"], alpha=LORA["alpha"], dropout=LORA["dropout"], to_query=True, to_value=True, **fewer)
+    with default_dtype(torch.bfloat16), torch.device(device):
+        model = GPT(config)
+    mark_only_lora_as_trainable(model)
+    if quantization:
+        from autotune.memory.quantized import quantize
+
+        quantize(model, bnb_quantization(quantization))
+    model.max_seq_length = shape.tokens
+    return model
+
+
+def litgpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``finetune/lora.py``'s training loss: logits in chunks of 128 tokens, shifted, cross-entropy per chunk."""
+    from lit_gpt.utils import chunked_cross_entropy
+
+    logits = model(batch["input_ids"], lm_head_chunk_size=CHUNK)
+    logits[-1] = logits[-1][..., :-1, :]
+    return chunked_cross_entropy(logits, batch["labels"][..., 1:])
+
+
+TRANSFORMERS = {"llama": ("LlamaConfig", "LlamaForCausalLM", ["q_proj", "v_proj"]),
+                "phi": ("PhiConfig", "PhiForCausalLM", ["q_proj", "v_proj"]),
+                # GPT-NeoX holds q, k and v in one layer: LoRA on it has lit-gpt's parameter count (r x (4096 + 3 x 4096))
+                "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", ["query_key_value"])}
+
+
+def transformers_model(shape: Shape, device: str, quantization: str | None = None) -> nn.Module:
+    """Transformers' model of the shape, bf16, with PEFT's LoRA of lit-gpt's rank, alpha and dropout."""
+    import warnings
+
+    import peft
+    import transformers
+
+    config_name, model_name, modules = TRANSFORMERS[shape.family]
+    config = getattr(transformers, config_name)(**{**shape.config, **({"num_hidden_layers": shape.layers} if shape.layers else {})})
+    config._attn_implementation = "sdpa"
+    with default_dtype(torch.bfloat16), torch.device(device):
+        model = getattr(transformers, model_name)(config)
+    if quantization:
+        from autotune.memory.quantized import quantize
+
+        quantize(model, bnb_quantization(quantization))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.get_peft_model(model, peft.LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                                                          target_modules=modules))
+
+
+def transformers_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """lit-gpt's loss on a Transformers model: its backbone, then the head in chunks of 128 tokens."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.base_model(input_ids=batch["input_ids"]).last_hidden_state
+    head = base.get_output_embeddings()
+    logits = [head(h) for h in hidden.split(CHUNK, dim=1)]
+    logits[-1] = logits[-1][..., :-1, :]
+    targets = batch["labels"][..., 1:]
+    chunks = [F.cross_entropy(lg.reshape(-1, lg.size(-1)), t.reshape(-1), ignore_index=-1, reduction="none")
+              for lg, t in zip(logits, targets.split(CHUNK, dim=1))]
+    return torch.cat(chunks).mean()
+
+
+CODES: dict[str, tuple[Callable[..., nn.Module], Callable[[nn.Module, Any], torch.Tensor]]] = {
+    "lit-gpt": (litgpt_model, litgpt_loss),
+    "transformers": (transformers_model, transformers_loss),
+}
+
+
+def tokens(samples: int, length: int, vocab: int = 32000) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (samples, length), generator=torch.Generator().manual_seed(samples * 31 + length))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """finetune/lora.py's AdamW (lr 3e-4, weight decay 0.01) over the trainable parameters."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, weight_decay=0.01)
+
+
+# --- estimating and measuring --------------------------------------------------------------------------
+
+
+def estimate(case: Case, code: str) -> float:
+    """The estimate's allocated peak (the steady state's, as the caching allocator replays it) in GB."""
+    from autotune.probe.estimate import Estimator
+    from autotune.probe.trial import Workload
+
+    shape = SHAPES[case.shape]
+    build, loss = CODES[code]
+    model = build(shape, "meta", case.quantization)
+    work = Workload(model=model, optimizer=adamw(model), loss_fn=loss, batch=tokens(1, shape.tokens), device=torch.device("cuda"),
+                    precision="fp32")  # bf16-true: bf16 weights, no autocast
+    return Estimator(work).allocator(case.micro_batch).allocated / GB
+
+
+@dataclass
+class Measured:
+    """A real first step on a CUDA device: ``max_memory_allocated`` over it (weights included), what was
+    allocated when the backward began, and what each block's forward added."""
+
+    allocated: float
+    reserved: float
+    at_backward: float
+    per_block: list[float] = field(default_factory=list)
+    saved: list[tuple[str, str, int]] = field(default_factory=list)  # the second block's saved tensors: shape, dtype, bytes
+
+
+def measure(case: Case, code: str, device: torch.device) -> Measured:
+    """``case``'s first step (the longest sample, no optimizer state yet) and a second after an optimizer step,
+    on ``device`` with random weights: the peak over both."""
+    shape = SHAPES[case.shape]
+    build, loss = CODES[code]
+    torch.manual_seed(0)
+    model = build(shape, str(device), case.quantization)
+    model.train()
+    opt = adamw(model)
+    batch = {k: v.to(device) for k, v in tokens(case.micro_batch, shape.tokens).items()}
+    cuda = device.type == "cuda"
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated(device) if cuda else 0
+
+    blocks = [m for m in model.modules() if type(m).__name__ in ("Block", "LlamaDecoderLayer", "PhiDecoderLayer", "GPTNeoXLayer")]
+    added: list[float] = []
+    before: list[int] = []
+    hooks = [b.register_forward_pre_hook(lambda *_: before.append(allocated())) for b in blocks]
+    hooks += [b.register_forward_hook(lambda *_: added.append((allocated() - before[-1]) / GB)) for b in blocks]
+    saved: dict[int, tuple[str, str, int]] = {}
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if len(before) == 2 and len(added) == 1:  # inside the second block's forward
+            s = t.untyped_storage()
+            if s.data_ptr() not in held:
+                saved.setdefault(s.data_ptr(), (str(tuple(t.shape)), str(t.dtype).replace("torch.", ""), s.nbytes()))
+        return t
+
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value = loss(model, batch)
+    at_backward = allocated() / GB
+    for h in hooks:
+        h.remove()
+    value.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss(model, batch).backward()
+    peaks = (0, 0)
+    if cuda:
+        torch.cuda.synchronize(device)
+        peaks = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+    out = Measured(peaks[0] / GB, peaks[1] / GB, at_backward, added,
+                   sorted(saved.values(), key=lambda v: -v[2]))
+    del model, opt, batch, value
+    return out
+
+
+def lightning_init_peak(case: Case, device: torch.device) -> float:
+    """``max_memory_allocated`` (GB) while Lightning Fabric builds lit-gpt's model as ``finetune/lora.py`` does with
+    ``--quantize bnb.nf4[-dq]`` (``BitsandbytesPrecision``, ``init_module(empty_init=False)``, ``setup_module``),
+    before any step: what loading alone holds at its peak."""
+    import lightning as L
+    from lightning.fabric.plugins import BitsandbytesPrecision
+    from lit_gpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+    shape = SHAPES[case.shape]
+    fewer = {"n_layer": shape.layers} if shape.layers else {}
+    config = Config.from_name(shape.litgpt, r=LORA["r"], alpha=LORA["alpha"], dropout=LORA["dropout"], to_query=True, to_value=True, **fewer)
+    plugin = BitsandbytesPrecision(case.quantization or "nf4", torch.bfloat16)
+    fabric = L.Fabric(devices=1, accelerator="cuda", precision=None, plugins=plugin)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with fabric.init_module(empty_init=False):
+        model = GPT(config)
+    mark_only_lora_as_trainable(model)
+    model = fabric.setup_module(model)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) / GB
+    del model
+    return peak
+
+
+# --- the table -----------------------------------------------------------------------------------------
+
+
+def chosen(wanted: str | None) -> list[Case]:
+    if not wanted:
+        return CASES
+    words = wanted.split(",")
+    return [c for c in CASES if any(c.id == w or c.id.startswith(w) for w in words)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--litgpt", help="a checkout of lit-gpt at commit 8641822 (else LITGPT_DIR; else Transformers' models only)")
+    parser.add_argument("--cases", help="comma-separated case ids or their first words (default: all)")
+    args = parser.parse_args(argv)
+    codes = (["lit-gpt"] if litgpt_path(args.litgpt) else []) + ["transformers"]
+    print("| case | source | published GB | " + " | ".join(f"{c} estimate GB | ratio" for c in codes) + " |")
+    print("|---|---|---|" + "---|---|" * len(codes))
+    ratios: dict[str, list[float]] = {c: [] for c in codes}
+    began = time.perf_counter()
+    for case in chosen(args.cases):
+        cells = []
+        for code in codes:
+            got = estimate(case, code)
+            ratios[code].append(got / case.published)
+            cells.append(f"{got:.2f} | {got / case.published:.3f}")
+        print(f"| {case.id} | {case.source} | {case.published:.2f} | " + " | ".join(cells) + " |", flush=True)
+    for code, r in ratios.items():
+        if r:
+            print(f"{code}: {len(r)} cases, ratio {min(r):.3f}-{max(r):.3f}")
+    for key in sorted({c.source for c in chosen(args.cases)}):
+        s = SOURCES[key]
+        print(f"{key}: {s.name}, {s.where}; {s.gpu}; {s.figure}")
+    print(f"({time.perf_counter() - began:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
