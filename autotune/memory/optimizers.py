@@ -121,6 +121,8 @@ def rebuilt(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> t
     accepted = inspect.signature(cls.__init__).parameters
     args = copy.copy(getattr(optimizer, "args", None))
     extra = {"optim_bits": getattr(args, "optim_bits", 32), "args": args, "is_paged": is_paged(optimizer)}
+    if cls.__name__.endswith("8bit"):  # Adam8bit, AdamW8bit, ...: always 8 bits, and they refuse optim_bits other than 32
+        del extra["optim_bits"]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
         return cls(groups, **{k: v for k, v in extra.items() if k in accepted})  # type: ignore[call-arg]
