@@ -274,10 +274,10 @@ def fake_quantized(made: nn.Module, original: nn.Module, fake: Any) -> None:
     if hasattr(weight, "quant_type"):  # 4-bit
         state = getattr(weight, "quant_state", None) or getattr(original, "quant_state", None)
         if state is not None and weight.bnb_quantized:
-            data, state = fake(weight.data), _fake_state(state, fake)
+            data, state = fake(_plain(weight)), _fake_state(state, fake)
         else:
             _warm_codes(bnb)
-            data, state = bnb.functional.quantize_4bit(fake(weight.data), blocksize=weight.blocksize,
+            data, state = bnb.functional.quantize_4bit(fake(_plain(weight)), blocksize=weight.blocksize,
                                                        compress_statistics=weight.compress_statistics, quant_type=weight.quant_type,
                                                        quant_storage=weight.quant_storage)
         made.weight = _fake_parameter(data, quant_state=state, blocksize=weight.blocksize, compress_statistics=weight.compress_statistics,
@@ -288,11 +288,21 @@ def fake_quantized(made: nn.Module, original: nn.Module, fake: Any) -> None:
     if scales is None:
         scales = original.state.SCB
     if weight.dtype == torch.int8 and scales is not None:
-        data, scales = fake(weight.data), fake(scales)
+        data, scales = fake(_plain(weight)), fake(scales)
     else:  # on the meta device, not quantized yet: quantized as bitsandbytes quantizes it
-        data, scales, _ = bnb.functional.int8_vectorwise_quant(fake(weight.data).to(torch.float16))
+        data, scales, _ = bnb.functional.int8_vectorwise_quant(fake(_plain(weight)).to(torch.float16))
     made.weight = _fake_parameter(data, CB=data, SCB=scales, has_fp16_weights=False)
     made.state.CB = made.state.SCB = None  # the forward takes them from the weight, as after quantizing
+
+
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes weight's data as a plain tensor, taken outside the fake mode: its parameter class's
+    ``__torch_function__`` sends ``.data`` (a ``detach``) through the mode, which refuses that class on PyTorch
+    2.11 (a CUDA estimate of a QLoRA model failed so on an H200)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunctionSubclass():
+        return weight.data
 
 
 def _fake_parameter(data: torch.Tensor, **attributes: Any) -> nn.Parameter:
