@@ -11,8 +11,15 @@ Sources (each case says which, what its figure is, and how it was taken):
   quantized base), the lm head's logits in chunks of 128 tokens and cross-entropy per chunk, the longest
   Alpaca sample first (phi-1.5 1044 tokens, StableLM-alpha 1034, Llama 2 1304) and every sample of a
   micro-batch padded to it.
+- ``hf-perf``: Transformers' single-GPU training page (``docs/source/en/perf_train_gpu_one.mdx`` at 0016acf7):
+  BERT-large sequence classification at 512 tokens on a V100-16GB, the Trainer's settings of the time; the figure
+  is NVML's used memory after training, so the estimate's reserved bytes and the 1343 MiB the page measured for
+  the CUDA context are compared with it.
+- ``fms``: fms-acceleration's A100-80GB references (``scripts/benchmarks/refs/a100_80gb.csv`` at 24bdadb):
+  Mistral-7B full and LoRA fine-tunes, bf16, gradient checkpointing, packed rows of 4096 tokens; the figure is the
+  Trainer's ``max_memory_allocated`` in bytes.
 
-Model code: the figures were measured on lit-gpt's own model code at commit 8641822. Where a checkout of it
+Model code: LitGPT's figures were measured on lit-gpt's own model code at commit 8641822. Where a checkout of it
 is given (``--litgpt DIR``, or the ``LITGPT_DIR`` variable; ``git clone https://github.com/Lightning-AI/litgpt
 && git -C litgpt checkout 8641822``), that code is estimated; Transformers' model of the same shape is
 estimated beside it, with the same LoRA and the same chunked loss.
@@ -56,7 +63,15 @@ class Source:
 SOURCES = {
     "litgpt": Source("LitGPT resource tables", "github.com/Lightning-AI/litgpt tutorials/resource-tables.md @ 0cc02afa (lit-gpt 8641822)",
                      "A100-SXM4-40GB, PyTorch 2.1.0+cu121", "max_memory_allocated / 1e9 over the run"),
+    "hf-perf": Source("Transformers' single-GPU training page", "github.com/huggingface/transformers docs/source/en/perf_train_gpu_one.mdx @ 0016acf7",
+                      "V100-SXM2-16GB, CUDA 11.2", "NVML used MiB after training: the CUDA context (1343 MiB, measured on the page) "
+                      "and the caching allocator's reserved bytes"),
+    "fms": Source("fms-acceleration's A100-80GB references", "github.com/foundation-model-stack/fms-acceleration "
+                  "scripts/benchmarks/refs/a100_80gb.csv @ 24bdadb", "A100-80GB, PyTorch 2.4.1, transformers 4.48.1, peft 0.13.2",
+                  "the Trainer's mem_peak_torch_mem_alloc_in_bytes (max_memory_allocated), exact bytes"),
 }
+UNITS = {"litgpt": 1e9, "hf-perf": 2**20, "fms": 1.0}  # bytes in a published unit
+CONTEXT_ON_THE_PAGE = 1343 * 2**20  # hf-perf: "GPU memory occupied: 1343 MB" once torch has the CUDA context
 
 
 @dataclass(frozen=True)
@@ -89,14 +104,31 @@ SHAPES = {
 
 
 @dataclass(frozen=True)
+class Setup:
+    """A case outside lit-gpt's shapes: its model on a device, optimizer, loss, one sample, precision and whether
+    its blocks are checkpointed."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+    sample: dict[str, torch.Tensor]
+    precision: str = "fp32"
+    checkpointing: bool = False
+
+
+@dataclass(frozen=True)
 class Case:
     id: str
     source: str
-    shape: str
+    shape: str  # a SHAPES key (lit-gpt's and Transformers' code), or "" with ``make``
     micro_batch: int
-    published: float  # GB, as printed
+    published: float  # in the source's unit (UNITS), as printed
     quantization: str | None = None  # "nf4", "nf4-dq"
-    comparable: str | None = None  # why not, where measured to be not comparable
+    make: Callable[[str], Setup] | None = None  # (device) -> Setup, for cases outside SHAPES
+
+    @property
+    def published_bytes(self) -> float:
+        return self.published * UNITS[self.source]
 
 
 CASES = [
@@ -237,20 +269,119 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, weight_decay=0.01)
 
 
+def bert_large(batch: int, *, precision: str = "fp32", optimizer: str = "adamw", checkpointing: bool = False) -> Callable[[str], Setup]:
+    """hf-perf's model: ``bert-large-uncased`` for sequence classification (2 labels), fp32 weights, eager attention
+    (Transformers had no other then), 512 random tokens, the Trainer's optimizer of the time (``adamw_hf``:
+    single-tensor AdamW; ``adafactor`` as the Trainer made it; bitsandbytes' ``Adam8bit``)."""
+
+    def make(device: str) -> Setup:
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=30522,
+                            max_position_embeddings=512, type_vocab_size=2)
+        config._attn_implementation = "eager"
+        with torch.device(device):
+            model = BertForSequenceClassification(config)
+        params = list(model.parameters())
+        if optimizer == "adafactor":
+            from transformers.optimization import Adafactor
+
+            opt: torch.optim.Optimizer = Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False)
+        elif optimizer == "adam8bit":
+            import bitsandbytes as bnb
+
+            opt = bnb.optim.Adam8bit(params, lr=5e-5)
+        else:
+            opt = torch.optim.AdamW(params, lr=5e-5, weight_decay=0.0, foreach=False)
+        ids = torch.randint(100, 30000, (1, 512), generator=torch.Generator().manual_seed(0))
+        sample = {"input_ids": ids, "labels": torch.zeros(1, dtype=torch.long)}
+        return Setup(model, opt, hf_loss, sample, precision, checkpointing)
+
+    return make
+
+
+def mistral_7b(lora: bool) -> Callable[[str], Setup]:
+    """fms's Mistral-7B-v0.1 rows: bf16 weights without autocast, gradient checkpointing, flash attention (as SDPA's
+    flash kernel), packed rows of 4096 tokens, AdamW (weight decay 0.01, eps 1e-4); LoRA r=16, alpha 16, dropout 0.1
+    on q, k, v and o, its adapters in fp32 (PEFT's ``autocast_adapter_dtype``)."""
+
+    def make(device: str) -> Setup:
+        import warnings
+
+        import peft
+        from transformers import MistralConfig, MistralForCausalLM
+
+        config = MistralConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32,
+                               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096,
+                               rms_norm_eps=1e-5, rope_theta=10000.0)
+        config._attn_implementation = "sdpa"
+        with default_dtype(torch.bfloat16), torch.device(device):
+            model: nn.Module = MistralForCausalLM(config)
+        if lora:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.1,
+                                                                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-5, weight_decay=0.01, eps=1e-4)
+        return Setup(model, opt, hf_loss, tokens(1, 4096), "fp32", True)
+
+    return make
+
+
+def hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return model(**batch).loss
+
+
+CASES += [
+    Case("bert-large bs4 fp32", "hf-perf", "", 4, 14949, make=bert_large(4)),
+    Case("bert-large bs1 ga4 fp32", "hf-perf", "", 1, 8681, make=bert_large(1)),
+    Case("bert-large bs1 ga4 checkpointing", "hf-perf", "", 1, 6775, make=bert_large(1, checkpointing=True)),
+    Case("bert-large bs4 fp16", "hf-perf", "", 4, 13939, make=bert_large(4, precision="fp16")),
+    Case("bert-large bs1 ga4 checkpointing fp16", "hf-perf", "", 1, 7275, make=bert_large(1, precision="fp16", checkpointing=True)),
+    Case("bert-large bs4 adafactor", "hf-perf", "", 4, 12295, make=bert_large(4, optimizer="adafactor")),
+    Case("bert-large bs1 ga4 checkpointing fp16 adafactor", "hf-perf", "", 1, 4847,
+         make=bert_large(1, precision="fp16", optimizer="adafactor", checkpointing=True)),
+    Case("bert-large bs4 adam8bit", "hf-perf", "", 4, 13085, make=bert_large(4, optimizer="adam8bit")),
+    Case("bert-large bs1 ga4 checkpointing fp16 adam8bit", "hf-perf", "", 1, 5363,
+         make=bert_large(1, precision="fp16", optimizer="adam8bit", checkpointing=True)),
+    Case("mistral-7b full bs4", "fms", "", 4, 72434837504, make=mistral_7b(lora=False)),
+    Case("mistral-7b full bs8", "fms", "", 8, 72435230720, make=mistral_7b(lora=False)),
+    Case("mistral-7b lora bs4", "fms", "", 4, 26704571904, make=mistral_7b(lora=True)),
+    Case("mistral-7b lora bs8", "fms", "", 8, 38742912512, make=mistral_7b(lora=True)),
+]
+
+
 # --- estimating and measuring --------------------------------------------------------------------------
 
 
+def built(case: Case, code: str, device: str) -> Setup:
+    """``case`` on ``device``: its own setup, or its shape in ``code`` (lit-gpt's or Transformers') with
+    finetune/lora.py's AdamW, one sample of the longest length, bf16 weights without autocast."""
+    if case.make is not None:
+        return case.make(device)
+    shape = SHAPES[case.shape]
+    build, loss = CODES[code]
+    model = build(shape, device, case.quantization)
+    return Setup(model, adamw(model), loss, tokens(1, shape.tokens))
+
+
 def estimate(case: Case, code: str) -> float:
-    """The estimate's allocated peak (the steady state's, as the caching allocator replays it) in GB."""
+    """The estimate of what ``case``'s source measured, in GB: the steady state's allocated peak as the caching
+    allocator replays it; for hf-perf, its reserved bytes and the CUDA context the page measured."""
+    allocated, reserved = estimated_peaks(case, code)
+    return reserved + CONTEXT_ON_THE_PAGE / GB if case.source == "hf-perf" else allocated
+
+
+def estimated_peaks(case: Case, code: str) -> tuple[float, float]:
+    """The steady state's allocated and reserved peaks (GB) as the estimate replays CUDA's caching allocator."""
     from autotune.probe.estimate import Estimator
     from autotune.probe.trial import Workload
 
-    shape = SHAPES[case.shape]
-    build, loss = CODES[code]
-    model = build(shape, "meta", case.quantization)
-    work = Workload(model=model, optimizer=adamw(model), loss_fn=loss, batch=tokens(1, shape.tokens), device=torch.device("cuda"),
-                    precision="fp32")  # bf16-true: bf16 weights, no autocast
-    return Estimator(work).allocator(case.micro_batch).allocated / GB
+    setup = built(case, code, "meta")
+    work = Workload(model=setup.model, optimizer=setup.optimizer, loss_fn=setup.loss, batch=setup.sample, device=torch.device("cuda"),
+                    precision=setup.precision, checkpointing=setup.checkpointing)  # type: ignore[arg-type]
+    peaks = Estimator(work).allocator(case.micro_batch)
+    return peaks.allocated / GB, peaks.reserved / GB
 
 
 @dataclass
@@ -266,21 +397,24 @@ class Measured:
 
 
 def measure(case: Case, code: str, device: torch.device) -> Measured:
-    """``case``'s first step (the longest sample, no optimizer state yet) and a second after an optimizer step,
-    on ``device`` with random weights: the peak over both."""
-    shape = SHAPES[case.shape]
-    build, loss = CODES[code]
+    """``case``'s first step (the longest sample, no optimizer state yet) and a second after an optimizer step with
+    the gradients kept (accumulation's steady state), on ``device`` with random weights: the peak over both."""
     torch.manual_seed(0)
-    model = build(shape, str(device), case.quantization)
+    setup = built(case, code, str(device))
+    model, opt, loss = setup.model, setup.optimizer, setup.loss
     model.train()
-    opt = adamw(model)
-    batch = {k: v.to(device) for k, v in tokens(case.micro_batch, shape.tokens).items()}
+    if setup.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    batch = {k: v.repeat(case.micro_batch, *[1] * (v.dim() - 1)).to(device) for k, v in setup.sample.items()}
     cuda = device.type == "cuda"
+    half = torch.autocast(device.type, dtype=torch.float16) if setup.precision == "fp16" else contextlib.nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16" and cuda)
 
     def allocated() -> int:
         return torch.cuda.memory_allocated(device) if cuda else 0
 
-    blocks = [m for m in model.modules() if type(m).__name__ in ("Block", "LlamaDecoderLayer", "PhiDecoderLayer", "GPTNeoXLayer")]
+    blocks = [m for m in model.modules() if type(m).__name__ in ("Block", "LlamaDecoderLayer", "PhiDecoderLayer", "GPTNeoXLayer",
+                                                                  "MistralDecoderLayer", "BertLayer")]
     added: list[float] = []
     before: list[int] = []
     hooks = [b.register_forward_pre_hook(lambda *_: before.append(allocated())) for b in blocks]
@@ -298,15 +432,18 @@ def measure(case: Case, code: str, device: torch.device) -> Measured:
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), half:
         value = loss(model, batch)
     at_backward = allocated() / GB
     for h in hooks:
         h.remove()
-    value.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    loss(model, batch).backward()
+    scaler.scale(value).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=False)  # accumulation's steady state, which the estimate models: the gradients stay
+    with half:
+        value = loss(model, batch)
+    scaler.scale(value).backward()
     peaks = (0, 0)
     if cuda:
         torch.cuda.synchronize(device)
@@ -360,18 +497,20 @@ def main(argv: list[str] | None = None) -> int:
     codes = (["lit-gpt"] if litgpt_path(args.litgpt) else []) + ["transformers"]
     print("| case | source | published GB | " + " | ".join(f"{c} estimate GB | ratio" for c in codes) + " |")
     print("|---|---|---|" + "---|---|" * len(codes))
-    ratios: dict[str, list[float]] = {c: [] for c in codes}
+    ratios: dict[str, list[float]] = {}
     began = time.perf_counter()
     for case in chosen(args.cases):
-        cells = []
+        cells, published = [], case.published_bytes / GB
         for code in codes:
+            if case.make is not None and code != "transformers":  # the other sources' models are Transformers'
+                cells.append("- | -")
+                continue
             got = estimate(case, code)
-            ratios[code].append(got / case.published)
-            cells.append(f"{got:.2f} | {got / case.published:.3f}")
-        print(f"| {case.id} | {case.source} | {case.published:.2f} | " + " | ".join(cells) + " |", flush=True)
-    for code, r in ratios.items():
-        if r:
-            print(f"{code}: {len(r)} cases, ratio {min(r):.3f}-{max(r):.3f}")
+            ratios.setdefault(f"{case.source}, {code}", []).append(got / published)
+            cells.append(f"{got:.2f} | {got / published:.3f}")
+        print(f"| {case.id} | {case.source} | {published:.2f} | " + " | ".join(cells) + " |", flush=True)
+    for key, r in ratios.items():
+        print(f"{key}: {len(r)} cases, ratio {min(r):.3f}-{max(r):.3f}")
     for key in sorted({c.source for c in chosen(args.cases)}):
         s = SOURCES[key]
         print(f"{key}: {s.name}, {s.where}; {s.gpu}; {s.figure}")
