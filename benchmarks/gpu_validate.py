@@ -14,7 +14,7 @@ Each case runs under its own time limit and reports its figures and its pass cri
 4. ``allocator``: at the planned micro-batch, fixed and cycling sequence lengths, with and without
    expandable segments: reserved/allocated, ``num_alloc_retries`` and out-of-memory errors (none).
 5. ``outside the allocator``: the memory the CUDA context and libraries hold outside torch's allocator,
-   against the 512 MiB an estimate-only plan sets aside.
+   against what an estimate-only plan sets aside (``autotune.memory.device.cuda_context_allowance``).
 6. ``fit``: 50 optimizer steps of GPT-2 under the plan's cap without an out-of-memory error or a change
    of micro-batch.
 7. ``plan time``: a real plan of GPT-2 on the card (``verify=True``: after its first real step it takes
@@ -58,7 +58,7 @@ from torch import nn
 
 import autotune
 from autotune.memory.device import (
-    CUDA_CONTEXT_ALLOWANCE,
+    cuda_context_allowance,
     allocator_cap,
     cuda_memory_fraction,
     outside_allocator,
@@ -358,8 +358,9 @@ def outside(ctx: Context, res: Result) -> None:
     x = torch.randn(256, 256, device=ctx.device)
     (x @ x).sum().item()  # cuBLAS's handle and workspace exist
     measured = outside_allocator(ctx.device)
-    res.figures.update(outside_allocator=measured, allowance=CUDA_CONTEXT_ALLOWANCE)
-    res.checks["within the 512 MiB allowance (None: NVML unavailable)"] = measured is None or measured <= CUDA_CONTEXT_ALLOWANCE
+    allowance = cuda_context_allowance()
+    res.figures.update(outside_allocator=measured, allowance=allowance.bytes, allowance_source=allowance.source)
+    res.checks["within an estimate-only plan's allowance (None: NVML unavailable)"] = measured is None or measured <= allowance.bytes
 
 
 class _Stop(Exception):

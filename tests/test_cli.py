@@ -1,6 +1,7 @@
 """The command line, run in-process through main(argv), and once as the installed script."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -228,6 +229,14 @@ def test_planning_for_a_gpu_this_machine_lacks(capsys):
     assert "estimate, not verified on a device" in out
     assert "set aside for the CUDA context" in out
     assert "real" not in out.split("Trials", 1)[1].split("Notes", 1)[0]
+    code, out, _ = run(capsys, "report", "--demo", "--device", "cuda", "--memory-limit", "80GiB", "--target-batch", "4096",
+                       "--cuda-context", "3GiB", "--json")
+    assert code == 0
+    assert json.loads(out)["plan"]["set_aside"] == [["the CUDA context", 3 * 2**30]]
+    assert "AUTOTUNE_CUDA_CONTEXT" not in os.environ  # the flag holds for its command only
+    code, _, err = run(capsys, "report", "--demo", "--device", "cuda", "--memory-limit", "80GiB", "--target-batch", "4096",
+                       "--cuda-context", "big")
+    assert code == 2 and "Invalid --cuda-context 'big'" in err and "--cuda-context 1GiB" in err
     code, _, err = run(capsys, "report", "--demo", "--device", "cuda", "--memory-limit", "")
     assert code == 2
 

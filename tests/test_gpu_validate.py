@@ -63,7 +63,7 @@ CHECKS = {
     "activations per layer": {"dropout 0.0: estimate / measured per layer in [0.95, 1.05]",
                               "dropout 0.1: estimate / measured per layer in [0.95, 1.05]"},
     "optimizer step": {"foreach: within 5% or 2 MiB", "single-tensor: within 5% or 2 MiB", "fused: within 5% or 2 MiB"},
-    "outside the allocator": {"within the 512 MiB allowance (None: NVML unavailable)"},
+    "outside the allocator": {"within an estimate-only plan's allowance (None: NVML unavailable)"},
     "fit": {"3 steps", "no out-of-memory error", "no micro-batch change"},
     "plan time": {"the plan takes less time than Lightning's binsearch"},  # the note's check is for CUDA alone
 }
@@ -71,7 +71,8 @@ CHECKS = {
 
 def test_every_case_runs_and_is_reported(tmp_path, capsys, fake_cuda):
     out = tmp_path / "gpu.json"
-    code = gpu_validate.main(["--device", "cpu", "--scale", "0.06", "--limit", "640MiB", "--json", str(out)])
+    # 912 MiB: 781 of them set aside for the CUDA context, a budget of about 118 MiB for the small models
+    code = gpu_validate.main(["--device", "cpu", "--scale", "0.06", "--limit", "912MiB", "--json", str(out)])
     assert code in (0, 1)
     data = json.loads(out.read_text())
     assert data["environment"]["gpu"] == "Fake GPU"
@@ -98,7 +99,7 @@ def test_a_case_past_its_time_limit_fails_and_the_rest_run(monkeypatch, fake_cud
         time.sleep(5)
 
     monkeypatch.setitem(gpu_validate.CASES, "slow", (slow, 1))
-    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 640 * 2**20)
+    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 912 * 2**20)
     res = gpu_validate.run_case("slow", ctx)
     assert not res.passed and "over its time limit of 1 s" in res.error and res.seconds < 3
     assert gpu_validate.run_case("outside the allocator", ctx).passed
@@ -106,7 +107,7 @@ def test_a_case_past_its_time_limit_fails_and_the_rest_run(monkeypatch, fake_cud
 
 def test_a_check_that_fails_fails_the_case(fake_cuda):
     fake_cuda["allocated"] = 10 * 2**30  # far from any estimate
-    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 640 * 2**20)
+    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 912 * 2**20)
     res = gpu_validate.run_case("estimate-only: cnn", ctx)
     assert res.error is None and not res.passed
     assert res.checks["estimate / max_memory_allocated in [0.95, 1.05]"] is False

@@ -7,6 +7,7 @@ error (with a one-line reason).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -14,7 +15,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +248,11 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
             parse_bytes(args.memory_limit)
         except (TypeError, ValueError) as exc:
             raise UsageError(str(exc)) from None
+    if args.cuda_context is not None:
+        try:
+            parse_bytes(args.cuda_context)
+        except (TypeError, ValueError):
+            raise UsageError(f"Invalid --cuda-context {args.cuda_context!r}: give the CUDA context's size, e.g. --cuda-context 1GiB") from None
     base_batch = 32 if args.base_batch is None else args.base_batch
     if base_batch < 1:
         raise UsageError(f"Invalid --base-batch {base_batch}: it must be at least 1 (the batch --lr was tuned at)")
@@ -309,6 +315,7 @@ def _cache_key(args: argparse.Namespace, model: Any, described: Any, *, lr: floa
     import torch
 
     import autotune
+    from autotune.memory.device import cuda_context_allowance
     from autotune.planning import cache
 
     return cache.cache_key({
@@ -324,6 +331,7 @@ def _cache_key(args: argparse.Namespace, model: Any, described: Any, *, lr: floa
         "device": [facts["device"], facts["name"], facts["total"]],
         "limit": key_limit,
         "headroom": args.headroom,
+        "cuda_context": cuda_context_allowance().bytes,  # the flag, AUTOTUNE_CUDA_CONTEXT or CUDA_MODULE_LOADING
         "target": args.target_batch,
         "lr_rule": args.lr_rule,
         "base_batch": base_batch,
@@ -475,6 +483,25 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     return 0 if row.fits else 1
 
 
+@contextlib.contextmanager
+def _cuda_context(size: str | None) -> Iterator[None]:
+    """``--cuda-context`` for this command: the variable the planner reads, set while it runs and put back after."""
+    from autotune.memory.device import CUDA_CONTEXT_VARIABLE
+
+    if size is None:
+        yield
+        return
+    old = os.environ.get(CUDA_CONTEXT_VARIABLE)
+    os.environ[CUDA_CONTEXT_VARIABLE] = size
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[CUDA_CONTEXT_VARIABLE]
+        else:
+            os.environ[CUDA_CONTEXT_VARIABLE] = old
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
 
@@ -489,7 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autotune.errors import NothingFits
 
     try:
-        return _report(args)
+        with _cuda_context(getattr(args, "cuda_context", None)):
+            return _report(args)
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2

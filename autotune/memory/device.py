@@ -20,7 +20,10 @@ import torch
 
 __all__ = [
     "CUDA_BLOCK",
-    "CUDA_CONTEXT_ALLOWANCE",
+    "CUDA_CONTEXT_EAGER",
+    "CUDA_CONTEXT_LAZY",
+    "ContextAllowance",
+    "cuda_context_allowance",
     "CUDA_OUTSIDE",
     "DeviceMemory",
     "allocator_cap",
@@ -41,9 +44,46 @@ __all__ = [
 CUDA_BLOCK = 512
 
 
-# What an estimate-only plan for CUDA sets aside for the CUDA context (outside torch's tensors):
-# a few hundred MiB on current GPUs with lazy module loading.
-CUDA_CONTEXT_ALLOWANCE = 512 * 2**20
+# What an estimate-only plan for CUDA sets aside for the CUDA context and the libraries' handles (outside
+# torch's tensors), as measured by benchmarks/gpu_validate.py on an H200 (CUDA 13.0, driver 580.159, PyTorch
+# 2.11, 2026-12-04): with CUDA's lazy module loading (its default) 781 MiB outside the allocator after a training
+# run (the context, cuBLAS, flash attention); with CUDA_MODULE_LOADING=EAGER 1778 MiB after the context, a cuBLAS
+# matmul and flash attention. Transformers' single-GPU training page measured 1343 MiB on a V100 with CUDA 11.2
+# (eager: before lazy loading). AUTOTUNE_CUDA_CONTEXT gives another figure.
+CUDA_CONTEXT_LAZY = 781 * 2**20
+CUDA_CONTEXT_EAGER = 1778 * 2**20
+CUDA_CONTEXT_VARIABLE = "AUTOTUNE_CUDA_CONTEXT"
+
+
+@dataclass(frozen=True)
+class ContextAllowance:
+    """What an estimate-only CUDA plan sets aside for the CUDA context, and where the figure comes from."""
+
+    bytes: int
+    source: str
+
+
+def cuda_context_allowance() -> ContextAllowance:
+    """The CUDA context's bytes for a plan that does not run on the device: ``AUTOTUNE_CUDA_CONTEXT`` (a size such
+    as ``"1GiB"``) where set, else the figure measured for the module loading in effect (``CUDA_MODULE_LOADING``).
+
+    Raises:
+        ValueError: ``AUTOTUNE_CUDA_CONTEXT`` is not a size.
+    """
+    given = os.environ.get(CUDA_CONTEXT_VARIABLE)
+    if given is not None:
+        from autotune.units import parse_bytes
+
+        try:
+            return ContextAllowance(parse_bytes(given), f"{CUDA_CONTEXT_VARIABLE}={given}")
+        except (TypeError, ValueError):
+            raise ValueError(f"Invalid {CUDA_CONTEXT_VARIABLE}={given!r}: give the CUDA context's size, e.g. "
+                             f"{CUDA_CONTEXT_VARIABLE}=1GiB, or unset it for the measured figure") from None
+    if os.environ.get("CUDA_MODULE_LOADING", "").strip().upper() == "EAGER":
+        return ContextAllowance(CUDA_CONTEXT_EAGER, "measured on an H200 with CUDA 13 and CUDA_MODULE_LOADING=EAGER; "
+                                f"{CUDA_CONTEXT_VARIABLE} sets another")
+    return ContextAllowance(CUDA_CONTEXT_LAZY, "measured on an H200 with CUDA 13, lazy module loading; "
+                            f"{CUDA_CONTEXT_VARIABLE} sets another")
 
 
 # The set-aside entry for memory measured outside the CUDA allocator (context, library handles).

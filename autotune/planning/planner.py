@@ -27,7 +27,7 @@ from autotune.checks import (
 )
 from autotune.errors import AutotuneError, NothingFits
 from autotune.memory.device import (
-    CUDA_CONTEXT_ALLOWANCE,
+    cuda_context_allowance,
     CUDA_OUTSIDE,
     allocator_cap,
     cuda_memory_fraction,
@@ -189,8 +189,8 @@ def plan(
         precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast).
         verify: False gives an estimate-only plan (no real step; ``plan.verified`` is False). The
             model may then stay where it is, and ``device`` may be one this machine lacks (e.g.
-            ``"cuda"`` with ``memory_limit="80GiB"``): for CUDA, 512 MiB of the limit are set
-            aside for the CUDA context before the headroom is taken for the allocator.
+            ``"cuda"`` with ``memory_limit="80GiB"``): for CUDA, the CUDA context's bytes are set aside
+            (:func:`autotune.memory.device.cuda_context_allowance`: measured, or ``AUTOTUNE_CUDA_CONTEXT``) before the headroom is taken for the allocator.
         estimate: False skips the estimate and searches with real trials only.
         max_probe_batches: how many batches of ``loader`` to look at for the worst case.
         epochs: the run's length, if known: the recommended warm-up is then capped at 10% of it.
@@ -406,10 +406,11 @@ def _set_aside(setup: _Setup, work: Workload, probing: Probing, limit_given: boo
     set_aside: list[tuple[str, int]] = []
     if setup.device.type == "cuda" and not probing.verify:
         # An estimate counts tensors only; the CUDA context lives outside them.
-        set_aside.append(("the CUDA context", CUDA_CONTEXT_ALLOWANCE))
+        context = cuda_context_allowance()
+        set_aside.append(("the CUDA context", context.bytes))
         work.notes.append(
-            f"estimate for {setup.device} without running on it: {format_bytes(CUDA_CONTEXT_ALLOWANCE)} set aside for the "
-            f"CUDA context and {setup.headroom:.0%} headroom for the allocator; not verified on a device"
+            f"estimate for {setup.device} without running on it: {format_bytes(context.bytes)} set aside for the "
+            f"CUDA context ({context.source}) and {setup.headroom:.0%} headroom for the allocator; not verified on a device"
         )
     if setup.device.type == "cuda" and probing.verify and limit_given:
         # The limit counts everything this process holds on the device; the context and the

@@ -35,7 +35,7 @@ from torch import nn
 
 from autotune.memory.checkpointing import blocks
 from autotune.memory.device import (
-    CUDA_CONTEXT_ALLOWANCE,
+    cuda_context_allowance,
     default_headroom,
     default_limit,
 )
@@ -278,7 +278,7 @@ def shard_plan(
     else:
         limit = parse_bytes(memory_limit)
     headroom = default_headroom(device) if headroom is None else headroom
-    budget = budget_of(limit, CUDA_CONTEXT_ALLOWANCE if device.type == "cuda" else 0, headroom)
+    budget = budget_of(limit, cuda_context_allowance().bytes if device.type == "cuda" else 0, headroom)
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rng = RNGState(loader)
