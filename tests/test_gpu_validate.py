@@ -22,6 +22,13 @@ try:  # imported before any test captures stdout: Lightning's log handler keeps 
     import lightning.pytorch  # noqa: F401
 except ImportError:
     pass
+try:  # imported before the fakes below: bitsandbytes reads CUDA's stream functions when it is first imported (by
+    # PEFT or a what-if row), and under the fakes it would stay half-imported for the tests after these
+    from autotune.memory.quantized import bitsandbytes
+
+    bitsandbytes()
+except ImportError:
+    pass
 
 
 def test_without_cuda_it_says_so_and_exits_0(capsys, monkeypatch):
