@@ -49,7 +49,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -65,6 +65,7 @@ from autotune.memory.device import (
 )
 from autotune.probe.estimate import Estimator
 from autotune.probe.trial import Workload, trial_step
+from published import hf_loss
 
 GiB, MiB = 2**30, 2**20
 
@@ -125,10 +126,6 @@ def tokens(n: int, length: int, scale: float) -> dict[str, torch.Tensor]:
 def images(n: int, length: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     side = _dim(128, scale)
     return torch.randn(n, 3, side, side), torch.randint(0, 100, (n,))
-
-
-def hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    return model(**batch).loss
 
 
 def ce(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -460,9 +457,10 @@ def plan_time(ctx: Context, res: Result) -> None:
 
 
 def published_steps(ctx: Context, res: Result) -> None:
-    """LitGPT's published LoRA cases that need no bitsandbytes (``published.py``), their first steps run here with
-    random weights on lit-gpt's code (``LITGPT_DIR``: a checkout at 8641822) and on Transformers' Llama-2-7B:
-    the estimate / ``max_memory_allocated`` here, and the published figure beside it."""
+    """The published cases (``published.py``), their first steps run here with random weights: LitGPT's on lit-gpt's
+    code (``LITGPT_DIR``: a checkout at 8641822; the QLoRA ones where bitsandbytes is installed) and on Transformers'
+    Llama-2-7B, and the other sources' Transformers models: the estimate / ``max_memory_allocated`` here, and the
+    published figure beside it. ``PUBLISHED_ONLY`` picks cases by their ids' first words."""
     import published
 
     codes = (["lit-gpt"] if published.litgpt_path(None) else []) + ["transformers"]
@@ -475,12 +473,10 @@ def published_steps(ctx: Context, res: Result) -> None:
                 continue
             if (case.quantization and not quantized) or (code == "transformers" and case.shape and not case.shape.startswith("llama-2-7b")):
                 continue
-            if small:  # the CPU test: two layers, 32 tokens, the control flow only
-                import dataclasses
-
-                published.SHAPES[case.shape] = dataclasses.replace(published.SHAPES[case.shape], layers=2, tokens=32)
             if only and not any(case.id.startswith(w) for w in only.split(",")):
                 continue
+            # the CPU test: two layers, 32 tokens, the control flow only
+            shape = replace(published.SHAPES[case.shape], layers=2, tokens=32) if small else None
             key = f"{code}: {case.id}"
             if case.quantization and code == "lit-gpt":
                 try:
@@ -489,7 +485,7 @@ def published_steps(ctx: Context, res: Result) -> None:
                     res.figures[f"{key}: lightning init peak"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 clean(ctx.device)
             try:
-                got = published.measure(case, code, ctx.device)
+                got = published.measure(case, code, ctx.device, shape)
             except Exception as exc:  # one case that breaks is reported; the others run
                 import traceback
 
@@ -501,7 +497,7 @@ def published_steps(ctx: Context, res: Result) -> None:
             try:
                 if os.environ.get("PUBLISHED_MEASURE_ONLY"):  # estimated elsewhere, to spend the card's minutes on steps
                     raise RuntimeError("not estimated here (PUBLISHED_MEASURE_ONLY)")
-                est, est_reserved = published.estimated_peaks(case, code)
+                est, est_reserved = published.estimated_peaks(case, code, shape)
             except Exception as exc:  # the measurement stands; the estimate is made again where it runs
                 res.figures[f"{key}: estimate"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 est = est_reserved = float("nan")

@@ -354,12 +354,12 @@ CASES += [
 # --- estimating and measuring --------------------------------------------------------------------------
 
 
-def built(case: Case, code: str, device: str) -> Setup:
+def built(case: Case, code: str, device: str, shape: Shape | None = None) -> Setup:
     """``case`` on ``device``: its own setup, or its shape in ``code`` (lit-gpt's or Transformers') with
     finetune/lora.py's AdamW, one sample of the longest length, bf16 weights without autocast."""
     if case.make is not None:
         return case.make(device)
-    shape = SHAPES[case.shape]
+    shape = shape or SHAPES[case.shape]
     build, loss = CODES[code]
     model = build(shape, device, case.quantization)
     return Setup(model, adamw(model), loss, tokens(1, shape.tokens))
@@ -372,12 +372,12 @@ def estimate(case: Case, code: str) -> float:
     return reserved + CONTEXT_ON_THE_PAGE / GB if case.source == "hf-perf" else allocated
 
 
-def estimated_peaks(case: Case, code: str) -> tuple[float, float]:
+def estimated_peaks(case: Case, code: str, shape: Shape | None = None) -> tuple[float, float]:
     """The steady state's allocated and reserved peaks (GB) as the estimate replays CUDA's caching allocator."""
     from autotune.probe.estimate import Estimator
     from autotune.probe.trial import Workload
 
-    setup = built(case, code, "meta")
+    setup = built(case, code, "meta", shape)
     work = Workload(model=setup.model, optimizer=setup.optimizer, loss_fn=setup.loss, batch=setup.sample, device=torch.device("cuda"),
                     precision=setup.precision, checkpointing=setup.checkpointing)  # type: ignore[arg-type]
     peaks = Estimator(work).allocator(case.micro_batch)
@@ -396,11 +396,11 @@ class Measured:
     saved: list[tuple[str, str, int]] = field(default_factory=list)  # the second block's saved tensors: shape, dtype, bytes
 
 
-def measure(case: Case, code: str, device: torch.device) -> Measured:
+def measure(case: Case, code: str, device: torch.device, shape: Shape | None = None) -> Measured:
     """``case``'s first step (the longest sample, no optimizer state yet) and a second after an optimizer step with
     the gradients kept (accumulation's steady state), on ``device`` with random weights: the peak over both."""
     torch.manual_seed(0)
-    setup = built(case, code, str(device))
+    setup = built(case, code, str(device), shape)
     model, opt, loss = setup.model, setup.optimizer, setup.loss
     model.train()
     if setup.checkpointing:
