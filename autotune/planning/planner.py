@@ -27,9 +27,9 @@ from autotune.checks import (
 )
 from autotune.errors import AutotuneError, NothingFits
 from autotune.memory.device import (
-    cuda_context_allowance,
     CUDA_OUTSIDE,
     allocator_cap,
+    cuda_context_allowance,
     cuda_memory_fraction,
     default_headroom,
     default_limit,
@@ -189,8 +189,9 @@ def plan(
         precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast).
         verify: False gives an estimate-only plan (no real step; ``plan.verified`` is False). The
             model may then stay where it is, and ``device`` may be one this machine lacks (e.g.
-            ``"cuda"`` with ``memory_limit="80GiB"``): for CUDA, the CUDA context's bytes are set aside
-            (:func:`autotune.memory.device.cuda_context_allowance`: measured, or ``AUTOTUNE_CUDA_CONTEXT``) before the headroom is taken for the allocator.
+            ``"cuda"`` with ``memory_limit="80GiB"``): for CUDA, the CUDA context's bytes are set
+            aside (:func:`autotune.memory.device.cuda_context_allowance`: measured, or
+            ``AUTOTUNE_CUDA_CONTEXT``) before the headroom is taken for the allocator.
         estimate: False skips the estimate and searches with real trials only.
         max_probe_batches: how many batches of ``loader`` to look at for the worst case.
         epochs: the run's length, if known: the recommended warm-up is then capped at 10% of it.
