@@ -185,13 +185,20 @@ def bnb_quantization(kind: str | None) -> Any:
     return Quantization("nf4", double_quant=kind.endswith("-dq"), compute_dtype=torch.bfloat16)
 
 
+def litgpt_config(shape: Shape) -> Any:
+    """lit-gpt's config of ``shape`` with finetune/lora.py's LoRA: rank, alpha and dropout, on query and value."""
+    from lit_gpt.lora import Config
+
+    fewer = {"n_layer": shape.layers} if shape.layers else {}
+    return Config.from_name(shape.litgpt, r=LORA["r"], alpha=LORA["alpha"], dropout=LORA["dropout"], to_query=True, to_value=True, **fewer)
+
+
 def litgpt_model(shape: Shape, device: str, quantization: str | None = None) -> nn.Module:
     """lit-gpt's GPT with its LoRA (query and value) as ``finetune/lora.py`` makes it under ``bf16-true``; the
     rope cache rebuilt at the longest sample's length outside the bf16 default, as its ``train()`` does."""
-    from lit_gpt.lora import GPT, Config, mark_only_lora_as_trainable
+    from lit_gpt.lora import GPT, mark_only_lora_as_trainable
 
-    fewer = {"n_layer": shape.layers} if shape.layers else {}
-    config = Config.from_name(shape.litgpt, r=LORA["r"], alpha=LORA["alpha"], dropout=LORA["dropout"], to_query=True, to_value=True, **fewer)
+    config = litgpt_config(shape)
     with default_dtype(torch.bfloat16), torch.device(device):
         model = GPT(config)
     mark_only_lora_as_trainable(model)
@@ -460,11 +467,9 @@ def lightning_init_peak(case: Case, device: torch.device) -> float:
     before any step: what loading alone holds at its peak."""
     import lightning as L
     from lightning.fabric.plugins import BitsandbytesPrecision
-    from lit_gpt.lora import GPT, Config, mark_only_lora_as_trainable
+    from lit_gpt.lora import GPT, mark_only_lora_as_trainable
 
-    shape = SHAPES[case.shape]
-    fewer = {"n_layer": shape.layers} if shape.layers else {}
-    config = Config.from_name(shape.litgpt, r=LORA["r"], alpha=LORA["alpha"], dropout=LORA["dropout"], to_query=True, to_value=True, **fewer)
+    config = litgpt_config(SHAPES[case.shape])
     plugin = BitsandbytesPrecision(case.quantization or "nf4", torch.bfloat16)
     fabric = L.Fabric(devices=1, accelerator="cuda", precision=None, plugins=plugin)
     torch.cuda.synchronize(device)
