@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import logging
 from collections import OrderedDict
@@ -52,11 +53,38 @@ def quiet_torch() -> Iterator[None]:
 
 
 def fake_mode() -> Any:
+    """The fake mode of an estimate (:func:`_meta_first_mode`).
+
+    Tensors a model keeps outside its parameters and buffers (a cached mask as a plain attribute) are real;
+    they are turned into fake ones when an operation first meets them."""
+    return _meta_first_mode()(allow_non_fake_inputs=True)
+
+
+@functools.cache
+def _meta_first_mode() -> type:
+    """``FakeTensorMode``, running an operation's own meta kernel where it has one, before a Python decomposition.
+
+    Torch's fake mode runs an operation that has a Python decomposition as that decomposition, op by op (one
+    ``native_batch_norm`` is some twenty fake operations, a cross-entropy's ``nll_loss_forward`` a dozen), unless
+    its meta kernel is known to take symbolic sizes. An estimate's sizes are never symbolic, and the meta kernel
+    is the one the device's kernel shares (a structured kernel's meta function) or was written to match: the same
+    outputs, their shapes, strides and dtypes, in one call. Half a small model's trace is saved (a CNN with
+    BatchNorm: 74 ms a trace to 39 ms)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    # Tensors a model keeps outside its parameters and buffers (a cached mask as a plain attribute)
-    # are real; they are turned into fake ones when an operation first meets them.
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    class MetaFirst(FakeTensorMode):  # type: ignore[misc]
+        def cpp_meta_supports_symint(self, func: Any) -> bool:
+            return super().cpp_meta_supports_symint(func) or _has_meta_kernel(func)
+
+    return MetaFirst
+
+
+@functools.cache
+def _has_meta_kernel(func: Any) -> bool:
+    """Whether ``func`` has a kernel of its own for the meta device (not one it inherits by decomposing)."""
+    name = func.name()
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta")
+                and not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"))
 
 
 def fake_like(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
