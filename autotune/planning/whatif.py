@@ -17,8 +17,9 @@ touching the model: for each combination of
 
 a precision only where it would change something (bf16 autocast for a model of fp32 weights trained in fp32;
 never back to fp32), it estimates the largest micro-batch and the peak per sample, with the same estimator as the plan
-(:mod:`autotune.probe.estimate`: two traces and one confirming trace per row; the row of your own settings
-is the plan's, verified by a real step). :func:`autotune.what_if` makes the table for a model;
+(:mod:`autotune.probe.estimate`: two traces and one confirming trace per row; a row that changes only the
+optimizer is made from the traces of the row with the given one, which an optimizer does not change, and traces
+only to confirm a size not traced yet; the row of your own settings is the plan's, verified by a real step). :func:`autotune.what_if` makes the table for a model;
 ``NothingFits`` carries it.
 """
 

@@ -283,10 +283,26 @@ class DepthEstimator:
 
     def _fall_back(self, why: Deviates) -> Any:
         if self._whole is None:
+            self.note = f"the estimate traced the whole model: the bytes its blocks add are not the same block to block ({why})"
+        return self._whole_model()
+
+    def _whole_model(self) -> Any:
+        if self._whole is None:
             self._whole = self._whole_maker()
             self._whole.on_trace = self.on_trace
-            self.note = f"the estimate traced the whole model: the bytes its blocks add are not the same block to block ({why})"
         return self._whole
+
+    def derived(self, work: Workload, optimizer: Callable[[list[dict[str, Any]]], Any]) -> DepthEstimator:
+        """This estimator with another optimizer (a what-if): each copy's estimator derived from this one's
+        (:meth:`autotune.probe.estimate.Estimator.derived`: their traces, no new ones), as the whole model's
+        where it falls back."""
+        parts = iter(self._parts)  # made in the order DepthEstimator makes its copies
+        made = DepthEstimator(work, self.stacks, lambda w: next(parts).derived(w, optimizer),
+                              lambda: self._whole_model().derived(work, optimizer))
+        if self._whole is not None:
+            made.note = self.note
+            made._whole_model()
+        return made
 
     def _counting(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn``, with the seconds of each trace the copies made for it (not those they had made)."""
@@ -369,6 +385,19 @@ class DepthEstimator:
             return MemoryCurve.through(b1, _highest(at[0]), b2, _highest(at[1]))
         # Each extended point's line through its bytes at the two sizes, their upper envelope.
         return MemoryCurve.from_traces(b1, [y for piece in at[0] for y in piece], b2, [y for piece in at[1] for y in piece])
+
+    def backward_curve(self, template: Any = None) -> MemoryCurve | None:
+        """The full model's forward and backward peak against the micro-batch (:meth:`curve` without the optimizer
+        step's line), or None where the copies' two sizes run different operations."""
+        self.curve(template)  # its traces, made and told as the curve's, or the fall-back
+        if self._whole is not None:
+            return self._whole.backward_curve(template)  # type: ignore[no-any-return]
+        b1, b2 = self.sizes
+        traced = ((e.trace(b1, template), e.trace(b2, template)) for e in self._parts)
+        if not all(t1.ops == t2.ops and t1.marks == t2.marks for t1, t2 in traced):
+            return None
+        at = self._at_both(template, b1, b2)
+        return MemoryCurve.from_traces(b1, [y for piece in at[0][:-1] for y in piece], b2, [y for piece in at[1][:-1] for y in piece])
 
     def _at_both(self, template: Any, b1: int, b2: int) -> tuple[list[list[float]], list[list[float]]]:
         """The full model's step at both sizes, piece by piece (:meth:`_piecewise`)."""

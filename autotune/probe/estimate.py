@@ -66,7 +66,7 @@ import warnings
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -140,6 +140,9 @@ def estimator_for(
         _ESTIMATORS.move_to_end(key)
         found.adopt(work)
         return found
+    if optimizer is not None:  # the same forward and backward as the workload's own optimizer's: its traces
+        own = estimator_for(work, precision=precision, checkpointing=ckpt)
+        return keep_recent(_ESTIMATORS, key, own.derived(work, optimizer[1]))
     def make(w: Workload, shape: tuple[Any, ...] | None = None) -> Estimator:
         return Estimator(w, precision=precision, checkpointing=ckpt, optimizer=optimizer[1] if optimizer else None,
                          copy=fake_copy(w.model, shape or fingerprint(w.model)))
@@ -178,6 +181,7 @@ class Trace:
         marks: where in ``live`` the forward and the backward of each marked block (:meth:`Estimator.mark`)
             start and end, in order (empty when none is marked, or one was not seen).
         event_marks: the same points in ``events`` (a CUDA target).
+        micro_peak: the forward and backward's peak as the ledger counted it (within an operation too).
     """
 
     size: int
@@ -190,6 +194,7 @@ class Trace:
     outputs: tuple[tuple[tuple[torch.dtype, int], ...], ...] = ()
     marks: tuple[int, ...] = ()
     event_marks: tuple[int, ...] = ()
+    micro_peak: int = 0
 
     @property
     def backward_peak(self) -> int:
@@ -208,6 +213,8 @@ class Estimator:
         checkpointing: estimate with activation checkpointing on the copy's blocks.
         optimizer: ``optimizer(param_groups) -> Optimizer``, another optimizer for the copy (a
             what-if), instead of the workload's own class and settings; its initial state is empty.
+        source: the estimator of the same copy and settings with the workload's own optimizer, whose
+            traces this one's are made from (:meth:`derived`).
 
     Attributes:
         backends: the attention kernels a CUDA target was modelled with, one per attention call of
@@ -224,8 +231,10 @@ class Estimator:
         checkpointing: bool | None = None,
         optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
         copy: FakeCopy | None = None,
+        source: Estimator | None = None,
     ) -> None:
         self.copy = copy or FakeCopy(work.model)
+        self._source = source
         self.mode = self.copy.mode
         self.model = self.copy.model
         self.params = self.copy.params
@@ -415,6 +424,8 @@ class Estimator:
             if self.on_trace is not None:
                 self.on_trace(found, True)
             return found
+        if self._source is not None:
+            return self._derived_trace(key, b, template)
         start = time.perf_counter()
         if self._grads is None:
             self._setup()  # counted in the first trace's time
@@ -451,10 +462,52 @@ class Estimator:
                      held=tuple(n for _, n in events[:self._held]), events=tuple(events[self._held:]),
                      outputs=tuple(ledger.outputs),
                      marks=tuple(sorted(t for t, _ in marks.values())) if len(marks) == 4 * len(self._marked) else (),
-                     event_marks=tuple(sorted(e for _, e in marks.values())) if len(marks) == 4 * len(self._marked) else ())
+                     event_marks=tuple(sorted(e for _, e in marks.values())) if len(marks) == 4 * len(self._marked) else (),
+                     micro_peak=ledger.peak)
         self._traces[key] = made
         if self.on_trace is not None:
             self.on_trace(made, False)
+        return made
+
+    def derived(self, work: Workload, optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> Estimator:
+        """This estimator with another optimizer (a what-if), on the same fake copy.
+
+        An optimizer changes what the steady state holds (its state) and its step, not the forward and the
+        backward: the estimator made here traces nothing of its own. Its trace at a size is this one's,
+        every point moved by the difference in held bytes, with its own optimizer step's line (and for a
+        CUDA target its own held tensors and step temporaries). A model whose sparse gradients are made by a
+        first micro-step is traced again instead.
+        """
+        return Estimator(work, precision=self.precision, checkpointing=self.checkpointing, optimizer=optimizer, copy=self.copy,
+                         source=None if self._sparse else self)
+
+    def _holding(self) -> tuple[int, tuple[int, ...]]:
+        """The bytes the steady state holds before a micro-step, and for a CUDA target each held tensor's."""
+        for p, g in zip(self.params, self._grads):  # type: ignore[arg-type]
+            p.grad = g
+        ledger = self._ledger(None, trace=False)
+        return ledger.live, tuple(n for _, n in (ledger.events or [])[:self._held])
+
+    def _derived_trace(self, key: Any, b: int, template: Any) -> Trace:
+        """The trace at ``b`` made from the source's (see :meth:`derived`)."""
+        source: Estimator = self._source  # type: ignore[assignment]
+        fresh = key not in source._traces
+        told, source.on_trace = source.on_trace, None
+        try:
+            traced = source.trace(b, template)
+        finally:
+            source.on_trace = told
+        if self._grads is None or self._receiving != source._receiving:
+            self._setup(source._receiving)
+        held, sizes = self._holding()
+        shift = held - source._holding()[0]
+        end = traced.live[-1] - source._transient + shift  # what the micro-step leaves
+        made = replace(traced, peak=max(traced.micro_peak + shift, end + self._transient),
+                       live=(*(x + shift for x in traced.live[:-1]), end + self._transient),
+                       seconds=traced.seconds if fresh else 0.0, held=sizes, micro_peak=traced.micro_peak + shift)
+        self._traces[key] = made
+        if self.on_trace is not None:
+            self.on_trace(made, not fresh)
         return made
 
     def mark(self, blocks: list[str]) -> None:
@@ -515,6 +568,13 @@ class Estimator:
                 found = MemoryCurve.through(b1, t1.peak, b2, t2.peak)
             self._curves[key] = found
         return found
+
+    def backward_curve(self, template: Any = None) -> MemoryCurve | None:
+        """The forward and backward's peak against the micro-batch (:meth:`curve` without the optimizer step's line),
+        or None where the two sizes run different operations."""
+        b1, b2 = self.sizes
+        t1, t2 = self.trace(b1, template), self.trace(b2, template)
+        return MemoryCurve.from_traces(b1, t1.live[:-1], b2, t2.live[:-1]) if t1.ops == t2.ops else None
 
     def largest(self, budget: int, upper: int, *, confirm: bool = True, template: Any = None) -> tuple[int, Callable[[int], int]]:
         """The largest micro-batch in ``[lower, upper]`` whose estimated peak is within ``budget`` (0:
