@@ -148,3 +148,36 @@ def test_the_shard_plan_reads_activations_off_the_curve_as_traces_give_them(devi
         assert read[:3] == traced[:3]
         assert all(abs(r / t - 1) < 0.002 for r, t in zip(read, traced)), (read, traced)
     assert read[-1] > read[-2] > read[0] > 0
+
+
+class WithUnused(torch.nn.Module):
+    """A layer the loss never reads: the steady state holds no gradient and no optimizer state for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+        self.unused = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_parameters_without_a_gradient_are_taken_out_of_the_first_trace_without_tracing_again(optimizer, monkeypatch):
+    """The first trace finds which parameters receive a gradient; the others' gradients and state are taken out of
+    it (the same forward and backward), not traced again: the peak a real step reaches, at every size."""
+    from test_estimate import real_peak
+
+    model = WithUnused()
+    opt = optimizer(model.parameters(), lr=0.01)
+    batch = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    estimate.forget()
+    made = estimator_for(Workload(model=model, optimizer=opt, loss_fn=image_loss, batch=batch, device=torch.device("cpu")))
+    steps = []
+    real_step = Estimator._micro_step
+    monkeypatch.setattr(Estimator, "_micro_step", lambda self, b: steps.append(b) or real_step(self, b))
+    for b in (2, 3, 7):
+        sized = (batch[0][:1].repeat(b, 1), batch[1][:1].repeat(b))
+        assert made(b) == real_peak(model, opt, image_loss, sized)
+    assert len(steps) == 3  # one forward and backward a size
+    assert made.gradient_bytes() == sum(p.numel() * 4 for p in model.used.parameters())

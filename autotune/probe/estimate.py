@@ -446,24 +446,32 @@ class Estimator:
             for h in hooks:
                 h.remove()
         del batch
+        events = ledger.events or []
+        held, shift = tuple(n for _, n in events[:self._held]), 0
+        events = events[self._held:]
         if self._receiving is None:
             if any(p.requires_grad and id(p) not in received for p in self.params):
                 # Some trainable parameters get no gradient (not used by the loss): the steady state
-                # holds neither a gradient nor optimizer state for them. Again, without them.
+                # holds neither a gradient nor optimizer state for them. The forward and backward are the
+                # same without them (nothing reads those gradients), less their bytes, held throughout.
+                if self._sparse:  # its steady state comes from a micro-step: again, without them
+                    self._setup(received)
+                    return self.trace(b, template)
+                before = self._holding()[0]
                 self._setup(received)
-                return self.trace(b, template)
+                now, held = self._holding()
+                shift = now - before
             self._receiving = received
-        live = tuple(ledger.trace or ())
+        live = tuple(x + shift for x in ledger.trace or ())
+        end += shift
         # The optimizer step holds its transient bytes above what the step leaves, which is what a
         # micro-step leaves: the optimizer step's peak at this size.
-        peak = max(ledger.peak, end + self._transient)
-        events = ledger.events or []
+        peak = max(ledger.peak + shift, end + self._transient)
         made = Trace(b, peak, (*live, end + self._transient), (*(ledger.ops or ()), "step"), time.perf_counter() - start,
-                     held=tuple(n for _, n in events[:self._held]), events=tuple(events[self._held:]),
-                     outputs=tuple(ledger.outputs),
+                     held=held, events=tuple(events), outputs=tuple(ledger.outputs),
                      marks=tuple(sorted(t for t, _ in marks.values())) if len(marks) == 4 * len(self._marked) else (),
                      event_marks=tuple(sorted(e for _, e in marks.values())) if len(marks) == 4 * len(self._marked) else (),
-                     micro_peak=ledger.peak)
+                     micro_peak=ledger.peak + shift)
         self._traces[key] = made
         if self.on_trace is not None:
             self.on_trace(made, False)
