@@ -17,9 +17,12 @@ touching the model: for each combination of
 
 a precision only where it would change something (bf16 autocast for a model of fp32 weights trained in fp32;
 never back to fp32), it estimates the largest micro-batch and the peak per sample, with the same estimator as the plan
-(:mod:`autotune.probe.estimate`: two traces and one confirming trace per row; a row that changes only the
-optimizer is made from the traces of the row with the given one, which an optimizer does not change, and traces
-only to confirm a size not traced yet; the row of your own settings is the plan's, verified by a real step). :func:`autotune.what_if` makes the table for a model;
+(:mod:`autotune.probe.estimate`): each row read off the curve of its two traces, not confirmed by a third
+at its answer as the plan's is (a table of a few rows at the cost of a few traces: advice, which the plan made
+with that change confirms; traces at other sizes only where the two ran different operations, and for a CUDA
+target within the allocator's rounding of each tensor to 512 bytes); a row that changes only the optimizer made
+from the traces of the row with the given one, which an optimizer does not change; the row of your own settings
+the plan's, verified by a real step. :func:`autotune.what_if` makes the table for a model;
 ``NothingFits`` carries it.
 """
 
@@ -235,7 +238,7 @@ def estimate_rows(
     own_curve: Any = None,
 ) -> WhatIf:
     """The table for a workload: every combination's largest micro-batch, estimated
-    (:meth:`autotune.probe.estimate.Estimator.largest`, confirmed by a trace at the answer).
+    (:meth:`autotune.probe.estimate.Estimator.largest` on the curve of two traces, see the module docstring).
 
     ``own_micro_batch`` and ``own_curve`` are the plan's answer for your own settings, reused.
     """
@@ -256,7 +259,7 @@ def estimate_rows(
             try:
                 estimator = estimator_for(work, precision=precision, checkpointing=ckpt,
                                           optimizer=(name, factory) if factory is not None else None)
-                size, peak = estimator.largest(budget, upper, confirm=True)
+                size, peak = estimator.largest(budget, upper, confirm=False)
             except ValueError:  # no blocks to checkpoint
                 continue
             if own:
@@ -280,7 +283,7 @@ def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str)
         name = f"{'QLoRA nf4 + ' if quantized else ''}LoRA r={LORA_RANK}, all linear"
         ckpt = True if quantized else bool(work.checkpointing)
         try:
-            size, peak = estimator_for(adapted, checkpointing=ckpt).largest(budget, upper, confirm=True)
+            size, peak = estimator_for(adapted, checkpointing=ckpt).largest(budget, upper, confirm=False)
         except Exception:  # a loss that does not take the adapted model, no blocks to checkpoint: no such row
             continue
         per, fixed = _line(peak, size, lower)
