@@ -56,7 +56,9 @@ class WhatIfRow:
         checkpointing: activation checkpointing on the model's blocks.
         optimizer: the optimizer, e.g. ``"AdamW (given)"`` or ``"SGD with momentum"``.
         micro_batch: the largest micro-batch that fits (0: not even the smallest).
-        per_sample: bytes each sample adds to the peak (None when it could not be measured).
+        per_sample: bytes each sample adds to the peak (None when it could not be measured); for a CUDA target,
+            to the tensors' bytes, as :attr:`autotune.Plan.memory_curve` (the allocator's reserved bytes decide
+            ``micro_batch``).
         fixed: bytes of the peak that do not grow with the samples (weights, gradients, state).
         changes: how many settings differ from yours (0: your own row).
         verified: whether ``micro_batch`` ran for real (your own row, when the plan verified it).
@@ -260,6 +262,7 @@ def estimate_rows(
                 estimator = estimator_for(work, precision=precision, checkpointing=ckpt,
                                           optimizer=(name, factory) if factory is not None else None)
                 size, peak = estimator.largest(budget, upper, confirm=False)
+                peak = _tensors_curve(estimator, work, upper, peak)
             except ValueError:  # no blocks to checkpoint
                 continue
             if own:
@@ -283,12 +286,23 @@ def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str)
         name = f"{'QLoRA nf4 + ' if quantized else ''}LoRA r={LORA_RANK}, all linear"
         ckpt = True if quantized else bool(work.checkpointing)
         try:
-            size, peak = estimator_for(adapted, checkpointing=ckpt).largest(budget, upper, confirm=False)
+            estimator = estimator_for(adapted, checkpointing=ckpt)
+            size, peak = estimator.largest(budget, upper, confirm=False)
+            peak = _tensors_curve(estimator, work, upper, peak)
         except Exception:  # a loss that does not take the adapted model, no blocks to checkpoint: no such row
             continue
         per, fixed = _line(peak, size, lower)
         rows.append(WhatIfRow(work.precision, ckpt, given, size, per, fixed, 1 + int(ckpt != bool(work.checkpointing)), adapters=name))
     return rows
+
+
+def _tensors_curve(estimator: Any, work: Any, upper: int, peak: Callable[[int], int]) -> Callable[[int], int]:
+    """What a row's per-sample and fixed bytes are read from: for a CUDA target the tensors' curve, as the plan's
+    memory curve is (the caching allocator's reserved bytes, which ``peak`` gives there, decide the size only), from
+    the traces made; else ``peak``."""
+    if work.device.type == "cuda" and upper >= max(2, estimator.lower) + 2:
+        return estimator.curve()  # type: ignore[no-any-return]
+    return peak
 
 
 def _line(peak: Callable[[int], int], size: int, lower: int) -> tuple[float | None, float | None]:
