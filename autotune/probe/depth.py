@@ -42,7 +42,7 @@ whatever the depth: 32 or 80 layers cost what 9 or 12 do; a stack of fewer block
 differ (mixed block types, a setting that differs block to block such as an attention type per layer),
 is traced whole.
 
-Why this is long: :class:`DepthEstimator` is one class of about 280 lines: the Estimator's interface (the
+Why this is long: :class:`DepthEstimator` is one class of about 300 lines: the Estimator's interface (the
 methods the probe, the what-if table, the shard plan and the shape model call) over the copies, with
 the fall-back to the whole model in each; split, each part would reach into the copies and the
 fall-back of the other.

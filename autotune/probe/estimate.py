@@ -16,6 +16,9 @@ envelope. The fake copy of a model is made once and shared by every estimate of 
 plan, the what-if table, the shard plan, the report, shapes met later by ``fit``), and estimators
 are kept for reuse, keyed by everything that changes an estimate: the model's structure, the
 optimizer's class, settings and state, the loss function, the device, precision and checkpointing.
+An optimizer changes what the steady state holds and its step, not the forward and the backward: the
+estimator of another optimizer (a what-if row) traces nothing of its own, its traces are those of the
+estimator of the workload's optimizer, moved by the difference in held bytes (:meth:`Estimator.derived`).
 
 Fake tensors rather than ``meta`` ones, because the estimate must take the code paths the real
 device takes, or it is exact for the wrong program:
@@ -51,9 +54,10 @@ searches with real trials. Torch's own log of such failures is kept off stderr w
 The fake copy of a model and the ledger that keeps integer tensors real live in
 :mod:`autotune.probe.fakes`; CUDA's kernels and autocast rules in :mod:`autotune.probe.cuda`.
 
-Why this is long: the :class:`Estimator` is one class of about 350 lines: its steady-state setup, its
-traces, the curve through two of them and the allocator's replay of them all read and keep the same
-traces and fake optimizer state; split, each part would reach into the others' private state.
+Why this is long: the :class:`Estimator` is one class of about 500 lines with its docstrings: its steady-state
+setup, its traces (and those made from another estimator's, for another optimizer), the curve through two of
+them and the allocator's replay of them all read and keep the same traces and fake optimizer state; split, each
+part would reach into the others' private state.
 """
 
 from __future__ import annotations
