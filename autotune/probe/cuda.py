@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["CudaAutocast", "CudaKernels", "Rule", "cuda_attention_backend", "cuda_rule"]
+__all__ = ["CudaAutocast", "CudaKernels", "Rule", "cuda_attention_backend", "cuda_rule", "recomputing"]
 
 _KEY = torch._C.DispatchKey.AutocastCPU
 _BELOW = torch._C._dispatch_keyset_full_after(_KEY)
@@ -428,3 +428,11 @@ class CudaKernels(TorchFunctionMode):
                 query, key, value, bias, query.requires_grad or key.requires_grad or value.requires_grad,
                 dropout_p, is_causal, scale=scale,
             )[0]
+
+
+@contextlib.contextmanager
+def recomputing(autocast: CudaAutocast | None) -> Iterator[None]:
+    """A checkpoint's recomputation for a CUDA target: CUDA's attention and dropout, and a region of
+    CUDA's autocast cache of its own."""
+    with CudaKernels(autocast), (autocast.region() if autocast is not None else contextlib.nullcontext()):
+        yield

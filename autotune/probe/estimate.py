@@ -63,14 +63,11 @@ part would reach into the others' private state.
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
 import time
 import warnings
-import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -89,23 +86,26 @@ from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
 from autotune.memory.ledger import TensorLedger, held_outside_parameters, held_tensors, storage_bytes
 from autotune.memory.optimizers import rebuilt
-from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend
+from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend, recomputing
 from autotune.probe.depth import DepthEstimator, repeated_stacks
 from autotune.probe.fakes import (
     Counter,
-    optimizer_signature,
-    optimizer_for_device,
     FakeCopy,
     fake_copy,
     fake_like,
+    fake_state,
     fingerprint,
     forget_copies,
     is_value,
     keep_recent,
+    optimizer_for_device,
+    optimizer_signature,
     quiet_torch,
     template_key,
+    weak_function,
 )
 from autotune.probe.search import estimated_max, within_allocator
+from autotune.probe.traces import Trace
 from autotune.probe.trial import Workload
 from autotune.step import forward_backward, min_micro_batch, planning
 
@@ -166,46 +166,6 @@ def estimator_for(
 # --- the estimator ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Trace:
-    """One forward and backward in the steady state, on fake tensors.
-
-    Attributes:
-        size: the micro-batch.
-        peak: the step's peak bytes at that size (the forward and backward, or the optimizer step).
-        live: the live bytes when counting started, then after each operation, and last the
-            optimizer step's peak at this size (what the step leaves plus its transient bytes).
-        ops: the operations, for matching two traces (the last is ``"step"``).
-        seconds: the wall time of the trace.
-        held: for a CUDA target, the bytes of each tensor the steady state holds (parameters,
-            buffers, gradients, optimizer state), in the order they were counted.
-        events: for a CUDA target, the allocations and frees of the micro-step, its batch first
-            (see :func:`autotune.memory.allocator.steady_state`).
-        outputs: each operation's outputs in ``ops`` as ``(dtype, elements)`` (without the last, ``"step"``).
-        marks: where in ``live`` the forward and the backward of each marked block (:meth:`Estimator.mark`)
-            start and end, in order (empty when none is marked, or one was not seen).
-        event_marks: the same points in ``events`` (a CUDA target).
-        micro_peak: the forward and backward's peak as the ledger counted it (within an operation too).
-    """
-
-    size: int
-    peak: int
-    live: tuple[int, ...]
-    ops: tuple[Any, ...]
-    seconds: float
-    held: tuple[int, ...] = ()
-    events: tuple[tuple[int, int], ...] = ()
-    outputs: tuple[tuple[tuple[torch.dtype, int], ...], ...] = ()
-    marks: tuple[int, ...] = ()
-    event_marks: tuple[int, ...] = ()
-    micro_peak: int = 0
-
-    @property
-    def backward_peak(self) -> int:
-        """The forward and backward's own peak (without the optimizer step's line)."""
-        return max(self.live[:-1])
-
-
 class Estimator:
     """Peak bytes of the trial step at any batch size and shape, on fake tensors (no data, no memory).
 
@@ -245,7 +205,7 @@ class Estimator:
         self.precision = precision or work.precision
         self.target = work.device.type
         self.checkpointing = bool(work.checkpointing if checkpointing is None else checkpointing)
-        self._loss = _weak(work.loss_fn)
+        self._loss = weak_function(work.loss_fn)
         self.batch = work.batch
         self.lower = min_micro_batch(work.model)
         self.sizes = (max(2, self.lower), max(2, self.lower) + 1)  # the two traces of a curve
@@ -258,7 +218,7 @@ class Estimator:
             for settings, g in zip(groups, work.optimizer.param_groups):
                 settings["params"] = [fake[id(p)] for p in g["params"]]
             self.optimizer = rebuilt(work.optimizer, groups)
-            initial = {fake[id(p)]: self._fake_state(s) for p, s in work.optimizer.state.items()}
+            initial = {fake[id(p)]: fake_state(self.mode, s) for p, s in work.optimizer.state.items()}
         self._initial = initial
         self.optimizer.state = defaultdict(dict, initial)
         self._sparse = any(getattr(m, "sparse", False) for m in work.model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
@@ -293,21 +253,6 @@ class Estimator:
         """Take ``work``'s worst-case batch as the default template (an estimator found for reuse)."""
         self.batch = work.batch
 
-    def _fake_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """An optimizer state entry, fake: tensors without data; step counts keep their values,
-        which optimizers read with ``.item()``."""
-        values = {k: v.item() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
-        out: dict[str, Any] = {}
-        with self.mode:
-            for k, v in state.items():
-                if not isinstance(v, torch.Tensor):
-                    out[k] = copy.deepcopy(v)
-                elif k in values:
-                    out[k] = torch.tensor(values[k], dtype=v.dtype)  # a constant the fake mode can read
-                else:
-                    out[k] = fake_like(v)
-        return out
-
     # --- running the step on fake tensors ------------------------------------------------------------
 
     def _batch(self, template: Any, b: int) -> Any:
@@ -340,7 +285,7 @@ class Estimator:
 
                 # The backward's recomputations run outside this stack's modes: they get CUDA's kernels
                 # again, each its own autocast region (as torch's checkpoint opens one).
-                again = (lambda: _recomputing(autocast)) if cuda else None
+                again = (lambda: recomputing(autocast)) if cuda else None
                 stack.enter_context(activation_checkpointing(self.model, recompute=again))
             if autocast is not None:
                 stack.enter_context(autocast)
@@ -701,22 +646,3 @@ class Estimator:
         if self._grads is None:
             self._setup()
         return self._transient
-
-
-@contextlib.contextmanager
-def _recomputing(autocast: CudaAutocast | None) -> Iterator[None]:
-    """A checkpoint's recomputation for a CUDA target: CUDA's attention and dropout, and a region of
-    CUDA's autocast cache of its own."""
-    with CudaKernels(autocast), (autocast.region() if autocast is not None else contextlib.nullcontext()):
-        yield
-
-
-def _weak(fn: Any) -> Callable[[], Any]:
-    """A weak reference to a function where one can be taken (a kept estimator must not keep the
-    user's loss function, and what it holds, alive), else a strong one."""
-    try:
-        return weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
-    except TypeError:
-        return lambda: fn
-
-

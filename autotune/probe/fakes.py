@@ -13,9 +13,11 @@ import contextlib
 import copy
 import functools
 import hashlib
+import inspect
 import logging
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from autotune.memory.quantized import copy_memo, fake_quantized, quantized_layer
 from autotune.probe.attention import fused_attention
 from autotune.probe.experts import routed_experts
 
-__all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fingerprint", "forget_copies", "is_value", "keep_recent", "optimizer_for_device", "optimizer_signature",
+__all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fake_state", "weak_function", "fingerprint", "forget_copies", "is_value", "keep_recent", "optimizer_for_device", "optimizer_signature",
            "quiet_torch", "template_key"]
 
 # Operations on real integer tensors alone run for real when their results hold at most this many
@@ -92,6 +94,31 @@ def fake_like(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Te
     if shape is None:
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
     return torch.empty(shape, dtype=t.dtype, device="cpu")
+
+
+def fake_state(mode: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state entry, fake (under ``mode``): tensors without data; step counts keep their values,
+    which optimizers read with ``.item()``."""
+    values = {k: v.item() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+    out: dict[str, Any] = {}
+    with mode:
+        for k, v in state.items():
+            if not isinstance(v, torch.Tensor):
+                out[k] = copy.deepcopy(v)
+            elif k in values:
+                out[k] = torch.tensor(values[k], dtype=v.dtype)  # a constant the fake mode can read
+            else:
+                out[k] = fake_like(v)
+    return out
+
+
+def weak_function(fn: Any) -> Callable[[], Any]:
+    """A weak reference to a function where one can be taken (a kept estimator must not keep the
+    user's loss function, and what it holds, alive), else a strong one."""
+    try:
+        return weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
+    except TypeError:
+        return lambda: fn
 
 
 def is_value(t: torch.Tensor) -> bool:
