@@ -39,14 +39,25 @@ class NothingFits(AutotuneError, RuntimeError):
             count fits; else empty.
         held: where the bytes of the smallest step go, in words (weights, gradients, optimizer state, and
             the rest), when the step could be estimated.
+        setting: what was planned, as ``(what, value)`` pairs (:attr:`autotune.Plan.setting`'s words: the model,
+            its parameters, the weights policy, the optimizer...), when the planner raised it; else empty.
+        set_aside: what the limit left to others than the step, as ``(name, bytes)`` pairs.
+        headroom: the fraction of the rest kept free (None when not said).
+        tensors: for an estimate of a CUDA target whose tensors alone would fit, their bytes; ``needed`` is then what
+            the caching allocator reserves (cuBLAS's workspace, and the segments it rounds tensors into); else None.
     """
 
     def __init__(
         self, message: str, *, needed: int, budget: int, limit: int, micro_batch: int = 1, measured: bool = True,
-        what_if: Any = None, shards: Any = (), held: str | None = None,
+        what_if: Any = None, shards: Any = (), held: str | None = None, setting: Any = (), set_aside: Any = (),
+        headroom: float | None = None, tensors: int | None = None,
     ) -> None:
         super().__init__(message)
         self.held = held
+        self.setting = tuple(setting)
+        self.set_aside = tuple(set_aside)
+        self.headroom = headroom
+        self.tensors = tensors
         self.what_if = what_if
         self.shards = list(shards)
         self.needed = needed

@@ -240,3 +240,57 @@ def test_a_model_from_a_file_quantized_on_the_command_line_plans_and_verifies_on
     setting = data["plan"]["setting"]
     assert setting["quantization"].startswith("bitsandbytes nf4") and setting["adapters"] == "LoRA rank 8, alpha 8, on down, up"
     assert data["plan"]["verified"] and any(not t["estimate"] for t in data["plan"]["trials"])
+
+
+def _raw_json(capsys, monkeypatch, tmp_path, *argv):
+    """The exit code, stdout parsed as JSON (None when empty) and stderr of ``report ... --json``, whatever the code."""
+    code, out, err = text_report(capsys, monkeypatch, tmp_path, *argv, "--json")
+    return code, (json.loads(out) if out.strip() else None), err
+
+
+def test_when_nothing_fits_the_answer_still_begins_with_the_question_text_and_json(capsys, monkeypatch, tmp_path):
+    path = write_config(tmp_path, SMALL_LLAMA)
+    asked = ("--hf-config", path, "--target-batch", "8", "--device", "cuda", "--tokens", "64", "--cuda-context", "1B")
+    code, fits, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--memory-limit", "1GiB")
+    assert code == 0, err
+    code, data, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--memory-limit", "1MiB")
+    assert code == 1 and "autotune: nothing fits: " in err and "Traceback" not in err
+    # the same question in the same words as the plan of the same command that fits
+    assert data["plan"] is None and data["setting"] == fits["plan"]["setting"]
+    device = data["device"]
+    assert device["limit"] == 2**20 and device["set_aside"] == [{"for": "the CUDA context", "bytes": 1}]
+    assert device["budget"] == int((2**20 - 1) * (1 - device["headroom"])) < data["nothing_fits"]["needed"]
+    # what would fit: the rows of the message, flag for flag, and the whole table
+    listed = [line.split("micro-batch")[0].strip() for line in data["nothing_fits"]["message"].splitlines()[1:] if "micro-batch" in line]
+    assert [w["flags"] for w in data["would_fit"]] == listed
+    assert data["what_if"]["budget"] == device["budget"] and data["what_if"]["rows"][0]["changes"] == 0
+    code, text, err = text_report(capsys, monkeypatch, tmp_path, *asked, "--memory-limit", "1MiB")
+    assert code == 1 and "autotune: nothing fits: " in err
+    setting, device_lines = text.split("\n\n")[:2]
+    assert setting.splitlines()[0] == "Setting (what was planned)"
+    assert len(setting.splitlines()) == len(fits["plan"]["setting"]) + 1
+    assert device_lines.splitlines()[0] == "Device" and device_lines.splitlines()[-1].split()[0] == "budget"
+
+
+def test_a_cuda_estimate_whose_tensors_fit_but_not_the_allocator_says_so_never_a_need_below_the_budget(capsys, monkeypatch, tmp_path):
+    path = write_config(tmp_path, SMALL_LLAMA)
+    asked = ("--hf-config", path, "--target-batch", "8", "--device", "cuda", "--tokens", "64", "--cuda-context", "1B")
+    code, data, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--memory-limit", "4MiB")
+    assert code == 1, err
+    said = data["nothing_fits"]
+    budget = data["device"]["budget"]
+    assert said["needed"] > budget  # what is said to be needed is more than the budget, as "nothing fits" means
+    tensors = float(said["message"].split("(its tensors: ")[1].split(" MiB")[0]) * 2**20
+    assert tensors <= budget and "reserved by CUDA's caching allocator" in said["message"]
+
+
+def test_a_sharded_answer_begins_with_the_question_as_the_unsharded_one(capsys, monkeypatch, tmp_path):
+    path = write_config(tmp_path, SMALL_LLAMA)
+    code, plan, err = _raw_json(capsys, monkeypatch, tmp_path, "--hf-config", path, *COMMON)
+    assert code == 0, err
+    code, data, err = _raw_json(capsys, monkeypatch, tmp_path, "--hf-config", path, *COMMON, "--shard", "2")
+    assert code == 0 and data["setting"] == plan["plan"]["setting"], err
+    code, text, err = text_report(capsys, monkeypatch, tmp_path, "--hf-config", path, *COMMON, "--shard", "2")
+    head, rest = text.split("\n\n", 1)
+    assert code == 0 and head.splitlines()[0] == "Setting (what was planned)" and len(head.splitlines()) == len(data["setting"]) + 1
+    assert rest.startswith("FSDP2 over 2 devices")

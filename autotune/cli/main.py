@@ -28,6 +28,7 @@ from autotune.cli.parser import (
 from autotune.cli.render import (
     check_plot_path,
     micro_batch_by_length,
+    nothing_fits_json,
     nothing_fits_message,
     plot_memory,
 )
@@ -114,6 +115,7 @@ def _cached_plan(entry: dict[str, Any] | None, target: int) -> tuple[Any, Any] |
 def _report(args: argparse.Namespace) -> int:
     """``autotune report``: check the flags, build the workload, plan (or read the cache), print."""
     from autotune.checks import check_trainable
+    from autotune.errors import NothingFits
     from autotune.memory.optimizers import make_optimizer
 
     base_batch, lengths, ramp, device, on_device = _checked_report_args(args)
@@ -132,8 +134,12 @@ def _report(args: argparse.Namespace) -> int:
     facts, key_limit, limit_note = _device_facts(args, model, device, on_device)
     limit_note = "; ".join(n for n in (longest_note, limit_note) if n) or None
     key = _cache_key(args, model, described, lr=lr, facts=facts, key_limit=key_limit, base_batch=base_batch, lengths=lengths)
-    plan, breakdown, cached = _plan_or_cached(args, key, model, loader, loss_fn, optimizer, device, on_device=on_device,
-                                              base_batch=base_batch, lengths=lengths, facts=facts, limit_note=limit_note)
+    try:
+        plan, breakdown, cached = _plan_or_cached(args, key, model, loader, loss_fn, optimizer, device, on_device=on_device,
+                                                  base_batch=base_batch, lengths=lengths, facts=facts, limit_note=limit_note)
+    except NothingFits as exc:  # the answer still begins with the question; the error follows (main)
+        _print_nothing_fits(args, exc, facts)
+        raise
     by_length = micro_batch_by_length(plan, loader, lengths)
     _print_report(args, plan, model, loader, loss_fn, optimizer, device, on_device, facts=facts, breakdown=breakdown,
                   cached=cached, by_length=by_length, ramp=ramp, tokens=described.get("tokens") if isinstance(described, dict) else None)
@@ -441,6 +447,19 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         print("\n".join("  " + line for line in _ramp_lines(ramp, plan, args.samples)))
 
 
+def _print_nothing_fits(args: argparse.Namespace, err: Any, facts: dict[str, Any]) -> None:
+    """What stdout says when nothing fits: with ``--json`` the whole answer (:func:`autotune.cli.render.nothing_fits_json`);
+    as text the setting and the device with its budget, as a plan's report begins (the error and what would fit follow
+    on stderr); nothing for ``--format``, which has no config to give."""
+    from autotune.planning.report import head_lines
+
+    if args.json:
+        print(json.dumps(nothing_fits_json(err, facts), indent=2), flush=True)
+    elif not args.format and err.headroom is not None:
+        print("\n".join(head_lines(err.setting, device=facts, limit=err.limit, set_aside=err.set_aside, headroom=err.headroom,
+                                   budget=err.budget)).rstrip(), flush=True)
+
+
 def _ramp_lines(ramp: Any, plan: Any, samples: int | None) -> list[str]:
     """What the ramp would do with the plan's micro-batch (an adaptive one also says which windows it
     cuts in halves for its meter)."""
@@ -450,7 +469,10 @@ def _ramp_lines(ramp: Any, plan: Any, samples: int | None) -> list[str]:
 def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any, on_device: bool) -> int:
     """``report --shard N``: an FSDP2 run over N devices, per rank, estimated from the unsharded model."""
     from autotune.planning.plans import split_evenly
+    from autotune.planning.report import setting_lines
+    from autotune.planning.setting import describe
     from autotune.planning.sharding import shard_plan
+    from autotune.step import normalize_precision
     from autotune.units import format_bytes
 
     if not on_device and args.memory_limit is None:
@@ -459,9 +481,12 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
                         device=device, memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision,
                         checkpointing=args.checkpointing)
     auto = args.shard == "auto"
+    setting = describe(model, optimizer, device=device, precision=normalize_precision(args.precision), checkpointing=bool(args.checkpointing),
+                       batch=next(iter(loader)), loss_fn=loss_fn)
     if args.json:
-        print(json.dumps({"fsdp2": row.to_dict(), "device": str(device), "estimate": True, "fewest": auto}, indent=2))
+        print(json.dumps({"setting": dict(setting), "fsdp2": row.to_dict(), "device": str(device), "estimate": True, "fewest": auto}, indent=2))
         return 0 if row.fits else 1
+    print("\n".join(setting_lines(setting)))
     fewest = " (the fewest that fit)" if auto and row.fits else (" (not even these fit)" if auto else "")
     print(f"FSDP2 over {row.ranks} devices{fewest} ({device}), per rank (estimated from the unsharded model; run autotune.plan on "
           "the sharded model to verify)")

@@ -90,17 +90,18 @@ def nothing_fits_message(err: Any) -> str:
     """A NothingFits error in the command line's words: flags, not Python keywords. Its first line has the figures
     and where the bytes go; then what would fit, as the flags that change it, the cheapest first (estimated), and the
     fewest devices FSDP2 would fit on. Never a flag already given: every row says what differs from the command."""
+    from autotune.planning.advice import ALLOCATOR_WORDS
     from autotune.units import format_bytes
 
     text = (
         f"even micro-batch {err.micro_batch} needs {'at least ' if err.measured else 'an estimated '}"
-        f"{format_bytes(err.needed)}, the budget is {format_bytes(err.budget)} (of --memory-limit "
+        f"{format_bytes(err.needed)}"
+        + (f" reserved by CUDA's caching allocator ({ALLOCATOR_WORDS.format(tensors=format_bytes(err.tensors))})" if getattr(err, "tensors", None) else "")
+        + f", the budget is {format_bytes(err.budget)} (of --memory-limit "
         f"{format_bytes(err.limit)}, less the headroom and what is set aside)"
     ) + (f"; held: {err.held}" if getattr(err, "held", None) else "")
     table = err.what_if
-    fits = table.changes_that_fit() if table is not None else []
-    own = next((r for r in table.rows if r.changes == 0), None) if table is not None else None
-    shard = next((s for s in err.shards if s.fits), None)
+    fits, own, shard = _would_fit(err)
     if not fits and shard is None:
         if table is not None:
             tried = ", ".join(dict.fromkeys(flag for r in table.rows if r.changes > 0 for flag in _flags(r, own)))
@@ -117,6 +118,37 @@ def nothing_fits_message(err: Any) -> str:
         lines.append(f"  ({len(table.rows) - len(fits) - 1} other changes estimated do not fit; --what-if prints them all)")
     lines.append("  or a larger --memory-limit")
     return "\n".join(lines)
+
+
+def _would_fit(err: Any) -> tuple[list[Any], Any, Any]:
+    """The what-if rows of some change that fit (the cheapest first), the row of no change, and the fewest FSDP2 devices
+    that fit (or None)."""
+    table = err.what_if
+    fits = table.changes_that_fit() if table is not None else []
+    own = next((r for r in table.rows if r.changes == 0), None) if table is not None else None
+    return fits, own, next((s for s in err.shards if s.fits), None)
+
+
+def nothing_fits_json(err: Any, device: dict[str, Any]) -> dict[str, Any]:
+    """A NothingFits answer as ``--json`` gives it: ``"plan": null``, the setting and the device with its budget (as a plan's
+    answer begins), the figures and where the bytes go, what would fit as the flags that change it (the cheapest first, then
+    the fewest FSDP2 devices, as the message lists them), the whole what-if table and the FSDP2 counts estimated."""
+    fits, own, shard = _would_fit(err)
+    would = [{"flags": " ".join(_flags(r, own)), "micro_batch": r.micro_batch, "setting": r.describe()} for r in fits]
+    if shard is not None:
+        would.append({"flags": f"--shard {shard.ranks}", "micro_batch": shard.micro_batch, "per_device": shard.peak,
+                      "setting": f"FSDP2 over {shard.ranks} devices"})
+    return {
+        "plan": None,
+        "setting": dict(err.setting),
+        "device": {**device, "limit": err.limit, "set_aside": [{"for": name, "bytes": b} for name, b in err.set_aside],
+                   "headroom": err.headroom, "budget": err.budget},
+        "nothing_fits": {"micro_batch": err.micro_batch, "needed": err.needed, "measured": err.measured, "held": err.held,
+                         "message": nothing_fits_message(err)},
+        "would_fit": would,
+        "what_if": err.what_if.to_dict() if err.what_if is not None else None,
+        "fsdp2": [s.to_dict() for s in err.shards],
+    }
 
 
 _OPTIMIZER_FLAGS = {"AdamW 8-bit (bitsandbytes)": "--optimizer adamw_8bit", "SGD without momentum": "--optimizer sgd"}

@@ -14,7 +14,10 @@ from autotune.probe.trial import Workload
 from autotune.step import min_micro_batch
 from autotune.units import format_bytes
 
-__all__ = ["nothing_fits", "shards_that_fit", "where_the_bytes_go"]
+__all__ = ["ALLOCATOR_WORDS", "nothing_fits", "shards_that_fit", "where_the_bytes_go"]
+
+# Why an estimate for CUDA needs more than its tensors, where that decides.
+ALLOCATOR_WORDS = "its tensors: {tensors}; the rest is cuBLAS's workspace and the segments it rounds tensors into"
 
 
 def shards_that_fit(work: Workload, budget: int, target_batch: int) -> tuple[list[Any], bool]:
@@ -48,11 +51,14 @@ def where_the_bytes_go(estimator: Any, lower: int) -> str:
 def nothing_fits(
     trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
     table: Any = None, shards: Sequence[Any] = (), out_of_memory_on: dict[int, str] | None = None, resident_too_big: bool = False,
-    held: str | None = None,
+    held: str | None = None, setting: Any = (), reserved: int | None = None,
 ) -> NothingFits:
     """The error for a probe that found no size: measured numbers when a real step ran.
     ``out_of_memory_on``: under FSDP2, for each size whose trial ran out of memory on some rank, which
-    ranks and their errors (every rank abandons such a trial, so every rank's error names them)."""
+    ranks and their errors (every rank abandons such a trial, so every rank's error names them). ``setting``: what was
+    planned (:func:`autotune.planning.setting.describe`), carried by the error. ``reserved``: for an estimate of a CUDA
+    target, what the caching allocator reserves at the smallest size (said where the tensors alone would fit)."""
+    said = {"setting": setting, "set_aside": tuple(set_aside), "headroom": headroom}
     real = [t for t in trials if not t.estimate]
     pool = real or trials
     smallest = min(t.batch_size for t in pool)
@@ -69,7 +75,7 @@ def nothing_fits(
             f"Even micro_batch={smallest} ran out of memory under FSDP2 on {where}; every rank abandons a trial that "
             f"runs out of memory on any rank, so no size fits (the budget here: {format_bytes(budget)}, limit "
             f"{format_bytes(limit)},{aside} less {headroom:.0%} headroom): give that rank more memory, or " + advice,
-            needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards,
+            needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards, **said,
         )
     if measured and needed <= budget:
         # The step ran out of memory below its budget, twice: what is missing is not the step's.
@@ -78,11 +84,16 @@ def nothing_fits(
             f"of {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less {headroom:.0%} headroom), twice: the "
             "device's memory is taken by something outside this step (another process, or memory torch does not "
             "count); free it, or give a memory_limit below what is really free",
-            needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards,
+            needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards, **said,
         )
+    allocator, tensors = "", None
+    if not measured and reserved is not None and needed <= budget < reserved:
+        # The tensors fit; what the allocator reserves for them (cuBLAS's workspace, segments of 2 MiB and up) does not.
+        allocator = f" reserved by CUDA's caching allocator ({ALLOCATOR_WORDS.format(tensors=format_bytes(needed))})"
+        needed, tensors = reserved, needed
     return NothingFits(
         f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
-        f"{format_bytes(needed)}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
+        f"{format_bytes(needed)}{allocator}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
         f"{headroom:.0%} headroom){'; measured in a real step' if measured else ''}"
         f"{f' (held: {held})' if held else ''}: " + advice,
         needed=needed,
@@ -93,6 +104,8 @@ def nothing_fits(
         what_if=table,
         shards=shards,
         held=held,
+        tensors=tensors,
+        **said,
     )
 
 

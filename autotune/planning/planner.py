@@ -1,12 +1,11 @@
-"""``autotune.plan`` and ``autotune.what_if``: probe the device, then derive micro-batch,
-accumulation, LR and BN momentum; or the same under other settings.
+"""``autotune.plan`` and ``autotune.what_if``: probe the device, then derive micro-batch, accumulation, LR and BN momentum;
+or the same under other settings.
 
-:func:`plan` is its pipeline: the shared arguments checked into :class:`autotune.planning.options.Options`
-and its own into :class:`autotune.planning.options.Probing` (:func:`plan_with` is where ``fit`` and the integrations come in),
-then the checks that need the model (:func:`_set_up`), the probe on every rank
-(:func:`_probe_every_rank`: snapshot, look at the loader, estimate, verify, agree) and the Plan
-(:func:`_assemble`). The shape model lives in :mod:`autotune.planning.lengths`, what to say when
-nothing fits in :mod:`autotune.planning.advice`.
+:func:`plan` is its pipeline: the shared arguments checked into :class:`autotune.planning.options.Options` and its own
+into :class:`autotune.planning.options.Probing` (:func:`plan_with` is where ``fit`` and the integrations come in), then the
+checks that need the model (:func:`_set_up`), the probe on every rank (:func:`_probe_every_rank`: snapshot, look at the
+loader, estimate, verify, agree) and the Plan (:func:`_assemble`). The shape model lives in
+:mod:`autotune.planning.lengths`, what to say when nothing fits in :mod:`autotune.planning.advice`.
 """
 
 from __future__ import annotations
@@ -378,9 +377,8 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
     limit = setup.limit if setup.limit is not None else default_limit(setup.device, storage_bytes(work.held_tensors()))
     set_aside = _set_aside(setup, work, probing, shared.memory_limit is not None)
     budget = budget_of(limit, sum(b for _, b in set_aside), setup.headroom)
-    # The largest share of a window: the remainder of target_batch / world_size takes turns among
-    # the ranks (plans.rotated_share), so every rank sometimes has one more. Under FSDP2 every rank
-    # searches the same sizes anyway (lockstep).
+    # The largest share of a window: the remainder of target_batch / world_size takes turns among the ranks
+    # (plans.rotated_share), so every rank sometimes has one more. Under FSDP2 every rank searches the same sizes (lockstep).
     upper = largest_share(shared.target_batch, setup.world_size)  # type: ignore[arg-type]
     capped = shared.memory_limit is not None and probing.verify and not setup.fsdp  # FSDP2: counted, never enforced mid-step
     with cuda_memory_fraction(setup.device, allocator_cap(limit, set_aside) if capped else None), bypass_nested(setup.nested):
@@ -434,15 +432,19 @@ def _set_aside(setup: _Setup, work: Workload, probing: Probing, limit_given: boo
 def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
                        upper: int, shared: Options, setup: _Setup) -> NothingFits:
     """The error when not even the smallest micro-batch fits, with what would fit instead (estimated)."""
-    table, held, shards, alone = None, None, [], False
+    table, held, shards, alone, reserved = None, None, [], False, None
     if work.estimator is not None:  # say where the bytes go, and what would fit instead
         lower = min_micro_batch(work.model)
         table = estimate_rows(work, budget=budget, upper=upper, lower=lower)
         held = where_the_bytes_go(work.estimator, lower)
         if setup.world_size == 1 and not setup.fsdp:
             shards, alone = shards_that_fit(work, budget, shared.target_batch)  # type: ignore[arg-type]
-    return nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside,
-                        table=table, shards=shards, out_of_memory_on=work.oom_ranks, resident_too_big=alone, held=held)
+        if setup.device.type == "cuda" and all(t.estimate for t in work.trials):  # what the caching allocator reserves
+            reserved = work.estimator.allocator(lower).reserved
+    return nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside, table=table,
+                        shards=shards, out_of_memory_on=work.oom_ranks, resident_too_big=alone, held=held, reserved=reserved,
+                        setting=describe_setting(setup.model, setup.optimizer, device=setup.device, precision=setup.precision,
+                                                 checkpointing=shared.checkpointing, batch=work.batch, loss_fn=work.loss_fn))
 
 
 def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Options, probing: Probing) -> Plan:

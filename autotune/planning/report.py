@@ -16,7 +16,7 @@ from typing import Any
 from autotune.planning.plans import Plan
 from autotune.units import format_bytes
 
-__all__ = ["FORMATS", "EqualSplit", "MemoryBreakdown", "equal_split", "framework_configs", "largest_divisor", "render_json", "render_text"]
+__all__ = ["FORMATS", "EqualSplit", "MemoryBreakdown", "equal_split", "framework_configs", "head_lines", "largest_divisor", "render_json", "render_text", "setting_lines"]
 
 FORMATS = ("lightning", "accelerate", "hf", "deepspeed", "keras")
 
@@ -208,6 +208,34 @@ def _row(label: str, value: str) -> str:
     return f"  {label:<22}{value}"
 
 
+def setting_lines(setting: Sequence[tuple[str, str]]) -> list[str]:
+    """The report's first section, the setting (what was planned), and a blank line; none when nothing was said."""
+    if not setting:
+        return []
+    return ["Setting (what was planned)", *(_row(what, value) for what, value in setting), ""]
+
+
+def head_lines(setting: Sequence[tuple[str, str]], *, device: Mapping[str, Any], limit: int, set_aside: Sequence[tuple[str, int]],
+               headroom: float, budget: int) -> list[str]:
+    """The report's first sections: the setting (what was planned, when said) and the device with its budget, each
+    followed by a blank line; a plan's answer and a nothing-fits answer begin alike."""
+    lines = setting_lines(setting)
+    lines.append("Device")
+    lines.append(_row("device", f"{device.get('device')} ({device.get('name')})" if device.get("name") else str(device.get("device"))))
+    if device.get("total"):
+        lines.append(_row("memory", f"{format_bytes(device['total'])} total, {format_bytes(device['free'])} free"))
+    if device.get("other_processes") is not None:
+        lines.append(_row("other processes", format_bytes(device["other_processes"])))
+    lines.append(_row("limit", format_bytes(limit)))
+    for name, amount in set_aside:
+        lines.append(_row("set aside", f"{format_bytes(amount)} for {name}"))
+    rest = limit - sum(b for _, b in set_aside)
+    lines.append(_row("headroom", f"{headroom:.0%} of {format_bytes(rest)}: {format_bytes(rest - budget)}"))
+    lines.append(_row("budget", f"{format_bytes(budget)} for the training step"))
+    lines.append("")
+    return lines
+
+
 def render_text(
     plan: Plan,
     *,
@@ -223,26 +251,8 @@ def render_text(
     if cached:
         lines.append("(answered from the cache; run with --no-cache to probe again)")
         lines.append("")
-    if plan.setting:
-        lines.append("Setting (what was planned)")
-        lines.extend(_row(what, value) for what, value in plan.setting)
-        lines.append("")
-    lines.append("Device")
-    if device:
-        lines.append(_row("device", f"{device.get('device')} ({device.get('name')})"))
-        if device.get("total"):
-            lines.append(_row("memory", f"{format_bytes(device['total'])} total, {format_bytes(device['free'])} free"))
-        if device.get("other_processes") is not None:
-            lines.append(_row("other processes", format_bytes(device["other_processes"])))
-    else:
-        lines.append(_row("device", plan.device))
-    lines.append(_row("limit", format_bytes(plan.memory_limit)))
-    for name, amount in plan.set_aside:
-        lines.append(_row("set aside", f"{format_bytes(amount)} for {name}"))
-    rest = plan.memory_limit - sum(b for _, b in plan.set_aside)
-    lines.append(_row("headroom", f"{plan.headroom:.0%} of {format_bytes(rest)}: {format_bytes(rest - plan.budget)}"))
-    lines.append(_row("budget", f"{format_bytes(plan.budget)} for the training step"))
-    lines.append("")
+    lines.extend(head_lines(plan.setting, device=device or {"device": plan.device}, limit=plan.memory_limit, set_aside=plan.set_aside,
+                            headroom=plan.headroom, budget=plan.budget))
     lines.append("Plan" + ("" if plan.verified else " (estimate, not verified on a device)"))
     lines.append(_row("micro-batch", f"{plan.micro_batch} (largest that fits{'' if plan.verified else ', estimated'})"))
     lines.append(_row("accumulation steps", f"{plan.accumulation_steps}: micro-batches of {', '.join(map(str, plan.micro_batches))}"))
@@ -262,7 +272,7 @@ def render_text(
         f"{plan.bn_mode}" if plan.bn_momentum is None else f"{plan.bn_momentum:.6g} per micro-batch (bn={plan.bn_mode})"
     )
     lines.append(_row("BatchNorm", bn))
-    lines.append(_row("precision", plan.precision))
+    lines.append(_row("autocast", "off" if plan.precision == "fp32" else plan.precision))  # the weights' dtype: the setting's
     lines.append("")
     lines.append(f"Memory at micro-batch {plan.micro_batch}")
     lines.append(_row("peak", format_bytes(plan.peak_memory) + ("" if plan.verified else " (estimate)")))

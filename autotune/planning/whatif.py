@@ -76,8 +76,9 @@ class WhatIfRow:
     adapters: str | None = None
 
     def describe(self) -> str:
-        """The row's settings in words, e.g. ``"bf16 autocast, activation checkpointing"``."""
-        parts = [f"{self.precision} autocast" if self.precision != "fp32" else "fp32"]
+        """The row's settings in words, e.g. ``"bf16 autocast, activation checkpointing, AdamW (given)"`` (``"no autocast"``
+        for ``"fp32"``: the weights' own dtype, bf16 for a model in bf16)."""
+        parts = [f"{self.precision} autocast" if self.precision != "fp32" else "no autocast"]
         if self.checkpointing:
             parts.append("activation checkpointing")
         parts.append(self.optimizer)
