@@ -12,6 +12,7 @@ pytest.importorskip("peft")
 from test_meta import report, write_config  # noqa: E402
 
 from autotune.cli.main import main  # noqa: E402
+from autotune.units import format_bytes  # noqa: E402
 
 SMALL_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 500,
@@ -294,3 +295,21 @@ def test_a_sharded_answer_begins_with_the_question_as_the_unsharded_one(capsys, 
     head, rest = text.split("\n\n", 1)
     assert code == 0 and head.splitlines()[0] == "Setting (what was planned)" and len(head.splitlines()) == len(data["setting"]) + 1
     assert rest.startswith("FSDP2 over 2 devices")
+
+
+def test_a_shard_count_that_does_not_fit_hears_what_would_each_row_a_command_that_fits(capsys, monkeypatch, tmp_path):
+    path = write_config(tmp_path, SMALL_LLAMA)
+    asked = ("--hf-config", path, "--target-batch", "8", "--device", "cuda", "--tokens", "64", "--cuda-context", "1B",
+             "--memory-limit", "2MiB")
+    code, data, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--shard", "2")
+    assert code == 1 and not data["fsdp2"]["fits"], err
+    rows = {w["flags"]: w["fsdp2"] for w in data["would_fit"]}
+    assert set(rows) == {"--shard 3", "--checkpointing --shard 2"}  # more devices as asked; checkpointing on as many
+    for flags, row in rows.items():
+        code, again, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, *flags.split())
+        assert code == 0 and again["fsdp2"] == row and again["fsdp2"]["fits"], (flags, err)
+    code, text, err = text_report(capsys, monkeypatch, tmp_path, *asked, "--shard", "2")
+    assert code == 1 and text.rstrip().splitlines()[-2:] == [
+        f"  {flags:<28} micro-batch {row['micro_batch']} per device over {row['ranks']} devices, {format_bytes(row['peak'])} a device"
+        for flags, row in sorted(rows.items(), key=lambda r: r[1]["ranks"])
+    ]

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -477,14 +477,20 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
 
     if not on_device and args.memory_limit is None:
         raise UsageError("No such device here: give each device's memory with --memory-limit (e.g. 80GiB)")
-    (row,) = shard_plan(model, loader, target_batch=args.target_batch, ranks=args.shard, optimizer=optimizer, loss_fn=loss_fn,
-                        device=device, memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision,
-                        checkpointing=args.checkpointing)
+    def estimate(ranks: Any, checkpointing: bool) -> Any:
+        (found,) = shard_plan(model, loader, target_batch=args.target_batch, ranks=ranks, optimizer=optimizer, loss_fn=loss_fn,
+                              device=device, memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision,
+                              checkpointing=checkpointing)
+        return found
+
+    row = estimate(args.shard, bool(args.checkpointing))
     auto = args.shard == "auto"
     setting = describe(model, optimizer, device=device, precision=normalize_precision(args.precision), checkpointing=bool(args.checkpointing),
                        batch=next(iter(loader)), loss_fn=loss_fn)
+    would = [] if row.fits else _shards_that_would_fit(args, estimate)
     if args.json:
-        print(json.dumps({"setting": dict(setting), "fsdp2": row.to_dict(), "device": str(device), "estimate": True, "fewest": auto}, indent=2))
+        print(json.dumps({"setting": dict(setting), "fsdp2": row.to_dict(), "device": str(device), "estimate": True, "fewest": auto,
+                          "would_fit": [{"flags": flags, "fsdp2": r.to_dict()} for flags, r in would]}, indent=2))
         return 0 if row.fits else 1
     print("\n".join(setting_lines(setting)))
     fewest = " (the fewest that fit)" if auto and row.fits else (" (not even these fit)" if auto else "")
@@ -502,10 +508,34 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     print(f"  peak per rank      {format_bytes(row.peak)} of a budget of {format_bytes(row.budget)}")
     for name, value in row.parts.items():
         print(f"    {name.replace('_', ' '):<17}{format_bytes(value)}")
-    if row.fits and row.accumulation_steps > 1:
+    if row.accumulation_steps > 1 or (not row.fits and -(-row.target_batch // row.ranks) > 1):
         print("  note: while a window accumulates, FSDP2 holds each rank's gradients unsharded (they are synced on its "
               "last micro-batch): counted above")
+    if not row.fits:
+        print("what would fit, estimated:" if would else "nothing else estimated fits: a larger --memory-limit or a smaller model")
+        for flags, r in would:
+            print(f"  {flags:<28} micro-batch {r.micro_batch} per device over {r.ranks} devices, {format_bytes(r.peak)} a device")
     return 0 if row.fits else 1
+
+
+def _shards_that_would_fit(args: argparse.Namespace, estimate: Callable[[Any, bool], Any]) -> list[tuple[str, Any]]:
+    """When ``--shard`` does not fit: the fewest devices that fit as asked, and with activation checkpointing (when not
+    asked) over as many devices or the fewest that fit; each as its flags and its estimate."""
+    found = []
+    if args.shard != "auto":
+        fewest = estimate("auto", bool(args.checkpointing))
+        if fewest.fits:
+            found.append((f"--shard {fewest.ranks}", fewest))
+    if not args.checkpointing:
+        try:
+            row = estimate(args.shard, True)
+            if not row.fits and args.shard != "auto":
+                row = estimate("auto", True)
+        except ValueError:  # no blocks to checkpoint
+            return found
+        if row.fits:
+            found.append((f"--checkpointing --shard {row.ranks}", row))
+    return sorted(found, key=lambda f: f[1].ranks)
 
 
 @contextlib.contextmanager

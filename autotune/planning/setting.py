@@ -77,7 +77,7 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     dtypes = Counter(_NAMES.get(p.dtype, str(p.dtype)) for p in params if not (quantized and is_quantized_weight(p)))
     out: list[tuple[str, str]] = [
         ("model", type(getattr(model, "get_base_model", lambda: model)()).__name__),  # under PEFT's wrapper: the model it wraps
-        ("parameters", f"{total / 1e9:.3g}B total, {trained / 1e6:.4g}M trained" if total >= 1e8 else f"{total:,} total, {trained:,} trained"),
+        ("parameters", f"{_count(total)} total, {_count(trained)} trained" if total >= 1e8 else f"{total:,} total, {trained:,} trained"),
         ("weights", weights_policy(model, precision) + (f"; untrained weights {', '.join(dtypes)}" if trained < total and dtypes else "")),
     ]
     config = getattr(model, "config", None)
@@ -100,6 +100,11 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     out.append(("optimizer", describe_optimizer(optimizer, device.type)))
     out.append(("device", str(device)))
     return tuple(out)
+
+
+def _count(n: int) -> str:
+    """A large count of parameters in words: ``8.03B``, ``41.9M``, ``524,288``."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
 
 
 def _tokens(batch: Any) -> int | None:
