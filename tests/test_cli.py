@@ -464,3 +464,18 @@ def test_a_ramp_takes_counts_as_people_write_them_and_the_adaptive_options(capsy
         assert code == 2 and says in err and "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=peak]" in err, err
     code, _, err = run(capsys, "report", "--demo", "--ramp", "64,256@100", "--samples", "1.5e2.0")
     assert code == 2 and "invalid count '1.5e2.0'" in err
+
+
+def test_a_reader_that_stops_early_gets_no_error_line(tmp_path):
+    """``autotune report ... | head``: the pipe's reader gone, the command stops without a traceback or an error line."""
+    script = shutil.which("autotune")
+    if script is None:
+        pytest.skip("the autotune script is not installed")
+    read, write = os.pipe()
+    os.close(read)  # gone before anything is written
+    try:
+        done = subprocess.run([script, "report", "--demo", "--no-cache"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and "error" not in done.stderr and "Traceback" not in done.stderr, done.stderr

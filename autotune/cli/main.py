@@ -576,6 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (``| head``): nothing more to say, as other commands say nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail again
+        return 1
     except NothingFits as exc:
         print(f"autotune: nothing fits: {nothing_fits_message(exc)}", file=sys.stderr)
         if getattr(args, "what_if", False) and exc.what_if is not None:  # the whole table, the rows that do not fit too
