@@ -313,3 +313,14 @@ def test_a_shard_count_that_does_not_fit_hears_what_would_each_row_a_command_tha
         f"  {flags:<28} micro-batch {row['micro_batch']} per device over {row['ranks']} devices, {format_bytes(row['peak'])} a device"
         for flags, row in sorted(rows.items(), key=lambda r: r[1]["ranks"])
     ]
+
+
+def test_when_nothing_fits_shorter_samples_are_named_and_tokens_max_finds_one_that_fits(capsys, monkeypatch, tmp_path):
+    path = write_config(tmp_path, SMALL_LLAMA)
+    asked = ("--hf-config", path, "--target-batch", "8", "--device", "cpu", "--memory-limit", "1.5MiB")
+    code, data, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--tokens", "64")
+    assert code == 1, err
+    line = next(x for x in data["nothing_fits"]["message"].splitlines() if x.strip().startswith("--tokens max"))
+    assert "below 64 tokens" in line
+    code, data, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--tokens", "max")
+    assert code == 0 and data["plan"]["micro_batch"] == 1 and 16 <= data["tokens"]["per_sample"] < 64, err

@@ -156,6 +156,8 @@ def _longest_tokens(args: argparse.Namespace, base_batch: int, device: Any) -> s
     from autotune.memory.optimizers import make_optimizer
     from autotune.planning.lengths import max_length
 
+    args.longest = True  # args.tokens is set below, to each length tried: not a length given
+
     def plan_at(tokens: int, lengths: list[int] | None = None) -> Any:
         args.tokens = tokens
         model, loader, loss_fn, _ = workload_from_args(args, base_batch)
@@ -447,6 +449,12 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         print("\n".join("  " + line for line in _ramp_lines(ramp, plan, args.samples)))
 
 
+def _given_tokens(args: argparse.Namespace) -> int | None:
+    """The tokens of a sample of ``--hf-config``'s batch when the command gave them as a number (not ``max``), else None."""
+    tokens = getattr(args, "tokens", None)
+    return tokens if getattr(args, "hf_config", None) and isinstance(tokens, int) and not getattr(args, "longest", False) else None
+
+
 def _print_nothing_fits(args: argparse.Namespace, err: Any, facts: dict[str, Any]) -> None:
     """What stdout says when nothing fits: with ``--json`` the whole answer (:func:`autotune.cli.render.nothing_fits_json`);
     as text the setting and the device with its budget, as a plan's report begins (the error and what would fit follow
@@ -454,7 +462,7 @@ def _print_nothing_fits(args: argparse.Namespace, err: Any, facts: dict[str, Any
     from autotune.planning.report import head_lines
 
     if args.json:
-        print(json.dumps(nothing_fits_json(err, facts), indent=2), flush=True)
+        print(json.dumps(nothing_fits_json(err, facts, tokens=_given_tokens(args)), indent=2), flush=True)
     elif not args.format and err.headroom is not None:
         print("\n".join(head_lines(err.setting, device=facts, limit=err.limit, set_aside=err.set_aside, headroom=err.headroom,
                                    budget=err.budget)).rstrip(), flush=True)
@@ -580,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail again
         return 1
     except NothingFits as exc:
-        print(f"autotune: nothing fits: {nothing_fits_message(exc)}", file=sys.stderr)
+        print(f"autotune: nothing fits: {nothing_fits_message(exc, tokens=_given_tokens(args))}", file=sys.stderr)
         if getattr(args, "what_if", False) and exc.what_if is not None:  # the whole table, the rows that do not fit too
             print("What if (estimates)", file=sys.stderr)
             print("\n".join("  " + line for line in str(exc.what_if).splitlines()), file=sys.stderr)

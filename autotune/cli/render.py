@@ -86,10 +86,11 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
     plt.close(fig)
 
 
-def nothing_fits_message(err: Any) -> str:
+def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
     """A NothingFits error in the command line's words: flags, not Python keywords. Its first line has the figures
     and where the bytes go; then what would fit, as the flags that change it, the cheapest first (estimated), and the
-    fewest devices FSDP2 would fit on. Never a flag already given: every row says what differs from the command."""
+    fewest devices FSDP2 would fit on. Never a flag already given: every row says what differs from the command.
+    ``tokens``: the tokens of a sample the command gave (``--tokens N``), which ``--tokens max`` would shorten."""
     from autotune.planning.advice import ALLOCATOR_WORDS
     from autotune.units import format_bytes
 
@@ -105,7 +106,8 @@ def nothing_fits_message(err: Any) -> str:
     if not fits and shard is None:
         if table is not None:
             tried = ", ".join(dict.fromkeys(flag for r in table.rows if r.changes > 0 for flag in _flags(r, own)))
-            return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model"
+            shorter = f", or shorter samples than {tokens} tokens (--tokens max: the longest that fits at micro-batch 1)" if tokens else ""
+            return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model{shorter}"
         return text + ": try --precision bf16, --checkpointing, a larger --memory-limit, or shorter inputs (--input-shape)"
     lines = [text + ": what would fit, estimated, the cheapest change first:"]
     for row in fits:
@@ -116,6 +118,8 @@ def nothing_fits_message(err: Any) -> str:
                      f"{format_bytes(shard.peak)} a device (the fewest that fit)")
     if table is not None and len(table.rows) > len(fits) + 1:
         lines.append(f"  ({len(table.rows) - len(fits) - 1} other changes estimated do not fit; --what-if prints them all)")
+    if tokens is not None:
+        lines.append(f"  {'--tokens max':<68} shorter samples: the longest that fits at micro-batch 1, below {tokens} tokens (a search, an estimate per length)")
     lines.append("  or a larger --memory-limit")
     return "\n".join(lines)
 
@@ -129,7 +133,7 @@ def _would_fit(err: Any) -> tuple[list[Any], Any, Any]:
     return fits, own, next((s for s in err.shards if s.fits), None)
 
 
-def nothing_fits_json(err: Any, device: dict[str, Any]) -> dict[str, Any]:
+def nothing_fits_json(err: Any, device: dict[str, Any], *, tokens: int | None = None) -> dict[str, Any]:
     """A NothingFits answer as ``--json`` gives it: ``"plan": null``, the setting and the device with its budget (as a plan's
     answer begins), the figures and where the bytes go, what would fit as the flags that change it (the cheapest first, then
     the fewest FSDP2 devices, as the message lists them), the whole what-if table and the FSDP2 counts estimated."""
@@ -144,7 +148,7 @@ def nothing_fits_json(err: Any, device: dict[str, Any]) -> dict[str, Any]:
         "device": {**device, "limit": err.limit, "set_aside": [{"for": name, "bytes": b} for name, b in err.set_aside],
                    "headroom": err.headroom, "budget": err.budget},
         "nothing_fits": {"micro_batch": err.micro_batch, "needed": err.needed, "measured": err.measured, "held": err.held,
-                         "message": nothing_fits_message(err)},
+                         "message": nothing_fits_message(err, tokens=tokens)},
         "would_fit": would,
         "what_if": err.what_if.to_dict() if err.what_if is not None else None,
         "fsdp2": [s.to_dict() for s in err.shards],
