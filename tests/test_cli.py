@@ -381,7 +381,7 @@ def test_nothing_fits_names_command_line_flags(capsys):
     assert "What if" not in err
     code, _, err = run(capsys, "report", "--demo", "--memory-limit", "1MiB", "--what-if", "--no-cache")
     table = err.split("What if (estimates)\n", 1)[1].splitlines()
-    assert code == 1 and table[0].split()[:3] == ["precision", "checkpointing", "optimizer"]
+    assert code == 1 and table[0].split()[:3] == ["autocast", "checkpointing", "optimizer"]
     micro = [int(re.search(r"\s(\d+)\s+[\d.]+ (?:B|KiB|MiB|GiB)\s", line).group(1)) for line in table[1:]]
     assert len(micro) >= 4 and set(micro) == {0}  # every row estimated, none fits: the table the message points to
 

@@ -137,9 +137,10 @@ class WhatIf:
 
     def __str__(self) -> str:
         adapters = any(r.adapters for r in self.rows)
-        trains = f" {'trains':<24}" if adapters else ""
-        lines = [
-            f"{'precision':<10} {'checkpointing':<14} {'optimizer':<28}{trains} {'micro-batch':>11} {'per sample':>12} {'fixed':>12}  ",
+        width = max([len("every weight"), *(len(r.adapters) for r in self.rows if r.adapters)])
+        trains = f" {'trains':<{width}}" if adapters else ""
+        lines = [  # "autocast": fp32 is no autocast, the weights' own dtype (bf16 for a model in bf16)
+            f"{'autocast':<10} {'checkpointing':<14} {'optimizer':<28}{trains} {'micro-batch':>11} {'per sample':>12} {'fixed':>12}  ",
         ]
         for r in self.rows:
             per = "-" if r.per_sample is None else format_bytes(r.per_sample)
@@ -147,8 +148,8 @@ class WhatIf:
             tag = "verified" if r.verified else ("yours, estimate" if r.changes == 0 else "estimate")
             if self.checkpointing_hurts(r):
                 tag += ", fewer than without checkpointing"
-            what = f" {r.adapters or 'every weight':<24}" if adapters else ""
-            lines.append(f"{r.precision:<10} {'on' if r.checkpointing else 'off':<14} {r.optimizer:<28}{what} {r.micro_batch:>11} {per:>12} "
+            what = f" {r.adapters or 'every weight':<{width}}" if adapters else ""
+            lines.append(f"{'off' if r.precision == 'fp32' else r.precision:<10} {'on' if r.checkpointing else 'off':<14} {r.optimizer:<28}{what} {r.micro_batch:>11} {per:>12} "
                          f"{fixed:>12}  {tag}")
         hurt = [r for r in self.rows if self.checkpointing_hurts(r)]
         if hurt:
