@@ -58,6 +58,8 @@ def test_the_answer_begins_with_the_question_it_answered(kind, capsys, monkeypat
         # PEFT's default for Llama adapts the query and value projections only: said, as the adapters a user gets
         assert setting["adapters"] == "LoRA rank 8, alpha 8, on q_proj, v_proj"
         lora = 2 * (2 * 8 * 64 + 8 * 64 + 8 * 32)  # per layer: q_proj 64->64 and v_proj 64->32 (2 key-value heads of 16)
+        # the adapters train in fp32 (PEFT's default) under bf16 autocast; the frozen weights the config's bf16, alone
+        assert setting["weights"] == "fp32 master weights under bf16 autocast (trained weights and their gradients fp32); untrained weights bf16"
         assert setting["parameters"].endswith(f", {lora:,} trained")
     if kind == "qlora":
         assert setting["quantization"].startswith("bitsandbytes nf4, double quantization, compute bfloat16")

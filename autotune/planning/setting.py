@@ -74,7 +74,7 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     numel = logical_numel if quantized else torch.Tensor.numel
     total = sum(numel(p) for p in params)
     trained = sum(numel(p) for p in params if p.requires_grad)
-    dtypes = Counter(_NAMES.get(p.dtype, str(p.dtype)) for p in params if not (quantized and is_quantized_weight(p)))
+    dtypes = Counter(_NAMES.get(p.dtype, str(p.dtype)) for p in params if not p.requires_grad and not (quantized and is_quantized_weight(p)))
     out: list[tuple[str, str]] = [
         ("model", type(getattr(model, "get_base_model", lambda: model)()).__name__),  # under PEFT's wrapper: the model it wraps
         ("parameters", f"{_count(total)} total, {_count(trained)} trained" if total >= 1e8 else f"{total:,} total, {trained:,} trained"),
