@@ -84,10 +84,10 @@ def timed(checkpointing: bool) -> tuple[float, float, str, dict[str, float]]:
         found.largest = clocked
         return found
 
-    def timed_adapted(work, quantized):  # type: ignore[no-untyped-def]
+    def timed_adapted(work, quantized, **kw):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
         try:
-            return adapted(work, quantized)
+            return adapted(work, quantized, **kw)
         finally:
             parts[f"building the {'QLoRA' if quantized else 'LoRA'} copy"] = time.perf_counter() - start
 

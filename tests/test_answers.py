@@ -174,8 +174,9 @@ def test_when_nothing_fits_the_8b_full_fine_tune_hears_what_would_never_sgd_neve
     shard = next(r for r in fitting if r.strip().startswith("--shard"))
     assert "the fewest that fit" in shard
     assert "sgd" not in message.lower()
-    for given in ("--precision", "--tokens", "--optimizer adamw_torch_fused", "--memory-limit 80GiB"):
+    for given in ("--precision", "--tokens 2048", "--optimizer adamw_torch_fused", "--memory-limit 80GiB"):
         assert not any(given in c for c in changes), (given, changes)
+    assert any(r.strip().startswith("--tokens max") and "below 2048 tokens" in r for r in rows)  # shorter samples: another value
     # each row is a promise: the command with its flags fits (the cheapest, and LoRA)
     for flags in ("--checkpointing", "--lora 16 --lora-modules all-linear"):
         code, data, err = report(capsys, monkeypatch, tmp_path, *argv, *flags.split())

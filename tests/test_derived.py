@@ -181,3 +181,36 @@ def test_parameters_without_a_gradient_are_taken_out_of_the_first_trace_without_
         assert made(b) == real_peak(model, opt, image_loss, sized)
     assert len(steps) == 3  # one forward and backward a size
     assert made.gradient_bytes() == sum(p.numel() * 4 for p in model.used.parameters())
+
+
+@pytest.mark.parametrize("device, precision, layers", [("cpu", "fp32", 10), ("cuda", "bf16", 13)])  # the fewest with copies
+def test_the_lora_and_qlora_rows_from_a_copy_cut_to_the_blocks_traced_are_the_whole_copy_s(device, precision, layers, monkeypatch):
+    """The what-if table's LoRA and QLoRA rows adapt a copy of the model cut to the blocks the estimate traces, and
+    extend its stack to the model's depth: the same rows, to the byte, as the copy of every block adapted."""
+    pytest.importorskip("peft")
+    if not have_bitsandbytes():
+        pytest.skip("QLoRA's row needs bitsandbytes")
+    from autotune.planning import whatif
+
+    model = hf_models.llama(layers=layers).to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss,
+                    batch=text_batch(8, 64), device=torch.device(device), precision=precision)
+    built, real = [], whatif._adapted
+
+    def counted(work, quantized, *, shallow=True):
+        found = real(work, quantized, shallow=shallow)
+        built.append(sum(1 for name, _ in found[0].model.named_modules() if name.endswith(tuple(f"layers.{i}" for i in range(layers)))))
+        return found
+
+    monkeypatch.setattr(whatif, "_adapted", counted)
+    rows = {}
+    for shallow in (True, False):
+        estimate.forget()
+        if not shallow:
+            monkeypatch.setattr(whatif, "_adapted", lambda work, quantized, shallow=True: counted(work, quantized, shallow=False))
+        budget = 20 * 2**20 if device == "cpu" else 40 * 2**20
+        rows[shallow] = whatif._adapter_rows(work, budget=budget, upper=64, lower=1, given="AdamW (given)")
+    assert [r.adapters for r in rows[True]] == ["LoRA r=16, all linear", "QLoRA nf4 + LoRA r=16, all linear"]
+    assert rows[True] == rows[False] and any(r.micro_batch > 0 for r in rows[True])
+    cut = 5 if device == "cuda" else 4
+    assert built == [cut, cut, layers, layers]  # the copies the table built: cut to the blocks traced, then whole

@@ -27,9 +27,10 @@ from autotune.cli.parser import (
 )
 from autotune.cli.render import (
     check_plot_path,
+    given_tokens,
     micro_batch_by_length,
-    nothing_fits_json,
     nothing_fits_message,
+    print_nothing_fits,
     plot_memory,
 )
 from autotune.cli.workload import (
@@ -138,7 +139,7 @@ def _report(args: argparse.Namespace) -> int:
         plan, breakdown, cached = _plan_or_cached(args, key, model, loader, loss_fn, optimizer, device, on_device=on_device,
                                                   base_batch=base_batch, lengths=lengths, facts=facts, limit_note=limit_note)
     except NothingFits as exc:  # the answer still begins with the question; the error follows (main)
-        _print_nothing_fits(args, exc, facts)
+        print_nothing_fits(args, exc, facts)
         raise
     by_length = micro_batch_by_length(plan, loader, lengths)
     _print_report(args, plan, model, loader, loss_fn, optimizer, device, on_device, facts=facts, breakdown=breakdown,
@@ -449,25 +450,6 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         print("\n".join("  " + line for line in _ramp_lines(ramp, plan, args.samples)))
 
 
-def _given_tokens(args: argparse.Namespace) -> int | None:
-    """The tokens of a sample of ``--hf-config``'s batch when the command gave them as a number (not ``max``), else None."""
-    tokens = getattr(args, "tokens", None)
-    return tokens if getattr(args, "hf_config", None) and isinstance(tokens, int) and not getattr(args, "longest", False) else None
-
-
-def _print_nothing_fits(args: argparse.Namespace, err: Any, facts: dict[str, Any]) -> None:
-    """What stdout says when nothing fits: with ``--json`` the whole answer (:func:`autotune.cli.render.nothing_fits_json`);
-    as text the setting and the device with its budget, as a plan's report begins (the error and what would fit follow
-    on stderr); nothing for ``--format``, which has no config to give."""
-    from autotune.planning.report import head_lines
-
-    if args.json:
-        print(json.dumps(nothing_fits_json(err, facts, tokens=_given_tokens(args)), indent=2), flush=True)
-    elif not args.format and err.headroom is not None:
-        print("\n".join(head_lines(err.setting, device=facts, limit=err.limit, set_aside=err.set_aside, headroom=err.headroom,
-                                   budget=err.budget)).rstrip(), flush=True)
-
-
 def _ramp_lines(ramp: Any, plan: Any, samples: int | None) -> list[str]:
     """What the ramp would do with the plan's micro-batch (an adaptive one also says which windows it
     cuts in halves for its meter)."""
@@ -588,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail again
         return 1
     except NothingFits as exc:
-        print(f"autotune: nothing fits: {nothing_fits_message(exc, tokens=_given_tokens(args))}", file=sys.stderr)
+        print(f"autotune: nothing fits: {nothing_fits_message(exc, tokens=given_tokens(args))}", file=sys.stderr)
         if getattr(args, "what_if", False) and exc.what_if is not None:  # the whole table, the rows that do not fit too
             print("What if (estimates)", file=sys.stderr)
             print("\n".join("  " + line for line in str(exc.what_if).splitlines()), file=sys.stderr)

@@ -3,6 +3,7 @@ the "nothing fits" message."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +13,8 @@ from autotune.cli.parser import (
     UsageError,
 )
 
-__all__ = ["check_plot_path", "micro_batch_by_length", "nothing_fits_message", "plot_memory"]
+__all__ = ["check_plot_path", "given_tokens", "micro_batch_by_length", "nothing_fits_json", "nothing_fits_message", "plot_memory",
+           "print_nothing_fits"]
 
 
 def check_plot_path(path: Path) -> None:
@@ -172,3 +174,22 @@ def _flags(row: Any, own: Any) -> list[str]:
 
         flags.append(f"{'--quantize nf4 ' if row.adapters.startswith('QLoRA') else ''}--lora {LORA_RANK} --lora-modules all-linear")
     return flags
+
+
+def given_tokens(args: Any) -> int | None:
+    """The tokens of a sample of ``--hf-config``'s batch when the command gave them as a number (not ``max``), else None."""
+    tokens = getattr(args, "tokens", None)
+    return tokens if getattr(args, "hf_config", None) and isinstance(tokens, int) and not getattr(args, "longest", False) else None
+
+
+def print_nothing_fits(args: Any, err: Any, facts: dict[str, Any]) -> None:
+    """What stdout says when nothing fits: with ``--json`` the whole answer (:func:`nothing_fits_json`);
+    as text the setting and the device with its budget, as a plan's report begins (the error and what would fit follow
+    on stderr); nothing for ``--format``, which has no config to give."""
+    from autotune.planning.report import head_lines
+
+    if args.json:
+        print(json.dumps(nothing_fits_json(err, facts, tokens=given_tokens(args)), indent=2), flush=True)
+    elif not args.format and err.headroom is not None:
+        print("\n".join(head_lines(err.setting, device=facts, limit=err.limit, set_aside=err.set_aside, headroom=err.headroom,
+                                   budget=err.budget)).rstrip(), flush=True)

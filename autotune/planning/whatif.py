@@ -13,7 +13,8 @@ touching the model: for each combination of
 - for a Hugging Face model trained in full, LoRA adapters (rank 16, every linear layer) on the frozen
   model (with your checkpointing), and on its weights quantized to 4 bits with checkpointing on (QLoRA as it
   is run, where bitsandbytes is installed), estimated on a copy of the model on the meta device (no byte of
-  its weights copied),
+  its weights copied; a stack of repeated blocks cut to the blocks the estimate traces, and extended to its
+  depth as the plan's is),
 
 a precision only where it would change something (bf16 autocast for a model of fp32 weights trained in fp32;
 never back to fp32), it estimates the largest micro-batch and the peak per sample, with the same estimator as the plan
@@ -41,6 +42,7 @@ from torch import nn
 
 from autotune.memory.optimizers import make_optimizer, rebuilt
 from autotune.memory.quantized import bitsandbytes, quantize
+from autotune.probe.depth import Stack, deepest_copy, repeated_stacks, truncated
 from autotune.probe.estimate import estimator_for
 from autotune.units import format_bytes
 
@@ -189,10 +191,13 @@ def _smaller_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> tu
 LORA_RANK = 16
 
 
-def _adapted(work: Any, quantized: bool) -> Any:
+def _adapted(work: Any, quantized: bool, *, shallow: bool = True) -> tuple[Any, list[Stack] | None] | None:
     """``work`` with LoRA adapters (rank :data:`LORA_RANK`, every linear layer) on a copy of its model on the meta
     device (weights quantized to nf4 first when ``quantized``), its optimizer of the same class over the adapters;
-    None where this is not a question for the model (not a Hugging Face model trained in full, or PEFT missing)."""
+    None where this is not a question for the model (not a Hugging Face model trained in full, or PEFT missing).
+    With it, for a model of one stack of repeated blocks and ``shallow``, that stack in the copy cut to the blocks the
+    estimate traces (:func:`autotune.probe.depth.deepest_copy`) and the stack at its full depth, as the adapted
+    model names it: the estimate extends it as for the whole (else None: the copy is whole)."""
     model = work.model
     params = list(model.parameters())
     if not hasattr(model, "config") or getattr(model, "peft_config", None) or not params or not all(p.requires_grad for p in params):
@@ -206,9 +211,12 @@ def _adapted(work: Any, quantized: bool) -> Any:
         import peft
     except ImportError:
         return None
-    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True) for p in params}
-    memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
-    copied = copy.deepcopy(model, memo)
+    stacks = repeated_stacks(work)[0] if shallow else []
+    stack = stacks[0] if len(stacks) == 1 else None
+    source = truncated(model, {stack.path: deepest_copy(stack, work.device.type)}) if stack is not None else model
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True) for p in source.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in source.buffers()})
+    copied = copy.deepcopy(source, memo)
     if quantized:
         quantize(copied, "nf4")
     with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns
@@ -217,8 +225,15 @@ def _adapted(work: Any, quantized: bool) -> Any:
     trained = [p for p in adapted.parameters() if p.requires_grad]
     settings = {k: v for k, v in work.optimizer.param_groups[0].items() if k != "params"}
     optimizer = rebuilt(work.optimizer, [{**settings, "params": trained}])
-    return dataclasses.replace(work, model=adapted, optimizer=optimizer, trials=[], notes=[], on_trial=None, on_start=None,
+    made = dataclasses.replace(work, model=adapted, optimizer=optimizer, trials=[], notes=[], on_trial=None, on_start=None,
                                estimator=None, curve=None, oom_ranks={})
+    full = None
+    if stack is not None:  # where PEFT's wrapper puts the model: the stack's path under it
+        path = next((name for name, m in adapted.named_modules() if name.endswith("." + stack.path) and name.count(".") == stack.path.count(".") + 2), None)
+        if path is None:
+            return _adapted(work, quantized, shallow=False)
+        full = [Stack(path, stack.depth, stack.prefix)]
+    return made, full
 
 
 def _precisions(work: Any) -> list[str]:
@@ -282,13 +297,15 @@ def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str)
     lowers the peak on its own)."""
     rows = []
     for quantized in (False, True):
-        adapted = _adapted(work, quantized)
-        if adapted is None:
+        found = _adapted(work, quantized)
+        if found is None:
             continue
+        adapted, full = found
         name = f"{'QLoRA nf4 + ' if quantized else ''}LoRA r={LORA_RANK}, all linear"
         ckpt = True if quantized else bool(work.checkpointing)
+        whole = (lambda q=quantized: _adapted(work, q, shallow=False)[0])  # type: ignore[index]
         try:
-            estimator = estimator_for(adapted, checkpointing=ckpt)
+            estimator = estimator_for(adapted, checkpointing=ckpt, stands_for=(full, whole) if full else None)
             size, peak = estimator.largest(budget, upper, confirm=False)
             peak = _tensors_curve(estimator, work, upper, peak)
         except Exception:  # a loss that does not take the adapted model, no blocks to checkpoint: no such row

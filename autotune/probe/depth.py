@@ -67,7 +67,7 @@ from autotune.probe.search import estimated_max, within_allocator
 from autotune.probe.trial import Workload
 from autotune.step import min_micro_batch
 
-__all__ = ["DepthEstimator", "Stack", "repeated_stacks", "truncated"]
+__all__ = ["DepthEstimator", "Stack", "deepest_copy", "repeated_stacks", "stacks_to_extend", "truncated"]
 
 # A figure the deepest copy traces must be the one predicted to within this fraction (and this many bytes).
 TOLERANCE = 1e-4
@@ -167,6 +167,28 @@ def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
     return stacks, why
 
 
+def stacks_to_extend(work: Workload, checkpointing: bool, given: list[Stack] | None = None) -> tuple[list[Stack], str | None]:
+    """The stacks an estimate of ``work`` extends (``given``: those of a model whose stack was cut short, at their full
+    depth; else :func:`repeated_stacks`), and why none are where a stack was found but cannot be extended."""
+    stacks, why = (list(given), None) if given is not None else repeated_stacks(work)
+    if len(stacks) > 1 and work.device.type == "cuda":  # the caching allocator's events are made for one stack
+        why = f"its {len(stacks)} stacks of blocks ({', '.join(s.path for s in stacks)}) are extended for the CPU only, not for CUDA's allocator"
+        stacks = []
+    if checkpointing and stacks and not getattr(work.model, "supports_gradient_checkpointing", False) and len(stacks) > 1:
+        stacks, why = [], "checkpointing blocks autotune finds itself, in a model of several stacks"
+    return stacks, why
+
+
+def deepest_copy(stack: Stack, device_type: str) -> int:
+    """The blocks of ``stack`` the deepest of :class:`DepthEstimator`'s copies keeps: the base copy's (the prefix and
+    two more, three for a CUDA target) and two."""
+    return _base_depth(stack, device_type) + 2
+
+
+def _base_depth(stack: Stack, device_type: str) -> int:
+    return stack.prefix + (3 if device_type == "cuda" else 2)
+
+
 def truncated(model: nn.Module, depths: dict[str, int]) -> nn.Module:
     """A shallow copy of ``model`` whose lists at ``depths``' paths keep their first blocks only: the same
     parameters and buffers (shared, not copied), the modules on the way to each list copied."""
@@ -230,7 +252,7 @@ class DepthEstimator:
         self.full = {s.path: s.depth for s in stacks}
         # A CUDA target also makes the allocator's events of the full depth from the copies' blocks, which pairs
         # the block before the step copy's last with the one before it: two blocks past the prefix's own.
-        base = {s.path: s.prefix + (3 if work.device.type == "cuda" else 2) for s in stacks}
+        base = {s.path: _base_depth(s, work.device.type) for s in stacks}
         self._whole_maker = whole
         self._whole: Any = None
         self.base = make(_variant(work, base))

@@ -87,7 +87,7 @@ from autotune.memory.device import CUDA_BLOCK
 from autotune.memory.ledger import TensorLedger, held_outside_parameters, held_tensors, storage_bytes
 from autotune.memory.optimizers import rebuilt
 from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend, recomputing
-from autotune.probe.depth import DepthEstimator, repeated_stacks
+from autotune.probe.depth import DepthEstimator, stacks_to_extend
 from autotune.probe.fakes import (
     Counter,
     FakeCopy,
@@ -130,15 +130,17 @@ def estimator_for(
     precision: str | None = None,
     checkpointing: bool | None = None,
     optimizer: tuple[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] | None = None,
+    stands_for: tuple[list[Any], Callable[[], Workload]] | None = None,
 ) -> Estimator:
     """The estimator of ``work`` (with another precision, checkpointing or optimizer for a what-if),
     made once and kept: later calls with the same model structure, optimizer, loss, device and
-    settings get it back with every trace it made. ``optimizer`` is ``(name, factory)``."""
+    settings get it back with every trace it made. ``optimizer`` is ``(name, factory)``. ``stands_for``: for a
+    model whose stack was cut short (a what-if's copy), ``(its stacks at full depth, what makes the full workload)``."""
     structure = fingerprint(work.model)
     precision = precision or work.precision
     ckpt = bool(work.checkpointing if checkpointing is None else checkpointing)
     variant = optimizer[0] if optimizer is not None else optimizer_signature(work.optimizer)
-    key = (structure, variant, id(work.loss_fn), work.device.type, precision, ckpt)
+    key = (structure, variant, id(work.loss_fn), work.device.type, precision, ckpt, stands_for and tuple(map(repr, stands_for[0])))
     found = _ESTIMATORS.get(key)
     if found is not None and found.loss_fn is work.loss_fn:
         _ESTIMATORS.move_to_end(key)
@@ -151,13 +153,9 @@ def estimator_for(
         return Estimator(w, precision=precision, checkpointing=ckpt, optimizer=optimizer[1] if optimizer else None,
                          copy=fake_copy(w.model, shape or fingerprint(w.model)))
 
-    stacks, why = repeated_stacks(work)
-    if len(stacks) > 1 and work.device.type == "cuda":  # the caching allocator's events are made for one stack
-        why = f"its {len(stacks)} stacks of blocks ({', '.join(s.path for s in stacks)}) are extended for the CPU only, not for CUDA's allocator"
-        stacks = []
-    if ckpt and stacks and not getattr(work.model, "supports_gradient_checkpointing", False) and len(stacks) > 1:
-        stacks, why = [], "checkpointing blocks autotune finds itself, in a model of several stacks"
-    made: Any = DepthEstimator(work, stacks, make, lambda: make(work, structure)) if stacks else make(work, structure)
+    stacks, why = stacks_to_extend(work, ckpt, stands_for[0] if stands_for else None)
+    whole = (lambda: make(stands_for[1]())) if stands_for else (lambda: make(work, structure))
+    made: Any = DepthEstimator(work, stacks, make, whole) if stacks else whole()
     if why and not stacks:
         made.note = f"the estimate traced the whole model: {why}"
     return keep_recent(_ESTIMATORS, key, made)
