@@ -24,7 +24,7 @@ def plan_both(make, loader, monkeypatch, device="cpu", **kw):
         estimate.forget()
         with monkeypatch.context() as m:
             if not extend:
-                m.setattr(estimate, "repeated_stacks", lambda work: ([], None))
+                m.setattr(depth, "repeated_stacks", lambda work: ([], None))
             model = make()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             plans.append(autotune.plan(model, loader, optimizer=opt, device=device, headroom=0, verify=False, progress=False, **kw))
