@@ -47,12 +47,16 @@ def run_micro_batches(run: Any, window: Window) -> float:
     # A window of one micro-batch in one process has no smaller gradient to compare with; with several
     # ranks, a rank's own gradient is one (against the global window's).
     measured = run.noise.due and (len(window) > 1 or run.world_size > 1)
+    # A mixture-of-experts load-balancing loss: the window's routing, from a forward without gradients
+    # (exact mode; and the first window, to say how far the per-micro-batch convention is), else None.
+    routed = run.router.before_window(run, window) if run.router is not None else None
     for micro in window:
         bnc.before_micro(micro.samples)
         try:
             batch = B.to_device(micro.batch, device)
+            loss_fn = run.loss_fn if routed is None else run.router.loss_fn(routed, micro.weight * share)
             loss = forward_backward(
-                run.model, run.loss_fn, batch, weight=micro.weight * share, device_type=device.type,
+                run.model, loss_fn, batch, weight=micro.weight * share, device_type=device.type,
                 precision=run.precision, scaler=run.scaler,
             )
         except Exception as exc:

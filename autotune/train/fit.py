@@ -55,6 +55,8 @@ from autotune.checks import (
     resolve_device,
 )
 from autotune.errors import AutotuneWarning
+from autotune.items import count_for, loss_items
+from autotune.packed import packing_problem
 from autotune.parallel.ranks import (
     broadcast_model,
     is_distributed,
@@ -86,6 +88,7 @@ from autotune.train.arguments import (
     check_within_an_epoch,
 )
 from autotune.train.bn import BN_MODES, FinishedRun, resolve_bn
+from autotune.train.experts import check_router_loss, router_loss_for
 from autotune.train.ramp import BatchRamp, RampChange, plan_for_target
 from autotune.train.records import FitResult, StepRecord
 from autotune.train.resume import Tracker, tracker_for
@@ -131,6 +134,7 @@ def fit(
     scheduler: Any = None,
     scaler: torch.amp.GradScaler | None = None,
     bn: Any = "adjust",
+    router_loss: str = "per_micro_batch",
     checkpointing: bool = False,
     noise_scale: bool | int = True,
     progress: bool = True,
@@ -171,8 +175,12 @@ def fit(
         lr_rule: as for :func:`autotune.plan`.
         base_batch: as for :func:`autotune.plan`. When not given, the plan's notes say which batch
             size the learning rate was assumed to be tuned at (``result.plan.base_batch_source``).
-        count: ``count(batch) -> int``, loss items in a batch (e.g. non-padding tokens); default:
-            samples.
+        count: ``count(batch) -> int``, loss items in a batch (e.g. non-padding tokens, or
+            :func:`autotune.shifted_label_tokens`). Default: for the model's own loss (no
+            ``loss_fn``), what it averages over, measured on the first batches (a Transformers causal
+            LM's label tokens shifted by one, a token classifier's labels, a sequence classifier's
+            samples; see :mod:`autotune.items`), named in the plan's notes; for your ``loss_fn``,
+            samples, with a note when the first batches show it is a mean over other items.
         pad: ``pad(batches) -> batch`` joining batches padded to different lengths (e.g.
             :func:`autotune.pad_to_longest`), so that micro-batches are not held to the loader's
             batches: pieces of different lengths are joined up to the micro-batch their padded
@@ -186,6 +194,11 @@ def fit(
             (default), ``"pooled"``, ``"precise"``, ``None`` (leave BatchNorm alone), or a mode
             with options: ``autotune.PreciseBN(samples=8192)``, ``autotune.OptunaBN(val_loader,
             n_trials=30, storage="sqlite:///bn.db")``.
+        router_loss: a mixture-of-experts model's load-balancing loss (a Transformers model whose config has
+            ``output_router_logits``; see :mod:`autotune.train.experts`): ``"per_micro_batch"`` (default:
+            each micro-batch's own, as trainers do; the plan's notes say how far it is from the window's on the
+            first window) or ``"exact"``: the window's, from the fraction routed to each expert over the whole
+            window, at one extra forward without gradients per window (the model's own loss, one process).
         checkpointing: activation checkpointing on the model's blocks for the run (see
             :mod:`autotune.memory.checkpointing`), counted by the plan: fewer activations kept, about a
             third more compute; taken away when ``fit`` returns. A plan made with
@@ -224,7 +237,7 @@ def fit(
         model=model, loader=loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn, epochs=epochs,
         max_steps=max_steps, device=device, memory_limit=memory_limit, headroom=headroom, precision=precision,
         clip_grad_norm=clip_grad_norm, lr_rule=lr_rule, base_batch=base_batch, count=count, pad=pad, drop_last=drop_last,
-        scheduler=scheduler, scaler=scaler, bn=bn, checkpointing=checkpointing, noise_scale=noise_scale, progress=progress,
+        scheduler=scheduler, scaler=scaler, bn=bn, router_loss=router_loss, checkpointing=checkpointing, noise_scale=noise_scale, progress=progress,
         plan=plan, callback=callback, checkpoint=checkpoint, save_every=save_every,
     )
     _look_and_agree(request)  # the first batches looked at, and what the ranks must share agreed, on every rank
@@ -261,6 +274,7 @@ class _Request:
     noise_scale: bool | int
     callback: Callable[[StepRecord], Any] | None
     tracker: Tracker | None
+    router_loss: str = "per_micro_batch"
 
     @classmethod
     def checked(cls, *, model: Any, loader: Any, target_batch: Any, plan: Any, epochs: Any, max_steps: Any, precision: Any,
@@ -287,6 +301,7 @@ class _Request:
             raise ValueError(f"Invalid max_steps {max_steps!r}: give a whole number >= 1, or None")
         check_positive_number("clip_grad_norm", rest["clip_grad_norm"])
         mode = resolve_bn(rest.pop("bn"))
+        check_router_loss(model, rest["router_loss"], loss_fn=rest["loss_fn"], distributed=is_distributed())
         ramp = target_batch if isinstance(target_batch, BatchRamp) else None
         target = ramp.maximum if ramp is not None else target_batch  # a ramp's plan is made for its largest target
         shared = options(target_batch=target, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule, base_batch=base_batch,
@@ -351,6 +366,10 @@ def _look_and_agree(request: _Request) -> None:
 
     def look() -> None:
         check_count(r.loader, r.count, r.par.group)
+        if not r.par.fsdp:  # packed rows the model would not keep apart: refused before anything trains
+            packing = packing_problem(inner, r.loader, device=next(inner.parameters()).device, precision=r.precision)
+            if packing:
+                raise ValueError(f"Invalid loader: {packing}")
         if check_loss:
             check_step(inner, r.loss_fn or default_loss, r.loader, device=next(inner.parameters()).device, precision=r.precision)
 
@@ -386,6 +405,7 @@ def _set_up(r: _Request) -> Run:
         broadcast_model(inner, par.group, device)  # the same start on every rank, as DDP makes it
     if r.optimizer is None:
         r.optimizer = torch.optim.AdamW(r.model.parameters(), lr=1e-3)
+    own_loss = r.loss_fn is None  # the model's own loss: weighted by what it averages over (autotune.items)
     r.loss_fn = r.loss_fn or default_loss
     tracker = r.tracker
     plan = r.plan
@@ -395,8 +415,17 @@ def _set_up(r: _Request) -> Run:
         if r.ramp is not None and tracker.saved is not None and tracker.saved.ramp is not None:
             r.ramp.load_state_dict(tracker.saved.ramp)
     if plan is None:
-        plan = plan_with(r.model, r.loader, dataclasses.replace(r.shared, precision=r.precision), Probing(),
+        plan = plan_with(r.model, r.loader, dataclasses.replace(r.shared, precision=r.precision), Probing(items=True),
                          optimizer=r.optimizer, loss_fn=r.loss_fn, device=device)
+    elif r.count is None and own_loss:  # a plan made elsewhere: what the model's loss averages over, told here
+        items = loss_items(inner, None, r.loader, device=device, precision=r.precision,
+                           measure=not par.fsdp and world(par.group)[1] == 1)
+        plan = dataclasses.replace(plan, items=items.rule,
+                                   notes=plan.notes + ((items.note,) if items.note and items.note not in plan.notes else ()))
+    elif r.count is None:  # your loss_fn, with a plan made elsewhere: by samples, as count=None says
+        plan = dataclasses.replace(plan, items="samples")
+    if r.count is None:
+        r.count = count_for(plan.items)
     bns = batchnorms(inner)
     min_micro = max(plan.min_micro_batch, min_micro_batch(inner))
     plan = dataclasses.replace(plan, bn_mode=r.mode.name if (bns and r.mode is not None) else None, min_micro_batch=min_micro)
@@ -435,6 +464,7 @@ def _set_up(r: _Request) -> Run:
             run.noise.every = run.noise.fixed
     if tracker is not None:
         tracker.restore_run(run)
+    run.router = router_loss_for(inner, r.router_loss)  # type: ignore[arg-type]
     return run
 
 

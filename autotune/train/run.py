@@ -125,6 +125,7 @@ class Run:
         self.caps = ShapeCaps(self)
         self.ramp: BatchRamp | None = None  # a target that grows (fit's target_batch=BatchRamp)
         self.failure: BaseException | None = None  # the error the run stopped on (None: it finished)
+        self.router: Any = None  # a mixture-of-experts load-balancing loss (autotune.train.experts.RouterLoss), or None
 
     def shares(self, window: int) -> int:
         """This rank's samples in the epoch's window ``window``: the target (the ramp's, when the target

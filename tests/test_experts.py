@@ -1,0 +1,209 @@
+"""A mixture-of-experts load-balancing loss accumulated: ``router_loss="exact"`` against one big batch
+computed by hand, and the default's note against the deviation recomputed by hand (a tiny Mixtral and a
+tiny Qwen2-MoE, float64, padded variable-length batches, labels -100 on padding).
+
+The reference is the window as one batch: the model's logits and router logits on all its sequences at
+once, a token-mean cross-entropy over the shifted labels and the Switch Transformer's load-balancing
+loss (``E * sum_e f_e * P_e`` over every layer's unpadded tokens), both written out here in float64 and
+the latter checked against the model's own ``aux_loss``. Transformers' causal-LM loss casts the logits
+to float32 (so a float64 model's own cross-entropy holds float32's precision); the models here get a
+float64 token-mean cross-entropy as their ``loss_function`` so that the comparison can hold to 1e-12.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autotune
+
+pytestmark = pytest.mark.usefixtures("float64")
+transformers = pytest.importorskip("transformers")
+
+from bad_inputs import manual_plan  # noqa: E402
+
+VOCAB, EXPERTS, TOP_K, COEF = 64, 4, 2, 0.02
+TARGET, MICRO, SAMPLES = 12, 4, 24  # two windows of three micro-batches
+
+
+def _causal_ce(logits, labels, vocab_size, **kwargs):
+    """The token mean over the shifted labels, in the logits' dtype (float64 here)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def mixtral(coef=COEF, **extra):
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, output_router_logits=True, router_aux_loss_coef=coef,
+        max_position_embeddings=64, pad_token_id=0, experts_implementation="eager", **extra)
+    return _routed(transformers.MixtralForCausalLM(config))
+
+
+def qwen2_moe(coef=COEF, **extra):
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        output_router_logits=True, router_aux_loss_coef=coef, max_position_embeddings=64, pad_token_id=0,
+        experts_implementation="eager", **extra)
+    return _routed(transformers.Qwen2MoeForCausalLM(config))
+
+
+def _routed(model):
+    """float64, with routers whose top-k is uneven (Qwen2-MoE starts its routers at zero: every expert tied)."""
+    model = model.double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.loss_function = _causal_ce
+    return model
+
+
+MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
+
+
+def sequences(n=SAMPLES, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def padded(seqs):
+    """Right-padded to the longest, the padding masked and labelled -100."""
+    longest = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def tokens(batch):
+    return int(batch["labels"][:, 1:].ne(-100).sum())
+
+
+def balance_by_hand(router_logits, mask):
+    """Switch Transformer's load-balancing loss over every layer's unpadded tokens, and the fractions and
+    probabilities it multiplies: written out, independently of autotune."""
+    keep = mask.reshape(-1).bool()
+    probs = torch.cat([layer.softmax(-1)[keep] for layer in router_logits])
+    chosen = F.one_hot(probs.topk(TOP_K, dim=-1).indices, EXPERTS).sum(1).to(probs.dtype)
+    return EXPERTS * (chosen.mean(0) * probs.mean(0)).sum()
+
+
+def big_batch(model, seqs):
+    """One big batch of ``seqs``, by hand: its loss (token-mean cross-entropy + coef x load balancing) and gradients."""
+    model = copy.deepcopy(model)
+    batch = padded(seqs)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+    ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+    balance = balance_by_hand(out.router_logits, batch["attention_mask"])
+    assert float(balance.detach()) == pytest.approx(float(out.aux_loss.detach()), rel=1e-6)  # the formula is transformers' (in float32 there)
+    loss = ce + model.config.router_aux_loss_coef * balance
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+
+
+def relative(got, want):
+    return max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want)
+
+
+def routers(grads):
+    return {n: g for n, g in grads.items() if n.endswith("mlp.gate.weight")}
+
+
+def fitted(model, router_loss=None, **extra):
+    """``fit`` at a learning rate of 0 (each step's reference is the start model's on its window), two
+    windows of 4 + 4 + 4: each step's gradient as the optimizer sees it, and the result."""
+    seqs = sequences()
+    loader = [padded(seqs[i : i + MICRO]) for i in range(0, SAMPLES, MICRO)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    grads = []
+    optimizer.register_step_pre_hook(lambda *_: grads.append({n: p.grad.clone() for n, p in model.named_parameters()}))
+    plan = manual_plan(micro_batch=MICRO, accumulation_steps=3, effective_batch=TARGET, micro_batches=(MICRO,) * 3, lr=0.0, base_lr=0.0)
+    kwargs = {} if router_loss is None else {"router_loss": router_loss}
+    result = autotune.fit(model, loader, optimizer=optimizer, plan=plan, count=tokens, progress=False, noise_scale=False, **kwargs, **extra)
+    return seqs, grads, result
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_exact_mode_is_the_big_batch_router_included(name):
+    model = MODELS[name]()
+    start = copy.deepcopy(model)
+    seqs, grads, result = fitted(model, "exact")
+    assert len(grads) == 2
+    for step, got in enumerate(grads):
+        window = seqs[step * TARGET : (step + 1) * TARGET]
+        loss, want = big_batch(start, window)
+        assert relative(got, want) <= 1e-12
+        assert relative(routers(got), routers(want)) <= 1e-12
+        assert result.history[step].loss == pytest.approx(loss, rel=1e-12)
+    (note,) = [n for n in result.plan.notes if "router_loss='exact'" in n]
+    assert "one extra forward without gradients per window" in note
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_default_says_how_far_the_first_window_is_and_is_that_far(name):
+    model = MODELS[name]()
+    start = copy.deepcopy(model)
+    seqs, grads, result = fitted(model)
+    (note,) = [n for n in result.plan.notes if "load-balancing loss per micro-batch" in n]
+    assert "router_loss='exact' makes it exact" in note
+    # The figures, recomputed by hand: each micro-batch's own loss weighted by its tokens, against the window's;
+    # and their gradients with respect to the router logits (autograd), against the window's.
+    window = seqs[:TARGET]
+    micro = [padded(window[i : i + MICRO]) for i in range(0, TARGET, MICRO)]
+    weights = [tokens(b) / sum(map(tokens, micro)) for b in micro]
+    with torch.no_grad():  # the loss's own inputs: the router logits, as leaves
+        outs = [start(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_router_logits=True) for b in micro]
+    logits = [[layer.requires_grad_() for layer in out.router_logits] for out in outs]
+    per_micro = sum(w * balance_by_hand(layers, b["attention_mask"]) for w, layers, b in zip(weights, logits, micro))
+    whole = balance_by_hand([torch.cat([layers[i] for layers in logits]) for i in range(2)],
+                            torch.cat([b["attention_mask"].reshape(-1) for b in micro]))
+    logits = [layer for layers in logits for layer in layers]
+    off = float(per_micro / whole - 1)
+    assert f"as the micro-batches add it is {float(per_micro):.6g} against the window's {float(whole):.6g} ({off:+.3%}" in note
+    mine = torch.autograd.grad(per_micro, logits, retain_graph=True)
+    exact = torch.autograd.grad(whole, logits)
+    gradient_off = (sum(float((a - b).pow(2).sum()) for a, b in zip(mine, exact)) / sum(float(b.pow(2).sum()) for b in exact)) ** 0.5
+    assert f"gradient with respect to the router logits is {gradient_off:.1%} off the window's" in note
+    assert gradient_off > 0.1
+    # and the default trains what it says: the routers' gradient is not the big batch's, the rest nearly is
+    _, want = big_batch(start, window)
+    assert relative(routers(grads[0]), routers(want)) > 0.01
+
+
+def test_at_no_coefficient_both_modes_are_the_big_batch():
+    """A load-balancing loss at coefficient 0 is no loss: nothing is said, nothing replaced."""
+    model = mixtral(coef=0.0)
+    start = copy.deepcopy(model)
+    seqs, grads, result = fitted(model)
+    _, want = big_batch(start, seqs[:TARGET])
+    assert relative(grads[0], want) <= 1e-12
+    assert not [n for n in result.plan.notes if "load-balancing" in n]
+
+
+def _unchanged(model, call):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    call()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "error", "match"),
+    [
+        (mixtral, {"router_loss": "global"}, ValueError, r"Invalid router_loss 'global': use 'per_micro_batch'"),
+        (mixtral, {"router_loss": "exact", "loss_fn": lambda m, b: m(**b).loss}, ValueError,
+         r"Invalid router_loss 'exact' with a loss_fn: .*leave loss_fn out"),
+        (lambda: mixtral(coef=0.0), {"router_loss": "exact"}, ValueError,
+         r"Invalid router_loss 'exact' for MixtralForCausalLM: it adds no load-balancing loss"),
+    ],
+    ids=["unknown-mode", "exact-with-loss-fn", "exact-without-a-balancing-loss"],
+)
+def test_bad_router_loss_is_refused_before_anything_changes(make, kwargs, error, match):
+    model = make()
+    loader = [padded(sequences(8)[i : i + 4]) for i in (0, 4)]
+    with pytest.raises(error, match=match):
+        _unchanged(model, lambda: autotune.fit(model, loader, 8, progress=False, **kwargs))
