@@ -34,8 +34,11 @@ of the step (its items or samples over the step's, summed over the devices, from
 ``get_batch_samples``), which is the big batch's loss for any split, an epoch's short last step
 included; a causal LM whose loss shifts the labels while the Trainer counts them unshifted gets the
 Trainer's count corrected. Collators whose rows are not samples (TRL's preference pairs) are planned
-in samples (:mod:`autotune.integrations.rows`). The notes say which rule holds; where none can be
-made exact they say how far from exact (a measured factor), never "exact".
+in samples (:mod:`autotune.integrations.rows`); a padding-free collator's flattened row is compared
+with its samples one per row, which a model that lets packed sequences see each other fails. The
+notes say which rule holds; where none can be made exact they say how far from exact (a measured
+factor), never "exact"; under the Trainer's bf16 or fp16 autocast, "exact up to" its rounding (a
+micro-batch's products round otherwise than the big batch's).
 """
 
 from __future__ import annotations
@@ -60,9 +63,11 @@ from autotune.integrations.loss_rules import (
     Correction,
     LossCheck,
     check_loss,
+    check_packed,
     correction,
     counting,
     metrics_kept,
+    packed,
     trainer_count,
     weighted,
 )
@@ -158,6 +163,19 @@ def _precision(args: Any) -> str:
     return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
 
 
+def _rounded(fix: Correction, args: Any) -> Correction:
+    """An exact rule, said exact up to the rounding of the Trainer's autocast (bf16 or fp16): a
+    micro-batch's products round otherwise than the big batch's, which no loss rule undoes."""
+    precision = _precision(args)
+    if precision == "fp32" or not fix.exactness.startswith("exact"):
+        return fix
+    return dataclasses.replace(fix, exactness=(
+        f"exact up to {precision} rounding{fix.exactness[len('exact'):]}; the Trainer autocasts to {precision} ({precision}=True "
+        f"in its arguments; TRL's SFTConfig sets bf16=True by default), so a micro-batch's products round otherwise than the "
+        f"big batch's: a step's gradient and the big batch's differ by {precision} rounding (of order 1e-2 relative, as "
+        f"either differs from the float32 gradient); with {precision}=False they agree to float32 rounding"))
+
+
 def prepare(
     trainer: Any,
     *,
@@ -249,6 +267,14 @@ def prepare(
     check = check_loss(trainer, next(iter(_loader(dataset, trainer.data_collator, rows, 4))), rows,
                        _first_two(_loader(dataset, trainer.data_collator, rows, 2)))
     fix = correction(trainer, model, check)
+    if _per_sample(trainer.data_collator) is not trainer.data_collator:
+        # the rule was measured on the sequences padded; what trains is a flattened row of them: compared with them apart
+        packs = [dataset[i] for i in range(min(4, len(dataset)))] if hasattr(dataset, "__len__") else []
+        if check is not None and len(packs) >= 2:
+            check = dataclasses.replace(check, packed=check_packed(trainer, trainer.data_collator(packs),
+                                                                   [trainer.data_collator([s]) for s in packs], check))
+        fix = packed(fix, check, len(packs))
+    fix = _rounded(fix, args)
     had_warmup = bool(getattr(args, "warmup_steps", 0)) or bool(getattr(args, "warmup_ratio", 0))
     settings = equal_settings(plan, lr_rule=lr_rule, learning_rate=args.learning_rate if own_lr is None else own_lr, warmup=warmup,
                               exactness=fix.exactness, had_warmup=had_warmup, run_steps=_run_steps(trainer, target))
@@ -262,7 +288,7 @@ def prepare(
     if _per_sample(trainer.data_collator) is not trainer.data_collator:
         notes.append("planned on the packed sequences padded to the longest in each micro-batch; the Trainer trains them padding-free "
                      "(one flattened row per micro-batch), which holds no more than that; the loss rule was checked on those padded "
-                     "batches")
+                     "batches, and a padding-free row against its sequences apart")
     settings = dataclasses.replace(settings, notes=tuple(notes))
     return _apply(trainer, settings, fix, check, rows, target // world if keep_target else None)
 

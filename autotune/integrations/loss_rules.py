@@ -31,7 +31,7 @@ from autotune.integrations.rows import ONE_ROW, Rows
 from autotune.rng import RNGState
 from autotune.step import planning
 
-__all__ = ["LossCheck", "check_loss", "correction", "counting", "trainer_count", "weighted"]
+__all__ = ["LossCheck", "check_loss", "check_packed", "correction", "counting", "packed", "trainer_count", "weighted"]
 
 _TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4}  # relative; half precision: 2e-2
 
@@ -113,6 +113,10 @@ class LossCheck:
             the labels at position 0 are masked: its sum runs over labels shifted by one position (None:
             not measured).
         tolerance: the relative tolerance of the comparisons, from the dtype of the loss.
+        packed: for a padding-free collator (one flattened row per micro-batch), the loss of a row of
+            several packed sequences over the same sequences' losses each alone in a row, weighted as
+            the rule weights micro-batches (:func:`check_packed`): 1 where the model keeps the packed
+            sequences apart (None: not measured).
     """
 
     uses_count: bool | None
@@ -126,6 +130,7 @@ class LossCheck:
     halves: float | None
     tolerance: float
     skips_first: bool | None = None
+    packed: float | None = None
 
 
 def check_loss(trainer: Any, batch: Mapping[str, Any], rows: Rows = ONE_ROW,
@@ -220,6 +225,61 @@ def _skips_first(batch: Mapping[str, Any], counted: int, with_count: float, loss
     return _close(loss(masked, counted), with_count, tol)
 
 
+def check_packed(trainer: Any, whole: Mapping[str, Any], parts: list[Mapping[str, Any]], check: LossCheck | None) -> float | None:
+    """The Trainer's loss on ``whole`` (several sequences flattened into one row, as a padding-free
+    collator makes a micro-batch) over its losses on ``parts`` (the same sequences, each alone in a
+    row), weighted as ``check``'s rule weights micro-batches: a loss that divides by the count it is
+    told gets the whole's count for every part, a mean over the labelled items weights each part by its
+    items, a sum adds them. 1, within the loss's precision, where the model keeps the packed sequences
+    apart (attention within each sequence, positions restarting at each); another value where a token
+    sees the sequences before it in the row. Evaluated as :func:`check_loss` evaluates (no gradient,
+    eval mode; nothing changed). None where ``check`` found no such rule (a mean over samples: a
+    flattened row is one sample to the loss) or the row counts no labelled items."""
+    if check is None or not check.counted:
+        return None
+    model = trainer.model
+    own_shift = bool(getattr(trainer, "_loss_shifts_labels", False))
+    if check.uses_count:
+        shift: bool | None = None
+    elif check.mean_over_items or check.mean_over_shifted:
+        shift = own_shift if check.mean_over_items else True
+    elif check.sum_over_samples:
+        shift = None
+    else:
+        return None
+    modes = [(m, m.training) for m in model.modules()]
+    rng = RNGState()
+    try:
+        model.eval()
+        with torch.no_grad(), planning(), metrics_kept(trainer):
+            row, alone = trainer._prepare_inputs(dict(whole)), [trainer._prepare_inputs(dict(p)) for p in parts]
+            counted = count(row, shifted=own_shift) if _labelled(row) else 0
+            if not counted:
+                return None
+
+            def loss(b: Mapping[str, Any], n: int | None) -> float:
+                items = None if n is None else torch.tensor(n, device=trainer.args.device)
+                return float(trainer.compute_loss(model, dict(b), num_items_in_batch=items).detach().double().mean())
+
+            def told(b: Mapping[str, Any]) -> int | None:  # the count the Trainer passes a micro-batch alone, as check_loss does
+                return count(b, shifted=own_shift) if _told(trainer) else None
+
+            if check.uses_count:  # every micro-batch of a step is given the step's count
+                got, apart = loss(row, counted), sum(loss(p, counted) for p in alone)
+            elif shift is not None:
+                if not count(row, shifted=shift):
+                    return None
+                got = loss(row, told(row))
+                apart = sum(loss(p, told(p)) * count(p, shifted=shift) for p in alone) / count(row, shifted=shift)
+            else:
+                got, apart = loss(row, told(row)), sum(loss(p, told(p)) for p in alone)
+    finally:
+        for m, training in modes:
+            m.training = training
+        rng.restore()
+    return got / apart if apart else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Correction:
     """What makes the Trainer's loss rule exact for the model, and the note that says so.
@@ -251,6 +311,30 @@ def correction(trainer: Any, model: Any, check: LossCheck | None) -> Correction:
             "uses one (not measurable at the start, where the policy is the reference and the estimate is 0); otherwise "
             + found.exactness))
     return found
+
+
+def packed(found: Correction, check: LossCheck | None, samples: int) -> Correction:
+    """``found`` (the rule measured on padded batches) for a Trainer that trains padding-free rows, by
+    what :func:`check_packed` measured on a row of ``samples`` samples flattened (``check.packed``)."""
+    ratio = None if check is None else check.packed
+    if ratio is None:
+        if not found.exactness.startswith("exact"):
+            return found
+        return dataclasses.replace(found, exactness=(
+            "not checked on the padding-free rows the Trainer trains (a flattened row is compared with its samples apart only "
+            "for a loss divided by the count it is told, a mean over the labelled items or a sum, on two labelled samples or "
+            f"more); on the same sequences padded: {found.exactness}"))
+    assert check is not None  # it holds the ratio
+    if _close(ratio, 1.0, check.tolerance):
+        return dataclasses.replace(found, exactness=(
+            f"{found.exactness}; checked on the padding-free rows too: a row of {samples} samples flattened has the loss of "
+            "those samples each alone in a row (the model keeps the packed sequences apart)"))
+    return dataclasses.replace(found, exactness=(
+        f"not exact: the Trainer trains padding-free rows, and the loss of a row of {samples} samples flattened is "
+        f"{ratio:.6g} times theirs taken one per row: the model lets a token see the sequences before it in the row "
+        "(its attention reads no sequence boundaries from position_ids: another attn_implementation, or use_cache=False, "
+        "may keep them apart), so a micro-batch's gradient depends on which sequences share its row (far more than this loss "
+        f"ratio shows) and no split is the big batch's; on the same sequences padded: {found.exactness}"))
 
 
 def _measured(trainer: Any, model: Any, check: LossCheck | None) -> Correction:
