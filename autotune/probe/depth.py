@@ -212,7 +212,11 @@ def _variant(work: Workload, depths: dict[str, int]) -> Workload:
     """``work`` with its model cut to ``depths`` and its optimizer over that model's parameters alone."""
     model = truncated(work.model, depths)
     kept = {id(p) for p in model.parameters()}
-    optimizer = copy.copy(work.optimizer)
+    # A shallow copy of the optimizer's attributes, not ``copy.copy``: torch's ``Optimizer.__getstate__`` keeps only its
+    # defaults, state and groups, and bitsandbytes keeps its state's bits, smallest 8-bit tensor and paging outside them
+    # (``args``, ``is_paged``): copied that way, an 8-bit optimizer's copies were rebuilt with 32-bit states.
+    optimizer = object.__new__(type(work.optimizer))
+    optimizer.__dict__.update(vars(work.optimizer))
     optimizer.param_groups = [
         {**g, "params": [p for p in g["params"] if id(p) in kept]} for g in work.optimizer.param_groups
     ]
