@@ -136,6 +136,7 @@ class Probing:
     lengths: tuple[int, ...] | None = None
     follow_batch: bool = False
     on_trial: Callable[[Trial], Any] | None = None
+    items: bool = False  # tell what the loss averages over (plan and fit; the trainers' integrations have their own rules)
 
     @classmethod
     def of(cls, **values: Any) -> Probing:

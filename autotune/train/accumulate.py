@@ -19,8 +19,9 @@ micro-batch of 10 real tokens like one of 1000. :func:`accumulate` replaces it::
         optimizer.step(); optimizer.zero_grad()
 
 ``micro.weight`` is ``n_i / N``: the micro-batch's items over the window's items. With
-``count=None`` items are samples; with ``count=fn`` they are ``fn(batch)`` (e.g. non-padding
-tokens), and the loss you weight must then be the mean over exactly those items (e.g.
+``count=None`` items are what the loss the plan was made with averages over (``plan.items``: a
+Transformers model's own loss, its label tokens; a loss of yours, samples); with ``count=fn`` they
+are ``fn(batch)`` (e.g. non-padding tokens, :func:`autotune.shifted_label_tokens`), and the loss you weight must then be the mean over exactly those items (e.g.
 ``F.cross_entropy(..., ignore_index=-100)``), so that ``mean_i * n_i / N`` sums to the mean over all
 the window's items. Micro-batches with no items are not yielded (their mean loss is undefined), and
 windows with no items are skipped; an epoch in which ``count`` found no item at all is an error.
@@ -57,6 +58,7 @@ from autotune.checks import (
     check_positive_int,
 )
 from autotune.errors import AutotuneWarning
+from autotune.items import count_for
 from autotune.parallel.ranks import is_distributed, sum_over_ranks, world
 from autotune.planning.plans import Plan, split_evenly
 
@@ -313,8 +315,10 @@ def accumulate(
         plan: a :class:`Plan`, or the largest micro-batch as an int (then ``target_batch`` is
             required).
         target_batch: samples per window when ``plan`` is an int.
-        count: ``count(batch) -> int``, the loss items in a batch (default: its samples); an int or
-            a 0-d integer tensor.
+        count: ``count(batch) -> int``, the loss items in a batch; an int or a 0-d integer tensor.
+            Default: what the loss the plan was made with averages over (``plan.items``: for a
+            Transformers model's own loss its label tokens, shifted by one for a causal LM, see
+            :mod:`autotune.items`; samples for a ``loss_fn`` of yours, or when ``plan`` is an int).
         drop_last: drop a last window shorter than the others.
         distributed: sum item counts over ranks and scale weights for DDP's averaging (default:
             whenever a process group with more than one rank is initialised). Every rank must then
@@ -363,6 +367,8 @@ def accumulate(
         min_size = plan.min_micro_batch
         if cap is None and plan.shape_model is not None:
             cap = plan.micro_batch_for
+        if count is None:  # the loss planned with: the model's own averages over its label tokens, say
+            count = count_for(plan.items)
     elif not isinstance(plan, bool) and isinstance(plan, int) and plan >= 1:
         if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
             raise ValueError(f"Invalid target_batch {target_batch!r}: with a micro-batch size as plan, give target_batch >= 1")

@@ -55,6 +55,8 @@ from autotune.checks import (
     resolve_device,
 )
 from autotune.errors import AutotuneWarning
+from autotune.items import count_for, loss_items
+from autotune.packed import packing_problem
 from autotune.parallel.ranks import (
     broadcast_model,
     is_distributed,
@@ -173,8 +175,12 @@ def fit(
         lr_rule: as for :func:`autotune.plan`.
         base_batch: as for :func:`autotune.plan`. When not given, the plan's notes say which batch
             size the learning rate was assumed to be tuned at (``result.plan.base_batch_source``).
-        count: ``count(batch) -> int``, loss items in a batch (e.g. non-padding tokens); default:
-            samples.
+        count: ``count(batch) -> int``, loss items in a batch (e.g. non-padding tokens, or
+            :func:`autotune.shifted_label_tokens`). Default: for the model's own loss (no
+            ``loss_fn``), what it averages over, measured on the first batches (a Transformers causal
+            LM's label tokens shifted by one, a token classifier's labels, a sequence classifier's
+            samples; see :mod:`autotune.items`), named in the plan's notes; for your ``loss_fn``,
+            samples, with a note when the first batches show it is a mean over other items.
         pad: ``pad(batches) -> batch`` joining batches padded to different lengths (e.g.
             :func:`autotune.pad_to_longest`), so that micro-batches are not held to the loader's
             batches: pieces of different lengths are joined up to the micro-batch their padded
@@ -360,6 +366,10 @@ def _look_and_agree(request: _Request) -> None:
 
     def look() -> None:
         check_count(r.loader, r.count, r.par.group)
+        if not r.par.fsdp:  # packed rows the model would not keep apart: refused before anything trains
+            packing = packing_problem(inner, r.loader, device=next(inner.parameters()).device, precision=r.precision)
+            if packing:
+                raise ValueError(f"Invalid loader: {packing}")
         if check_loss:
             check_step(inner, r.loss_fn or default_loss, r.loader, device=next(inner.parameters()).device, precision=r.precision)
 
@@ -395,6 +405,7 @@ def _set_up(r: _Request) -> Run:
         broadcast_model(inner, par.group, device)  # the same start on every rank, as DDP makes it
     if r.optimizer is None:
         r.optimizer = torch.optim.AdamW(r.model.parameters(), lr=1e-3)
+    own_loss = r.loss_fn is None  # the model's own loss: weighted by what it averages over (autotune.items)
     r.loss_fn = r.loss_fn or default_loss
     tracker = r.tracker
     plan = r.plan
@@ -404,8 +415,17 @@ def _set_up(r: _Request) -> Run:
         if r.ramp is not None and tracker.saved is not None and tracker.saved.ramp is not None:
             r.ramp.load_state_dict(tracker.saved.ramp)
     if plan is None:
-        plan = plan_with(r.model, r.loader, dataclasses.replace(r.shared, precision=r.precision), Probing(),
+        plan = plan_with(r.model, r.loader, dataclasses.replace(r.shared, precision=r.precision), Probing(items=True),
                          optimizer=r.optimizer, loss_fn=r.loss_fn, device=device)
+    elif r.count is None and own_loss:  # a plan made elsewhere: what the model's loss averages over, told here
+        items = loss_items(inner, None, r.loader, device=device, precision=r.precision,
+                           measure=not par.fsdp and world(par.group)[1] == 1)
+        plan = dataclasses.replace(plan, items=items.rule,
+                                   notes=plan.notes + ((items.note,) if items.note and items.note not in plan.notes else ()))
+    elif r.count is None:  # your loss_fn, with a plan made elsewhere: by samples, as count=None says
+        plan = dataclasses.replace(plan, items="samples")
+    if r.count is None:
+        r.count = count_for(plan.items)
     bns = batchnorms(inner)
     min_micro = max(plan.min_micro_batch, min_micro_batch(inner))
     plan = dataclasses.replace(plan, bn_mode=r.mode.name if (bns and r.mode is not None) else None, min_micro_batch=min_micro)
