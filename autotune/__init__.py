@@ -40,6 +40,7 @@ _WHERE = {
     "pad_to_longest": "autotune.batches",
     "parse_bytes": "autotune.units",
     "plan": "autotune.planning.planner",
+    "quantize": "autotune.memory.quantized",
     "shard_plan": "autotune.planning.sharding",
     "tune_bn_momentum": "autotune.train.tune",
     "what_if": "autotune.planning.planner",
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
 
     from autotune.batches import pad_to_longest
     from autotune.errors import AutotuneError, AutotuneWarning, NothingFits
+    from autotune.memory.quantized import quantize
     from autotune.planning.planner import plan, what_if
     from autotune.planning.plans import Plan
     from autotune.planning.sharding import ShardEstimate, shard_plan
@@ -110,6 +112,7 @@ __all__ = [
     "pad_to_longest",
     "parse_bytes",
     "plan",
+    "quantize",
     "shard_plan",
     "tune_bn_momentum",
     "what_if",

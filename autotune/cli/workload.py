@@ -99,7 +99,7 @@ def _as_asked(args: argparse.Namespace, model: Any) -> Any:
 
         try:
             model = quantize(model, Quantization.named(args.quantize))
-        except ImportError as exc:
+        except (ImportError, ValueError) as exc:  # bitsandbytes missing; a model with nothing to quantize
             raise UsageError(f"--quantize {args.quantize}: {exc}") from None
     return model
 

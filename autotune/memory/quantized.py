@@ -49,7 +49,8 @@ def bitsandbytes() -> Any:
         with _quiet("bitsandbytes"), _quiet("kernels"):
             import bitsandbytes as bnb
     except ImportError:
-        raise ImportError("Quantized weights need bitsandbytes: pip install 'torch-autotune[quantized]' (or bitsandbytes)") from None
+        raise ImportError("Quantized weights need bitsandbytes: pip install 'torch-autotune[quantized]', or 'torch-autotune[llm]' "
+                          "with transformers and peft too (or pip install bitsandbytes)") from None
     return bnb
 
 
@@ -64,6 +65,38 @@ def _quiet(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _check_kind(kind: Any) -> None:
+    if not isinstance(kind, str):
+        raise TypeError(f"Invalid quantization {kind!r} ({type(kind).__name__}): give 'nf4', 'fp4' or 'int8', or an "
+                        "autotune.memory.quantized.Quantization")
+    if kind not in KINDS:
+        raise ValueError(f"Invalid quantization {kind!r}: use one of {', '.join(KINDS)}")
+
+
+def compute_dtype_of(value: Any) -> torch.dtype | None:
+    """A 4-bit layer's compute dtype from a torch floating-point dtype, or its name (``"bfloat16"``, ``"bf16"``,
+    ``"torch.float16"``, ``"fp32"``...); None stays None (the input's dtype).
+
+    Raises:
+        ValueError: a name that is not one of those, or a dtype that is not floating-point.
+        TypeError: neither a dtype nor a name.
+    """
+    accepted = ("give torch.bfloat16, torch.float16 or torch.float32 (or the names 'bfloat16', 'bf16', 'float16', 'fp16', "
+                "'float32', 'fp32'), or None for the input's dtype")
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        if not value.is_floating_point:
+            raise ValueError(f"Invalid compute_dtype {value}: not a floating-point dtype; {accepted}")
+        return value
+    if isinstance(value, str):
+        found = _DTYPES.get(value.strip().lower().removeprefix("torch."))
+        if found is None:
+            raise ValueError(f"Invalid compute_dtype {value!r}: {accepted}")
+        return found
+    raise TypeError(f"Invalid compute_dtype {value!r} ({type(value).__name__}): {accepted}")
+
+
 @dataclass(frozen=True)
 class Quantization:
     """How the base weights are quantized (bitsandbytes).
@@ -72,7 +105,7 @@ class Quantization:
         kind: ``"nf4"``, ``"fp4"`` (4-bit) or ``"int8"`` (LLM.int8()).
         double_quant: 4-bit only: the absmax of each block quantized again (``bnb_4bit_use_double_quant``).
         compute_dtype: 4-bit only: the dtype the weight is dequantized to for each matmul
-            (``bnb_4bit_compute_dtype``; None: the input's dtype).
+            (``bnb_4bit_compute_dtype``; a torch dtype or its name, ``"bfloat16"`` or ``"bf16"``; None: the input's dtype).
         skip: names of linear layers left unquantized (``llm_int8_skip_modules``; default: the output head).
         threshold: 8-bit only: the outlier threshold (``llm_int8_threshold``).
     """
@@ -84,8 +117,15 @@ class Quantization:
     threshold: float = 6.0
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"Invalid quantization {self.kind!r}: use one of {', '.join(KINDS)}")
+        _check_kind(self.kind)
+        if not isinstance(self.double_quant, bool):
+            raise TypeError(f"Invalid double_quant {self.double_quant!r} ({type(self.double_quant).__name__}): give True or False")
+        object.__setattr__(self, "compute_dtype", compute_dtype_of(self.compute_dtype))
+        if isinstance(self.skip, str) or not isinstance(self.skip, Iterable) or not all(isinstance(s, str) for s in self.skip):
+            raise TypeError(f"Invalid skip {self.skip!r}: give the names of the linear layers to leave unquantized, e.g. ('lm_head',)")
+        object.__setattr__(self, "skip", tuple(self.skip))
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
+            raise ValueError(f"Invalid threshold {self.threshold!r}: give LLM.int8()'s outlier threshold, a positive number (6.0 by default)")
 
     @classmethod
     def named(cls, name: str, *, compute_dtype: torch.dtype | None = torch.bfloat16) -> Quantization:
@@ -94,8 +134,7 @@ class Quantization:
         Raises:
             ValueError: another name.
         """
-        if name not in KINDS:
-            raise ValueError(f"Invalid quantization {name!r}: use one of {', '.join(KINDS)}")
+        _check_kind(name)
         if name == "int8":
             return cls("int8")
         return cls(name, double_quant=True, compute_dtype=compute_dtype)
@@ -122,6 +161,11 @@ class Quantization:
                 "model unquantized (an upper bound for its weights), or drop the quantization_config"
             )
         skip = tuple(data.get("llm_int8_skip_modules") or ())
+        if data.get("load_in_4bit") and data.get("load_in_8bit"):
+            raise ValueError(
+                "Invalid quantization_config: it asks for both load_in_4bit and load_in_8bit, which Transformers refuses (one "
+                "quantization per weight); set one of them to false"
+            )
         if data.get("load_in_4bit"):
             kind = str(data.get("bnb_4bit_quant_type", "fp4"))
             if kind not in ("nf4", "fp4"):
@@ -196,36 +240,78 @@ def _heads(model: nn.Module) -> set[str]:
 def quantize(model: nn.Module, quantization: Quantization | str) -> nn.Module:
     """Replace ``model``'s linear layers by bitsandbytes quantized ones, in place, and return it.
 
-    Layers named in ``quantization.skip`` and the output head stay as they are. Weights with data (on the CPU
+    The linear layers are ``torch.nn.Linear`` ones, and Transformers' ``Conv1D`` (GPT-2's, a transposed linear layer,
+    quantized transposed as Transformers' own 4-bit and 8-bit loading does). Layers named in ``quantization.skip`` and
+    the output head stay as they are. Weights with data (on the CPU
     or a GPU) are quantized by bitsandbytes; weights on the meta device stay unquantized (the layer knows its
     quantization), and an estimate quantizes its fake copy of them (:func:`fake_quantized`), so a model too
-    large for this machine is estimated as quantized.
+    large for this machine is estimated as quantized. A model quantized already in the same scheme keeps its
+    quantized layers (any linear layer left unquantized is quantized alike).
 
     Args:
         model: the model (its linear layers frozen by the replacement: quantized weights do not train).
         quantization: a :class:`Quantization`, or ``"nf4"``, ``"fp4"`` or ``"int8"`` (:meth:`Quantization.named`).
 
+    Returns:
+        ``model``, quantized.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``quantization`` neither a :class:`Quantization` nor a name.
+        ValueError: an unknown name; a model quantized already in another scheme; a model with no linear layer to
+            quantize. Refused before any layer changes.
+        ImportError: bitsandbytes is not installed.
+
     Example:
         >>> model = autotune.quantize(model, "nf4")  # doctest: +SKIP
     """
-    q = Quantization.named(quantization) if isinstance(quantization, str) else quantization
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Invalid model of type {type(model).__name__}: give the torch.nn.Module whose linear layers to quantize")
+    if isinstance(quantization, str):
+        q = Quantization.named(quantization)
+    elif isinstance(quantization, Quantization):
+        q = quantization
+    else:
+        raise TypeError(f"Invalid quantization {quantization!r} ({type(quantization).__name__}): give 'nf4', 'fp4' or 'int8', or an "
+                        "autotune.memory.quantized.Quantization")
     bnb = bitsandbytes()
+    already = next((m for m in model.modules() if is_quantized(m)), None)
+    if already is not None:
+        done = quantization_of(model)
+        if done is not None and done.kind != q.kind:
+            raise ValueError(
+                f"Invalid quantization {q.kind!r} for {type(model).__name__}: its linear layers are quantized already "
+                f"({done.describe()}), and a quantized weight cannot be quantized again to another scheme (its original values "
+                f"are gone); quantize the unquantized model (built or loaded again) with {q.kind!r}, or keep {done.kind}"
+            )
     skip = (*q.skip, *_heads(model))
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or _skipped(name, skip):
-            continue
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)  # GPT-2's linear layers, if transformers is loaded
+    linear = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear or (conv1d is not None and type(m) is conv1d)]
+    targets = [(name, m) for name, m in linear if not _skipped(name, skip)]
+    if not targets and already is None:
+        if linear:
+            raise ValueError(
+                f"Invalid quantization for {type(model).__name__}: its linear layers ({', '.join(name for name, _ in linear)}) are "
+                "all skipped (the output head, quantization.skip), so nothing would change; skip fewer, or plan it unquantized"
+            )
+        raise ValueError(
+            f"Invalid model {type(model).__name__} for quantize: it has no linear layer (torch.nn.Linear, or Transformers' Conv1D), "
+            f"the only layers quantize replaces (by bitsandbytes {q.kind} ones), so nothing would change; give a model with "
+            "linear layers, or plan this one unquantized"
+        )
+    for name, module in targets:
         weight = module.weight
         device = weight.device
+        data = weight.data if type(module) is nn.Linear else weight.data.t().contiguous()  # Conv1D: in x out, as Transformers transposes it
+        outputs, inputs = data.shape
         if q.kind == "int8":
-            layer = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias=module.bias is not None,
-                                        has_fp16_weights=False, threshold=q.threshold, device="meta")
-            layer.weight = bnb.nn.Int8Params(weight.data, requires_grad=False, has_fp16_weights=False)
+            layer = bnb.nn.Linear8bitLt(inputs, outputs, bias=module.bias is not None, has_fp16_weights=False, threshold=q.threshold,
+                                        device="meta")
+            layer.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
         else:
-            layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                                      compute_dtype=q.compute_dtype, compress_statistics=q.double_quant, quant_type=q.kind,
-                                      device="meta")
-            layer.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, compress_statistics=q.double_quant,
-                                             quant_type=q.kind, module=layer)
+            layer = bnb.nn.Linear4bit(inputs, outputs, bias=module.bias is not None, compute_dtype=q.compute_dtype,
+                                      compress_statistics=q.double_quant, quant_type=q.kind, device="meta")
+            layer.weight = bnb.nn.Params4bit(data, requires_grad=False, compress_statistics=q.double_quant, quant_type=q.kind,
+                                             module=layer)
         if module.bias is not None:
             layer.bias = module.bias
         if device.type != "meta":

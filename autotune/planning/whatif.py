@@ -218,7 +218,10 @@ def _adapted(work: Any, quantized: bool, *, shallow: bool = True) -> tuple[Any, 
     memo.update({id(b): torch.empty_like(b, device="meta") for b in source.buffers()})
     copied = copy.deepcopy(source, memo)
     if quantized:
-        quantize(copied, "nf4")
+        try:
+            quantize(copied, "nf4")
+        except ValueError:  # no linear layer to quantize (GPT-2's are Conv1D, its head left unquantized): no QLoRA row
+            return None
     with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns
         warnings.simplefilter("ignore")
         adapted = peft.get_peft_model(copied, peft.LoraConfig(r=LORA_RANK, target_modules="all-linear"))
