@@ -45,6 +45,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        _check_shapes(hidden, weight, targets)
         tokens, size = hidden.shape
         vocab = weight.shape[0]
         chunk = chunk_tokens(tokens, vocab, size)
@@ -99,9 +100,11 @@ def fused_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Te
 
     Raises:
         TypeError: ``batch`` has no ``labels``, or the model has no decoder and output head to fuse.
+        ValueError: labels that are not one token id per token of ``input_ids`` (checked before the model runs).
     """
     if not isinstance(batch, Mapping) or "labels" not in batch:
         raise TypeError("fused_causal_lm_loss needs a dict batch with 'labels' (and 'input_ids')")
+    _check_labels(batch)
     decoder = getattr(model, "get_decoder", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if decoder is None or head is None:
@@ -110,6 +113,42 @@ def fused_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Te
     hidden = decoder(**inputs).last_hidden_state
     labels = nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:]  # as Liger shifts them: no copy of the states
     return FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1))  # type: ignore[no-any-return]
+
+
+def _check_labels(batch: Mapping[str, Any]) -> None:
+    """Labels one per token, as token ids: said before the decoder runs (torch's own error comes from inside the loss)."""
+    labels = batch["labels"]
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"Invalid labels of type {type(labels).__name__}: give a tensor of token ids shaped like input_ids (-100 where no loss)")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"Invalid labels of dtype {labels.dtype}: give token ids (torch.long) shaped like input_ids, -100 where no loss")
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    if isinstance(ids, torch.Tensor):
+        tokens, name = tuple(ids.shape), "input_ids"
+    elif isinstance(embeds, torch.Tensor):
+        tokens, name = tuple(embeds.shape[:-1]), "inputs_embeds (less its last dim)"
+    else:
+        return  # the model's own error says what it lacks
+    if tuple(labels.shape) != tokens:
+        raise ValueError(
+            f"Invalid labels of shape {tuple(labels.shape)} for {name} of shape {tokens}: the loss takes one label per token "
+            "(shifted by one inside, as the model's own loss shifts them); give labels shaped like input_ids, -100 where no "
+            "loss (padding)"
+        )
+
+
+def _check_shapes(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """The shapes :class:`FusedLinearCrossEntropy` takes, said before any chunk runs."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"Invalid shapes: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}; give hidden states as tokens x hidden "
+            "and the head's weight as vocabulary x hidden (the same hidden size)"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"Invalid targets of shape {tuple(targets.shape)} for hidden states of shape {tuple(hidden.shape)}: give one target "
+            f"per token, a 1-d tensor of {hidden.shape[0]} token ids (-100 where no loss); flatten labels with .reshape(-1)"
+        )
 
 
 fused_causal_lm_loss.setting = SETTING  # type: ignore[attr-defined]  # what a plan with this loss says it assumed
