@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from autotune.memory.optimizers import describe as describe_optimizer
-from autotune.memory.quantized import is_quantized_weight, logical_numel, quantization_of, quantized_layer_types
+from autotune.memory.quantized import is_quantized, is_quantized_weight, logical_numel, quantization_of, quantized_layer_types
 from autotune.units import format_bytes
 
 __all__ = ["attention_of", "describe", "lora_of", "set_aside_words", "weights_policy"]
@@ -82,9 +82,9 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     ]
     config = getattr(model, "config", None)
     quantization = quantization_of(model) if quantized or getattr(config, "quantization_config", None) is not None else None
-    if quantization is not None:
-        out.append(("quantization", quantization.describe()))
     lora = lora_of(model)
+    if quantization is not None:
+        out.append(("quantization", quantization.describe() + (_frozen_words(model, numel) if quantized and lora is None else "")))
     if lora is not None:
         out.append(("adapters", lora))
     tokens = _tokens(batch)
@@ -100,6 +100,22 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     out.append(("optimizer", describe_optimizer(optimizer, device.type)))
     out.append(("device", str(device)))
     return tuple(out)
+
+
+def _frozen_words(model: nn.Module, numel: Any) -> str:
+    """What a model quantized without adapters trains, in words: its quantized layers' weights stay frozen, the rest
+    trains (a full fine-tune of the embeddings, the head and the norms), e.g. ``"; the quantized layers' weights frozen
+    (no adapters): what trains is the rest, 1.05B parameters in embed_tokens, input_layernorm (x32), ..., lm_head"``."""
+    owners: Counter[str] = Counter()
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own:
+            leaf = name.rsplit(".", 1)[-1] or type(module).__name__
+            owners[f"{leaf} (bias)" if is_quantized(module) else leaf] += 1
+    trained = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    where = ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in owners.items())
+    count = _count(trained) if trained >= 1e8 else f"{trained:,}"
+    return f"; the quantized layers' weights frozen (no adapters): what trains is the rest, {count} parameters in {where or 'none'}"
 
 
 def _count(n: int) -> str:
