@@ -294,6 +294,14 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
     on_device = not args.hf_config and (device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available()))
     if device.type == "cuda" and not on_device and args.memory_limit is None:
         raise UsageError("No CUDA device here: to plan for one, give its memory with --memory-limit (e.g. 80GiB)")
+    if device.type == "cuda" and not on_device:  # refused before anything is built or traced (--cuda-context is in effect)
+        from autotune.planning.advice import check_limit_above_context
+
+        try:
+            check_limit_above_context(parse_bytes(args.memory_limit), given=f"--memory-limit {args.memory_limit}",
+                                      fix="--memory-limit 80GiB", other="--cuda-context")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if args.attention in ("flash_attention_2", "flex_attention") and device.type != "cuda":
         raise UsageError(f"--attention {args.attention} runs on CUDA only: give --device cuda (and --memory-limit), or --attention sdpa")
     return base_batch, lengths, ramp, device, on_device

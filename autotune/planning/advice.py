@@ -8,16 +8,35 @@ from collections.abc import Sequence
 from typing import Any
 
 from autotune.errors import NothingFits
+from autotune.memory.device import cuda_context_allowance
 from autotune.planning.sharding import estimated, shard_estimates
 from autotune.probe.search import Trial
 from autotune.probe.trial import Workload
 from autotune.step import min_micro_batch
 from autotune.units import format_bytes
 
-__all__ = ["ALLOCATOR_WORDS", "nothing_fits", "shards_that_fit", "where_the_bytes_go"]
+__all__ = ["ALLOCATOR_WORDS", "check_limit_above_context", "nothing_fits", "shards_that_fit", "where_the_bytes_go"]
 
 # Why an estimate for CUDA needs more than its tensors, where that decides.
 ALLOCATOR_WORDS = "its tensors: {tensors}; the rest is cuBLAS's workspace and the segments it rounds tensors into"
+
+
+def check_limit_above_context(limit: int, *, given: str | None = None, fix: str = "memory_limit='80GiB'",
+                              other: str = "AUTOTUNE_CUDA_CONTEXT") -> None:
+    """Refuse a CUDA estimate's limit at or below what is set aside for the CUDA context: nothing would be left to the
+    step, and the search would estimate every size (and the what-if table) to say so. ``given``, ``fix`` and ``other``:
+    the limit as given, the fix and the setting of another context, in the caller's words (the API's by default).
+
+    Raises:
+        ValueError: such a limit.
+    """
+    context = cuda_context_allowance()
+    if limit <= context.bytes:
+        raise ValueError(
+            f"Invalid {given or f'memory_limit {format_bytes(limit)}'} for a CUDA estimate: it is not above the "
+            f"{format_bytes(context.bytes)} set aside for the CUDA context ({context.source}), so nothing is left to the "
+            f"training step; give the device's memory, e.g. {fix} (or set a smaller context with {other})"
+        )
 
 
 def shards_that_fit(work: Workload, budget: int, target_batch: int) -> tuple[list[Any], bool]:

@@ -39,7 +39,7 @@ from autotune.memory.ledger import storage_bytes
 from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
 from autotune.parallel.ranks import bypass_nested, gather, group_broken, parallel, world
 from autotune.parallel.stops import on_every_rank
-from autotune.planning.advice import nothing_fits, shards_that_fit, where_the_bytes_go
+from autotune.planning.advice import check_limit_above_context, nothing_fits, shards_that_fit, where_the_bytes_go
 from autotune.planning.lengths import shape_model_for
 from autotune.planning.options import Options, Probing, check_target, options
 from autotune.planning.plans import Plan, budget_of, largest_share, window_layout
@@ -297,6 +297,8 @@ def _set_up(model: nn.Module, shared: Options, probing: Probing, optimizer: Any,
     check_optimizer(par.inner, optimizer)
     if shared.lr_rule != "none":
         _base_lr(optimizer)
+    if device.type == "cuda" and not probing.verify and limit is not None:
+        check_limit_above_context(limit)  # at once: below it nothing fits, and the estimate would search for minutes
     if device.type == "cuda" and shared.memory_limit is None and not torch.cuda.is_available():
         raise ValueError(
             "Cannot read the memory of a CUDA device on a machine without one: pass "
