@@ -45,14 +45,17 @@ class NothingFits(AutotuneError, RuntimeError):
         headroom: the fraction of the rest kept free (None when not said).
         tensors: for an estimate of a CUDA target whose tensors alone would fit, their bytes; ``needed`` is then what
             the caching allocator reserves (cuBLAS's workspace, and the segments it rounds tensors into); else None.
+        resident_too_big: whether the weights, gradients and optimizer state alone exceed the budget (estimated), so
+            that no micro-batch and no shorter sample can fit on one device.
     """
 
     def __init__(
         self, message: str, *, needed: int, budget: int, limit: int, micro_batch: int = 1, measured: bool = True,
         what_if: Any = None, shards: Any = (), held: str | None = None, setting: Any = (), set_aside: Any = (),
-        headroom: float | None = None, tensors: int | None = None,
+        headroom: float | None = None, tensors: int | None = None, resident_too_big: bool = False,
     ) -> None:
         super().__init__(message)
+        self.resident_too_big = resident_too_big
         self.held = held
         self.setting = tuple(setting)
         self.set_aside = tuple(set_aside)

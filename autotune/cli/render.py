@@ -105,10 +105,16 @@ def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
     ) + (f"; held: {err.held}" if getattr(err, "held", None) else "")
     table = err.what_if
     fits, own, shard = _would_fit(err)
+    if tokens is not None and getattr(err, "resident_too_big", False):  # held whatever the length: shorter samples cannot fit
+        stays = (f" (the weights, gradients and optimizer state alone exceed the budget, so shorter samples than {tokens} tokens "
+                 "cannot fit either)")
+        tokens = None
+    else:
+        stays = ""
     if not fits and shard is None:
         if table is not None:
             tried = ", ".join(dict.fromkeys(flag for r in table.rows if r.changes > 0 for flag in _flags(r, own)))
-            shorter = f", or shorter samples than {tokens} tokens (--tokens max: the longest that fits at micro-batch 1)" if tokens else ""
+            shorter = f", or shorter samples than {tokens} tokens (--tokens max: the longest that fits at micro-batch 1)" if tokens else stays
             return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model{shorter}"
         return text + ": try --precision bf16, --checkpointing, a larger --memory-limit, or shorter inputs (--input-shape)"
     lines = [text + ": what would fit, estimated, the cheapest change first:"]

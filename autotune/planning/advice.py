@@ -77,7 +77,7 @@ def nothing_fits(
     ranks and their errors (every rank abandons such a trial, so every rank's error names them). ``setting``: what was
     planned (:func:`autotune.planning.setting.describe`), carried by the error. ``reserved``: for an estimate of a CUDA
     target, what the caching allocator reserves at the smallest size (said where the tensors alone would fit)."""
-    said = {"setting": setting, "set_aside": tuple(set_aside), "headroom": headroom}
+    said = {"setting": setting, "set_aside": tuple(set_aside), "headroom": headroom, "resident_too_big": resident_too_big}
     real = [t for t in trials if not t.estimate]
     pool = real or trials
     smallest = min(t.batch_size for t in pool)
