@@ -39,3 +39,13 @@ def test_import_loads_the_planning_machinery_when_planning_starts():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[:3] == ["[]", "False", "True"]
+
+
+def test_quantize_has_one_public_spelling_and_loads_no_bitsandbytes_until_it_runs():
+    # The spelling quantize's own docstring uses; naming it imports autotune.memory.quantized, not bitsandbytes.
+    code = (
+        "import sys, autotune, autotune.memory.quantized as q; print('quantize' in autotune.__all__, autotune.quantize is q.quantize, "
+        "'autotune.quantize(' in q.quantize.__doc__, 'bitsandbytes' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "True", "False"]
