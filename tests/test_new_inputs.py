@@ -71,8 +71,8 @@ QUANTIZE = [
      r"Invalid skip 'lm_head': give the names of the linear layers to leave unquantized, e.g. \('lm_head',\)"),
     ("double_quant='yes'", mlp, lambda m: quantize(m, Quantization("nf4", double_quant="yes")), TypeError,
      r"Invalid double_quant 'yes' \(str\): give True or False"),
-    ("threshold=0", mlp, lambda m: quantize(m, Quantization("int8", threshold=0)), ValueError,
-     r"Invalid threshold 0: give LLM.int8\(\)'s outlier threshold, a positive number"),
+    ("threshold=-1", mlp, lambda m: quantize(m, Quantization("int8", threshold=-1)), ValueError,
+     r"Invalid threshold -1: give LLM.int8\(\)'s outlier threshold, a number >= 0 \(6.0 by default"),
     ("quantize('model', 'nf4')", lambda: None, lambda m: quantize("model", "nf4"), TypeError,
      r"Invalid model of type str: give the torch.nn.Module whose linear layers to quantize"),
 ]
@@ -85,6 +85,14 @@ def test_a_bad_quantize_argument_is_refused_naming_it_and_changes_nothing(what, 
     with pytest.raises(error, match=match):
         call(model)
     assert same(model, before), f"{what}: the model changed before the error"
+
+
+def test_a_layer_built_with_bitsandbytes_default_threshold_is_read_back():
+    # bitsandbytes' own Linear8bitLt defaults to threshold 0.0 (no outlier decomposition): a setting, not an error.
+    from autotune.memory.quantized import quantization_of
+
+    model = quantize(mlp(), Quantization("int8", threshold=0.0))
+    assert quantization_of(model) == Quantization("int8", threshold=0.0)
 
 
 def test_the_docs_table_lists_every_case():

@@ -124,15 +124,16 @@ class Quantization:
         if isinstance(self.skip, str) or not isinstance(self.skip, Iterable) or not all(isinstance(s, str) for s in self.skip):
             raise TypeError(f"Invalid skip {self.skip!r}: give the names of the linear layers to leave unquantized, e.g. ('lm_head',)")
         object.__setattr__(self, "skip", tuple(self.skip))
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
-            raise ValueError(f"Invalid threshold {self.threshold!r}: give LLM.int8()'s outlier threshold, a positive number (6.0 by default)")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold >= 0:
+            raise ValueError(f"Invalid threshold {self.threshold!r}: give LLM.int8()'s outlier threshold, a number >= 0 (6.0 by default, "
+                             "as Transformers'; 0 turns the outlier decomposition off, as bitsandbytes' own default)")
 
     @classmethod
     def named(cls, name: str, *, compute_dtype: torch.dtype | None = torch.bfloat16) -> Quantization:
         """``nf4``, ``fp4`` or ``int8`` as QLoRA uses them: 4-bit with double quantization and bf16 compute.
 
         Raises:
-            ValueError: another name.
+            ValueError: another name (``TypeError`` for a value that is not a name), or an unknown ``compute_dtype``.
         """
         _check_kind(name)
         if name == "int8":
