@@ -27,9 +27,13 @@ VOCAB, EXPERTS, TOP_K, COEF = 64, 4, 2, 0.02
 TARGET, MICRO, SAMPLES = 12, 4, 24  # two windows of three micro-batches
 
 
-def _causal_ce(logits, labels, vocab_size, **kwargs):
-    """The token mean over the shifted labels, in the logits' dtype (float64 here)."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size), labels[:, 1:].reshape(-1), ignore_index=-100)
+def _causal_ce(logits, labels, vocab_size, num_items_in_batch=None, **kwargs):
+    """Transformers' causal-LM loss in the logits' dtype (float64 here): the sum over the shifted labels
+    divided by ``num_items_in_batch`` when it is given (the Trainer's step count), else their mean."""
+    flat = logits[:, :-1].reshape(-1, vocab_size), labels[:, 1:].reshape(-1)
+    if num_items_in_batch is None:
+        return F.cross_entropy(*flat, ignore_index=-100)
+    return F.cross_entropy(*flat, ignore_index=-100, reduction="sum") / num_items_in_batch
 
 
 def mixtral(coef=COEF, **extra):
@@ -163,8 +167,8 @@ def test_the_default_says_how_far_the_first_window_is_and_is_that_far(name):
     whole = balance_by_hand([torch.cat([layers[i] for layers in logits]) for i in range(2)],
                             torch.cat([b["attention_mask"].reshape(-1) for b in micro]))
     logits = [layer for layers in logits for layer in layers]
-    off = float(per_micro / whole - 1)
-    assert f"as the micro-batches add it is {float(per_micro):.6g} against the window's {float(whole):.6g} ({off:+.3%}" in note
+    off = float(per_micro.detach() / whole.detach() - 1)
+    assert f"as the micro-batches add it is {float(per_micro.detach()):.6g} against the window's {float(whole.detach()):.6g} ({off:+.3%}" in note
     mine = torch.autograd.grad(per_micro, logits, retain_graph=True)
     exact = torch.autograd.grad(whole, logits)
     gradient_off = (sum(float((a - b).pow(2).sum()) for a, b in zip(mine, exact)) / sum(float(b.pow(2).sum()) for b in exact)) ** 0.5
@@ -207,3 +211,128 @@ def test_bad_router_loss_is_refused_before_anything_changes(make, kwargs, error,
     loader = [padded(sequences(8)[i : i + 4]) for i in (0, 4)]
     with pytest.raises(error, match=match):
         _unchanged(model, lambda: autotune.fit(model, loader, 8, progress=False, **kwargs))
+
+
+# --- under the Hugging Face Trainer, through hf.prepare ---------------------------------------------------
+
+
+class Sequences(torch.utils.data.Dataset):
+    def __init__(self, seqs):
+        self.seqs = seqs
+
+    def __len__(self):
+        return len(self.seqs)
+
+    def __getitem__(self, i):
+        s = self.seqs[i]
+        return {"input_ids": s, "attention_mask": torch.ones_like(s), "labels": s.clone()}
+
+
+def collate(samples):
+    return padded([s["input_ids"] for s in samples])
+
+
+def trained(tmp_path, model, *, prepare, router_loss=None):
+    """One epoch at a learning rate of 0 (two steps of 12, sequential): each step's gradient and logged
+    loss; prepared to micro-batches of 3 or 4 (the limit is set for 4), or the Trainer alone at 12 x 1."""
+    seqs = sequences()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / str(prepare)), per_device_train_batch_size=TARGET, num_train_epochs=1, learning_rate=0.0, optim="sgd",
+        lr_scheduler_type="constant", use_cpu=True, report_to=[], save_strategy="no", logging_strategy="steps", logging_steps=1, seed=0,
+        max_grad_norm=0.0, disable_tqdm=True)
+    grads = []
+
+    class Record(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Sequences(seqs), data_collator=collate, callbacks=[Record()])
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
+    prepared = None
+    if prepare:
+        from autotune.integrations import hf
+
+        kwargs = {} if router_loss is None else {"router_loss": router_loss}
+        prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit=_limit_for(trainer, MICRO), headroom=0, progress=False, **kwargs)
+        assert prepared.accumulation_steps > 1 and prepared.micro_batch * prepared.accumulation_steps == TARGET, str(prepared)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return seqs, grads, losses, prepared, trainer
+
+
+def _limit_for(trainer, micro):
+    """A memory limit between the planned peaks at ``micro`` and ``micro + 1`` samples (from a first prepare, restored)."""
+    from autotune.integrations import hf
+
+    prepared = hf.prepare(trainer, target_batch=TARGET, memory_limit="1GiB", headroom=0, progress=False)
+    curve = prepared.settings.plan.memory_curve
+    prepared.restore()
+    return (curve(micro) + curve(micro + 1)) // 2
+
+
+def _note(prepared):
+    (note,) = [n for n in prepared.settings.notes if "load-balancing loss" in n]
+    return note
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_trainer_prepared_exact_is_the_big_batch(tmp_path, name):
+    model = MODELS[name]()
+    start = copy.deepcopy(model)
+    seqs, grads, losses, prepared, trainer = trained(tmp_path, model, prepare=True, router_loss="exact")
+    note = _note(prepared)
+    assert "router_loss='exact'" in note and "one extra forward without gradients per step" in note
+    assert len(grads) == len(losses) == 2
+    for step in range(2):
+        loss, want = big_batch(start, seqs[step * TARGET : (step + 1) * TARGET])
+        assert relative(grads[step], want) <= 1e-12
+        assert losses[step] == pytest.approx(loss, rel=1e-12)
+    prepared.restore()
+    assert model.router_aux_loss_coef == COEF and "compute_loss" not in trainer.__dict__
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_trainer_prepared_by_default_adds_one_loss_a_step_and_says_how_far(tmp_path, name):
+    """Each micro-batch's own load-balancing loss weighted by its tokens over the step's (the attention
+    mask's): one loss's worth a step, not three, against a reference built by hand from the same
+    micro-batches; the note's figures recomputed by hand."""
+    model = MODELS[name]()
+    start = copy.deepcopy(model)
+    seqs, grads, losses, prepared, _ = trained(tmp_path, model, prepare=True)
+    note = _note(prepared)
+    assert "which the Trainer alone does not divide by the accumulation" in note
+    assert "router_loss='exact' makes it exact" in note
+    for step in range(2):
+        window = seqs[step * TARGET : (step + 1) * TARGET]
+        reference = copy.deepcopy(start)
+        size = prepared.micro_batch
+        micro = [padded(window[i : i + size]) for i in range(0, TARGET, size)]
+        routed, counted = sum(int(b["attention_mask"].sum()) for b in micro), sum(map(tokens, micro))
+        loss = per_micro = 0.0
+        for b in micro:  # each micro-batch's summed cross-entropy over the step's tokens, and its own balancing loss weighted
+            o = reference(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_router_logits=True)
+            ce = F.cross_entropy(o.logits[:, :-1].reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+            own = int(b["attention_mask"].sum()) / routed * balance_by_hand(o.router_logits, b["attention_mask"])
+            (ce / counted + COEF * own).backward()
+            loss, per_micro = loss + float(ce.detach()) / counted, per_micro + own.detach()
+        want = {n: p.grad for n, p in reference.named_parameters()}
+        assert relative(grads[step], want) <= 1e-12
+        assert losses[step] == pytest.approx(loss + COEF * float(per_micro), rel=1e-12)
+        if step == 0:
+            layers = zip(*[reference(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_router_logits=True).router_logits
+                           for b in micro])
+            exact = balance_by_hand([torch.cat(layer) for layer in layers], torch.cat([b["attention_mask"].reshape(-1) for b in micro]))
+            figures = f"{float(per_micro.detach()):.6g} against the step's {float(exact.detach()):.6g}"
+            assert figures in note
+
+
+def test_the_trainer_prepared_exact_is_the_trainers_own_big_step(tmp_path):
+    """The same Trainer alone at 12 x 1 (one micro-batch a step: its own big batch, nothing of autotune),
+    within the float32 rounding of the load-balancing loss the model adds itself (transformers sums it
+    in float32 whatever the model's dtype)."""
+    model = mixtral()
+    _, want, want_losses, _, _ = trained(tmp_path, copy.deepcopy(model), prepare=False)
+    _, got, got_losses, _, _ = trained(tmp_path, copy.deepcopy(model), prepare=True, router_loss="exact")
+    assert got_losses == pytest.approx(want_losses, rel=1e-8)
+    for g, w in zip(got, want):
+        assert relative(g, w) <= 1e-6

@@ -43,6 +43,7 @@ micro-batch's products round otherwise than the big batch's).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -71,11 +72,13 @@ from autotune.integrations.loss_rules import (
     trainer_count,
     weighted,
 )
+from autotune.integrations.router_loss import balanced, coefficient_off, routed_step, said
 from autotune.integrations.rows import ONE_ROW, Rows, rows_of
 from autotune.planning.options import Probing, options
 from autotune.planning.planner import plan_with
 from autotune.planning.report import largest_divisor
 from autotune.step import normalize_precision
+from autotune.train.experts import check_router_loss, router_of
 
 __all__ = ["LossCheck", "Prepared", "check_loss", "prepare"]
 
@@ -186,6 +189,7 @@ def prepare(
     base_batch: int | None = None,
     warmup: bool = True,
     keep_target: bool = True,
+    router_loss: str = "per_micro_batch",
     progress: bool = True,
 ) -> Prepared:
     """Plan the Trainer's training, set its per-device batch and gradient accumulation, and make its
@@ -208,6 +212,11 @@ def prepare(
         keep_target: on an out-of-memory retry of the Trainer's (``auto_find_batch_size``), train the
             largest equal micro-batch strictly below the one that failed, with the accumulation that
             keeps the target.
+        router_loss: a mixture-of-experts model's load-balancing loss (``config.output_router_logits``),
+            which the Trainer alone adds whole for every micro-batch: ``"per_micro_batch"`` (default: each
+            micro-batch's own weighted by its tokens over the step's, how far from the big batch's measured
+            on the first step) or ``"exact"`` (the big batch's, at one extra forward without gradients per
+            step; one device). See :mod:`autotune.integrations.router_loss`.
         progress: say what the probe does on stderr when it takes more than a second.
 
     Returns:
@@ -240,6 +249,8 @@ def prepare(
         )
     args = trainer.args
     world = max(1, int(getattr(args, "world_size", 1)))
+    check_router_loss(trainer.model, router_loss, loss_fn=None, distributed=world > 1)
+    router = router_of(trainer.model)  # a load-balancing loss the model adds to each micro-batch's (None: none)
     described = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     target = described if target_batch is None else target_batch
     model = trainer.model
@@ -251,6 +262,10 @@ def prepare(
 
     dataset = _dataset(trainer)
     rows = _rows(trainer, dataset)
+    if router is not None and rows.per_sample > 1:
+        raise ValueError(f"Invalid trainer {type(trainer).__name__} for {type(model).__name__}: its collator makes {rows.per_sample} rows "
+                         "of each sample and the model adds a load-balancing loss to each micro-batch's, which autotune can weight only "
+                         "on one row per sample; set output_router_logits=False in the model's config, or plan without prepare()")
     own_lr = _own_learning_rate(trainer, lr_rule)
 
     def loss_fn(model: Any, batch: Any) -> torch.Tensor:
@@ -264,9 +279,10 @@ def prepare(
         shared = dataclasses.replace(shared, target_batch=target, base_batch=base_batch or described, precision=normalize_precision(_precision(args)))
         plan = plan_with(model, _loader(dataset, trainer.data_collator, rows, args.per_device_train_batch_size), shared, Probing(),
                          optimizer=optimizer, loss_fn=loss_fn, device=args.device)
-    check = check_loss(trainer, next(iter(_loader(dataset, trainer.data_collator, rows, 4))), rows,
-                       _first_two(_loader(dataset, trainer.data_collator, rows, 2)))
-    fix = correction(trainer, model, check)
+    with coefficient_off(model) if router is not None else contextlib.nullcontext():  # the rule of the loss without it
+        check = check_loss(trainer, next(iter(_loader(dataset, trainer.data_collator, rows, 4))), rows,
+                           _first_two(_loader(dataset, trainer.data_collator, rows, 2)))
+        fix = correction(trainer, model, check)
     if _per_sample(trainer.data_collator) is not trainer.data_collator:
         # the rule was measured on the sequences padded; what trains is a flattened row of them: compared with them apart
         packs = [dataset[i] for i in range(min(4, len(dataset)))] if hasattr(dataset, "__len__") else []
@@ -289,8 +305,21 @@ def prepare(
         notes.append("planned on the packed sequences padded to the longest in each micro-batch; the Trainer trains them padding-free "
                      "(one flattened row per micro-batch), which holds no more than that; the loss rule was checked on those padded "
                      "batches, and a padding-free row against its sequences apart")
+    if router is not None:  # the first step's micro-batches, routed: the per-micro-batch loss against the step's
+        first = list(itertools.islice(iter(_loader(dataset, trainer.data_collator, rows, settings.micro_batch)), settings.accumulation_steps))
+        notes.append(said(router, routed_step(trainer, router, first), len(first), router_loss, type(model).__name__))
     settings = dataclasses.replace(settings, notes=tuple(notes))
-    return _apply(trainer, settings, fix, check, rows, target // world if keep_target else None)
+    prepared = _apply(trainer, settings, fix, check, rows, target // world if keep_target else None)
+    if router is not None:  # the load-balancing loss added by autotune as router_loss says, not by the model
+        put_back, undo = balanced(trainer, router, router_loss), prepared._restore
+
+        def restore() -> None:
+            if trainer.__dict__.get(_ACTIVE) is prepared:
+                put_back()
+            undo()
+
+        prepared._restore = restore
+    return prepared
 
 
 def _rows(trainer: Any, dataset: Any) -> Rows:

@@ -39,6 +39,7 @@ __all__ = [
     "Routed",
     "Router",
     "RouterLoss",
+    "balance",
     "check_router_loss",
     "measured",
     "router_loss_for",
@@ -205,6 +206,13 @@ def share(router: Router, routed: Routed, router_logits: Sequence[torch.Tensor],
     _, probs, _, _ = routing(router_logits, attention_mask, router)
     fractions = (routed.assigned / routed.rows).to(probs.dtype)
     return router.coef * router.experts * (fractions @ probs) / routed.rows.to(probs.dtype)
+
+
+def balance(router: Router, router_logits: Sequence[torch.Tensor], attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """A batch's own load-balancing loss (coefficient not included), as the model computes it but in
+    float32 at least (transformers accumulates it in float32 whatever the model's dtype)."""
+    assigned, probs, rows, _ = routing(router_logits, attention_mask, router)
+    return router.experts * (assigned / rows) @ (probs / rows)
 
 
 def measured(router: Router, routed: Routed, micro_batches: int, *, window: str = "window") -> str:
