@@ -406,7 +406,7 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
     scale and the ramp's stages when asked); the plot beside it. ``tokens``: the tokens of a sample of
     ``--hf-config``'s batch, which the JSON also gives per micro-batch and per optimizer step."""
     import autotune
-    from autotune.planning.report import framework_configs, render_json, render_text
+    from autotune.planning.report import deepspeed_comments, framework_configs, render_json, render_text
     from autotune.train.noise import advice
 
     table = None
@@ -436,7 +436,10 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         print(json.dumps(data, indent=2))
         return
     if args.format:
-        print(framework_configs(plan, lr_given=args.lr is not None)[args.format])
+        config = framework_configs(plan, lr_given=args.lr is not None)[args.format]
+        if args.format == "deepspeed" and config.startswith("{"):  # stdout stays a JSON file; what JSON cannot say goes to stderr
+            print(deepspeed_comments(plan, lr_given=args.lr is not None), file=sys.stderr)
+        print(config)
         return
     print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length, lr_given=args.lr is not None))
     if table is not None:

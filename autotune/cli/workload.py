@@ -127,7 +127,7 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     try:
         import transformers
     except ImportError:
-        raise UsageError("--hf-config needs transformers: pip install transformers") from None
+        raise UsageError("--hf-config needs transformers: pip install 'torch-autotune[llm]' (or pip install transformers)") from None
     quantization = _quantization_of(args, data)
     dtype = getattr(torch, str(data.get("dtype") or data.get("torch_dtype") or "float32").replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -277,7 +277,7 @@ def _with_lora(args: argparse.Namespace, model: Any) -> Any:
             bitsandbytes()  # imported quietly first: PEFT imports it, and it logs about an optional kernel package
         import peft
     except ImportError:
-        raise UsageError("--lora needs peft: pip install peft") from None
+        raise UsageError("--lora needs peft: pip install 'torch-autotune[llm]' (or pip install peft)") from None
     modules: Any = None
     if args.lora_modules:
         modules = "all-linear" if args.lora_modules == "all-linear" else [m.strip() for m in args.lora_modules.split(",") if m.strip()]

@@ -43,6 +43,7 @@ from autotune.planning.advice import check_limit_above_context, nothing_fits, sh
 from autotune.planning.lengths import shape_model_for
 from autotune.planning.options import Options, Probing, check_target, options
 from autotune.planning.plans import Plan, budget_of, largest_share, window_layout
+from autotune.planning.recipe import recipe_of
 from autotune.planning.scaling import (
     adjusted_bn_momentum,
     auto_lr_rule,
@@ -491,6 +492,7 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
         by_shape=probing.by_shape, memory_curve=work.curve, trials=tuple(work.trials), notes=tuple(notes),
         setting=describe_setting(model, optimizer, device=setup.device, precision=setup.precision, checkpointing=shared.checkpointing,
                                  batch=work.batch, loss_fn=work.loss_fn),
+        recipe=recipe_of(model, optimizer),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.shapes import ShapeModel
+from autotune.planning.recipe import Recipe
 from autotune.planning.scaling import OptimizerSettings
 from autotune.probe.search import Trial
 from autotune.units import format_bytes
@@ -83,6 +84,9 @@ class Plan:
         setting: what was planned, in words, as ``(what, value)`` pairs: the model and its parameters, the
             weights policy, quantization, adapters, tokens per sample, attention, checkpointing, the
             optimizer's implementation, the device (see :mod:`autotune.planning.setting`).
+        recipe: the same setting as the values a framework's config takes: the optimizer's class and the Trainer's
+            ``optim`` name, the weights' dtype, the attention kernel, quantization and adapters (see
+            :class:`autotune.planning.recipe.Recipe`); None for a plan made without them.
     """
 
     micro_batch: int
@@ -118,6 +122,7 @@ class Plan:
     trials: tuple[Trial, ...] = ()
     notes: tuple[str, ...] = field(default=())
     setting: tuple[tuple[str, str], ...] = ()
+    recipe: Recipe | None = None
 
     @property
     def budget(self) -> int:
@@ -177,6 +182,8 @@ class Plan:
             values["shape_model"] = ShapeModel.from_dict(model) if model else None
             curve = values.get("memory_curve")
             values["memory_curve"] = MemoryCurve.from_dict(curve) if curve else None
+            recipe = values.get("recipe")
+            values["recipe"] = Recipe.from_dict(recipe) if recipe else None
             settings = values.get("optimizer_settings")
             values["optimizer_settings"] = (
                 OptimizerSettings(**{**settings, "betas": tuple(settings["betas"]), "notes": tuple(settings.get("notes", ()))})
@@ -227,6 +234,7 @@ class Plan:
         if self.optimizer_settings is not None:
             data["optimizer_settings"] = {**dataclasses.asdict(self.optimizer_settings), "betas": list(self.optimizer_settings.betas),
                                           "notes": list(self.optimizer_settings.notes)}
+        data["recipe"] = self.recipe.to_dict() if self.recipe is not None else None
         data["budget"] = self.budget
         return data
 

@@ -8,15 +8,18 @@ does, within the micro-batch that fits, or says plainly why none does.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from autotune.planning.plans import Plan
+from autotune.planning.recipe import Recipe
 from autotune.units import format_bytes
 
-__all__ = ["FORMATS", "EqualSplit", "MemoryBreakdown", "equal_split", "framework_configs", "head_lines", "largest_divisor", "render_json", "render_text", "setting_lines"]
+__all__ = ["FORMATS", "EqualSplit", "MemoryBreakdown", "deepspeed_comments", "equal_split", "framework_configs", "head_lines", "largest_divisor", "render_json", "render_text", "setting_lines"]
 
 FORMATS = ("lightning", "accelerate", "hf", "deepspeed", "keras")
 
@@ -119,7 +122,12 @@ def equal_split(plan: Plan) -> EqualSplit:
     return EqualSplit(per_device, steps, "; ".join(notes) or None)
 
 
-_KERAS_OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "adagrad": "Adagrad", "adamax": "Adamax", "nadam": "Nadam"}
+_KERAS_OPTIMIZERS = {"SGD": "SGD", "Adam": "Adam", "AdamW": "AdamW", "RMSprop": "RMSprop", "Adagrad": "Adagrad", "Adamax": "Adamax",
+                     "NAdam": "Nadam", "Adafactor": "Adafactor", "Lion32bit": "Lion"}
+_DEEPSPEED_OPTIMIZERS = {"torch.optim.AdamW": "AdamW", "torch.optim.Adam": "Adam", "torch.optim.SGD": "SGD", "torch.optim.RMSprop": "RMSprop",
+                         "torch.optim.Adagrad": "Adagrad", "bitsandbytes.optim.Lion32bit": "Lion"}  # DeepSpeed's own, or torch.optim's by name
+_MIXED = {"bf16": ("bf16-mixed", "bf16", "mixed_bfloat16"), "fp16": ("16-mixed", "fp16", "mixed_float16")}  # Lightning, Accelerate, Keras
+_PURE = {"bfloat16": ("bf16-true", "bfloat16"), "float16": ("16-true", "float16")}  # Lightning, Keras: weights in that dtype, no autocast
 
 
 def lr_rule_words(plan: Plan) -> str:
@@ -130,9 +138,215 @@ def lr_rule_words(plan: Plan) -> str:
             + (f", warmed up over {plan.warmup_steps} steps" if plan.warmup_steps else ""))
 
 
+@functools.lru_cache(maxsize=1)
+def _transformers_5() -> bool:
+    """Whether the installed transformers is 5 or newer, which renamed ``gradient_checkpointing`` to ``activation_checkpointing``
+    and ``torch_dtype`` to ``dtype`` (the old names warn); without transformers, the names every version takes."""
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0]) >= 5
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+
+
+def _literal(value: Any) -> str:
+    """``value`` as Python source: strings in double quotes, numbers to 6 digits, a tuple of names as a list."""
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_literal(v) for v in value)
+        return f"[{inner}]" if any(isinstance(v, str) for v in value) or not value else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return repr(value)
+
+
+def _keywords(pairs: Sequence[tuple[str, Any]]) -> str:
+    """``name=value`` pairs as a call's arguments; a dtype named by a ``*_dtype`` keyword as ``torch.<dtype>``."""
+    return ", ".join(f"{k}=torch.{v}" if k.endswith("_dtype") and isinstance(v, str) else f"{k}={_literal(v)}" for k, v in pairs)
+
+
+def _recipe(plan: Plan) -> Recipe:
+    """The plan's recipe; for a plan made without one (built by hand, or read from an older cache), its optimizer by class name."""
+    if plan.recipe is not None:
+        return plan.recipe
+    name = plan.optimizer or "AdamW"
+    return Recipe(optimizer_class=f"torch.optim.{name}", optim={"AdamW": "adamw_torch", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad"}.get(name))
+
+
+def _model_lines(plan: Plan, r: Recipe, *, checkpointing: bool) -> list[str]:
+    """The lines that build the planned model: its dtype, attention kernel, quantization and adapters, and (``checkpointing``)
+    activation checkpointing when the plan has it and the framework does not turn it on itself."""
+    lines = []
+    if r.model_class is not None:
+        if r.quantization:
+            lines.append(f"bnb_config = transformers.BitsAndBytesConfig({_keywords(r.quantization)})")
+        args = ['"path/to/model"', f"{'dtype' if _transformers_5() else 'torch_dtype'}=torch.{r.weights_dtype}"]
+        if r.attention:
+            args.append(f"attn_implementation={_literal(r.attention)}")
+        if r.quantization:
+            args.append("quantization_config=bnb_config")
+        lines.append(f"model = transformers.{r.model_class}.from_pretrained({', '.join(args)})")
+    else:
+        if r.weights_dtype != "float32":
+            lines.append(f"model = model.to(torch.{r.weights_dtype})  # the weights' dtype planned")
+        if r.quantization:
+            lines.append(f"# the model's linear layers quantized as planned ({_keywords(r.quantization)}): bitsandbytes' Linear4bit or "
+                         "Linear8bitLt in their place, before the adapters")
+    if r.lora:
+        lines.append(f"model = peft.get_peft_model(model, peft.LoraConfig({_keywords(r.lora)}))")
+    if checkpointing and plan.checkpointing:
+        if r.model_class is not None:
+            name = "activation_checkpointing" if _transformers_5() else "gradient_checkpointing"
+            lines.append(f'model.{name}_enable({name}_kwargs={{"use_reentrant": False}})')
+        else:
+            lines.append("# activation checkpointing on the model's blocks, as planned: each block of its largest nn.ModuleList run "
+                         "through torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)")
+    return lines
+
+
+def _optimizer_line(r: Recipe, lr: str, hyper: Mapping[str, Any]) -> str:
+    """``optimizer = <the planned class>(<the trained parameters>, lr=..., <its settings>)``."""
+    params = "[p for p in model.parameters() if p.requires_grad]" if r.lora or r.quantization else "model.parameters()"
+    return f"optimizer = {r.optimizer_class}({', '.join([f'{params}', f'lr={lr}', *(f'{k}={_literal(v)}' for k, v in hyper.items())])})"
+
+
+def _hyper(r: Recipe, plan: Plan) -> dict[str, Any]:
+    """The optimizer's settings besides the rate, the batch's (``follow_batch``) over the optimizer's own: betas, eps and
+    weight decay first."""
+    hyper = dict(r.optimizer_kwargs)
+    o = plan.optimizer_settings
+    if o is not None:
+        hyper.update(betas=tuple(o.betas), eps=o.eps, **({"weight_decay": o.weight_decay} if o.weight_decay is not None else {}))
+    first = [k for k in ("betas", "eps", "weight_decay") if k in hyper]
+    return {k: hyper[k] for k in [*first, *(k for k in hyper if k not in first)]}
+
+
+_TRAINER_IMPLIED = {"fused", "scale_parameter", "relative_step"}  # what the Trainer's optim name already says
+
+
+def _trainer_lines(r: Recipe, hyper: Mapping[str, Any], optimizer_line: str, *, follow: bool) -> tuple[list[str], list[str]]:
+    """The TrainingArguments fields for the optimizer, and the lines before the call for what they cannot say."""
+    if r.optim is None:
+        return [], [f"# the Trainer has no optim name for {r.optimizer_class}: pass Trainer(..., optimizers=(optimizer, None)) with",
+                    optimizer_line]
+    fields = [f"    optim={_literal(r.optim)},"]
+    betas, eps, decay = hyper.get("betas"), hyper.get("eps"), hyper.get("weight_decay")
+    if betas is not None and (follow or tuple(betas) != (0.9, 0.999)):
+        fields += [f"    adam_beta1={_literal(betas[0])},", f"    adam_beta2={_literal(betas[1])},"]
+    if eps is not None and (follow or eps != 1e-8):
+        fields.append(f"    adam_epsilon={_literal(eps)},")
+    if decay is not None and (follow or decay != 0):
+        fields.append(f"    weight_decay={_literal(decay)},")
+    rest = {k: v for k, v in hyper.items() if k not in ("betas", "eps", "weight_decay", *_TRAINER_IMPLIED)}
+    before = [] if not rest else [f"# the optimizer's {_keywords(tuple(rest.items()))}: no TrainingArguments field; pass "
+                                  "Trainer(..., optimizers=(optimizer, None)) with", optimizer_line]
+    return fields, before
+
+
+def _lightning_precision(plan: Plan, r: Recipe) -> tuple[str, list[str]]:
+    """Lightning's ``precision=`` for the plan, and what to say of it."""
+    if plan.precision in _MIXED:
+        return _MIXED[plan.precision][0], []
+    pure = _PURE.get(r.weights_dtype)
+    if pure is None:
+        return "32-true", []
+    if r.quantization or r.lora:  # a -true precision casts the whole module: the quantized base and fp32 adapters too
+        return "32-true", [f'# precision "32-true": the model keeps the dtypes it was built with ({r.weights_dtype} weights, no autocast); '
+                           f'"{pure[0]}" would cast the quantized base or the adapters too']
+    return pure[0], []
+
+
+def _lightning_model(lines: list[str]) -> list[str]:
+    """The model's lines, said to belong in the LightningModule."""
+    return ["# in your LightningModule's __init__ (or configure_model):", *lines] if lines else []
+
+
+def _keras_lines(plan: Plan, r: Recipe, lr: str, hyper: Mapping[str, Any], k: int, m: int) -> list[str]:
+    """Keras 3's optimizer and precision policy, and a comment for each planned setting Keras cannot take here."""
+    lines = []
+    policy = _MIXED[plan.precision][2] if plan.precision in _MIXED else _PURE.get(r.weights_dtype, (None, None))[1]
+    if policy:
+        lines.append(f'keras.mixed_precision.set_global_policy("{policy}")')
+    cls = r.optimizer_class.rpartition(".")[2]
+    keras_opt = _KERAS_OPTIMIZERS.get(cls)
+    if keras_opt is None:
+        nearest = "Lion" if "Lion" in cls else "SGD" if cls == "SGD" else "AdamW"
+        states = " with 32-bit states" if "8bit" in cls else ""
+        lines.append(f"# Keras has no {r.optimizer_class}: keras.optimizers.{nearest}{states} stands in, and holds other state than planned")
+        keras_opt = nearest
+    unsaid = [what for what, on in (("activation checkpointing", plan.checkpointing), (f"quantization ({_keywords(r.quantization)})", r.quantization),
+                                    (f"LoRA adapters ({_keywords(r.lora)})", r.lora), (f"attention {r.attention}", r.attention)) if on]
+    if unsaid:
+        lines.append(f"# planned but not set here (this config holds the optimizer, precision and batch): {'; '.join(unsaid)}")
+    args = [f"learning_rate={lr}"]
+    if keras_opt in ("Adam", "AdamW", "Adamax", "Nadam", "Lion"):  # Keras's own defaults differ (epsilon 1e-7, AdamW's decay 0.004)
+        betas = hyper.get("betas", (0.9, 0.999))
+        args += [f"beta_1={_literal(betas[0])}", f"beta_2={_literal(betas[1])}"]
+        if keras_opt != "Lion":
+            args.append(f"epsilon={_literal(hyper.get('eps', 1e-8))}")
+    if keras_opt == "AdamW" or hyper.get("weight_decay"):  # Keras's AdamW decays by 0.004 unless told
+        args.append(f"weight_decay={_literal(hyper.get('weight_decay', 0.01))}")
+    if keras_opt == "SGD" and hyper.get("momentum"):
+        args.append(f"momentum={_literal(hyper['momentum'])}")
+    lines.append(f"optimizer = keras.optimizers.{keras_opt}({', '.join(args)}, gradient_accumulation_steps={k})")
+    lines.append(f"model.fit(x, y, batch_size={m})  # and your other arguments: epochs, validation_data, and so on")
+    return lines
+
+
+def _deepspeed(plan: Plan, r: Recipe, *, m: int, k: int, head: str, lr_note: str, hyper: Mapping[str, Any], lr_given: bool) -> tuple[str, str]:
+    """DeepSpeed's ``#`` lines that say what its JSON cannot hold, and the JSON config."""
+    comments = [head]
+    config: dict[str, Any] = {"train_batch_size": plan.effective_batch, "train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}
+    low = "bf16" if plan.precision == "bf16" or (plan.precision == "fp32" and r.weights_dtype == "bfloat16") else (
+        "fp16" if plan.precision == "fp16" or (plan.precision == "fp32" and r.weights_dtype == "float16") else None)
+    if low is not None:
+        config[low] = {"enabled": True}
+        if plan.precision == "fp32":
+            comments.append(f"# {low} enabled for {r.weights_dtype} weights without autocast: DeepSpeed's {low} also keeps fp32 master "
+                            "weights and optimizer states, more than the plan holds")
+    kind = _DEEPSPEED_OPTIMIZERS.get(r.optimizer_class)
+    if kind is not None:
+        params: dict[str, Any] = {"lr": float(f"{plan.lr:.6g}")} if lr_given else {}
+        for key, value in hyper.items():
+            if key in ("betas", "eps", "weight_decay", "momentum"):
+                params[key] = [round(b, 9) for b in value] if key == "betas" else value
+        if kind == "Adam":  # DeepSpeed's Adam is AdamW unless told
+            params["adam_w_mode"] = False
+        config["optimizer"] = {"type": kind, "params": params}  # another torch class is built by its name
+        if not lr_given:
+            comments.append(lr_note + " (set it as the optimizer's params.lr)")
+    else:
+        trainer = f', or TrainingArguments(optim="{r.optim}", deepspeed=<this config>)' if r.optim else ""
+        comments.append(f"# DeepSpeed's JSON cannot hold the planned optimizer {r.optimizer_class} (a Python class): no \"optimizer\" "
+                        f"section here; build it in Python and pass it as deepspeed.initialize(optimizer=...){trainer}")
+    if plan.checkpointing:
+        comments.append("# activation checkpointing is the model's, not this JSON's (its \"activation_checkpointing\" section only configures "
+                        "deepspeed.checkpointing): turn it on in the model, as --format hf or accelerate shows")
+    built = [what for what, on in (("the quantized base", r.quantization), ("the LoRA adapters", r.lora),
+                                   (f"attn_implementation={_literal(r.attention)}", r.attention)) if on]
+    if built:
+        comments.append(f"# {', '.join(built)}: built with the model before DeepSpeed takes it, as --format hf shows")
+    return "\n".join(comments), json.dumps(config, indent=2)
+
+
 def framework_configs(plan: Plan, *, lr_given: bool = True) -> dict[str, str]:
-    """Ready-to-paste settings for each framework in :data:`FORMATS`, as text. ``lr_given=False`` (a plan whose
-    base learning rate is a default, not the user's): no rate is written, the rule is said in a comment."""
+    """Ready-to-paste settings for each framework in :data:`FORMATS`, as text: the equal split, and the planned optimizer (its
+    class, or the Trainer's ``optim`` name), precision, activation checkpointing, quantization, adapters and attention kernel
+    (:attr:`Plan.recipe`), each in the framework's spelling, or a ``#`` line that says which one it cannot take (DeepSpeed's
+    JSON holds no comment: :func:`deepspeed_comments` says them). ``lr_given=False`` (a plan whose base learning rate is a
+    default, not the user's): no rate is written, the rule is said in a comment."""
+    return _configs(plan, lr_given)[0]
+
+
+def deepspeed_comments(plan: Plan, *, lr_given: bool = True) -> str:
+    """The ``#`` lines that go with :func:`framework_configs`'s DeepSpeed JSON: the split, and what of the plan the JSON cannot
+    hold (a Python optimizer class, the model's checkpointing, quantization and adapters). The report prints them above
+    the JSON; ``--format deepspeed`` on stderr, so that stdout stays a JSON file."""
+    return _configs(plan, lr_given)[1]
+
+
+def _configs(plan: Plan, lr_given: bool) -> tuple[dict[str, str], str]:
+    """:func:`framework_configs` and :func:`deepspeed_comments`."""
     split = equal_split(plan)
     lr = f"{plan.lr:.6g}"
     lr_note = (
@@ -141,49 +355,46 @@ def framework_configs(plan: Plan, *, lr_given: bool = True) -> dict[str, str]:
     ) if lr_given else f"# learning rate: {lr_rule_words(plan)}"
     if split.per_device is None:
         reason = f"# {split.note}"
-        return {name: reason for name in FORMATS}
+        return {name: reason for name in FORMATS}, reason
     m, k, world, target = split.per_device, split.steps, plan.world_size, plan.effective_batch
     head = f"# {m} per device x {k} accumulation steps x {world} device(s) = {target} samples per optimizer step"
     if split.note:
         head += f"\n# {split.note}"
     short = "drop_last=True: these loops divide every window by the same count, so a short last window would be mis-weighted"
-    keras_opt = _KERAS_OPTIMIZERS.get(plan.optimizer.lower(), "AdamW")
+    r = _recipe(plan)
     o = plan.optimizer_settings
-    torch_args = f"lr={lr}" if lr_given else "lr=lr"
-    keras_args = f"learning_rate={lr}" if lr_given else "learning_rate=lr"
-    hf_args: list[str] = []
-    ds_params: dict[str, Any] = {"lr": float(lr)} if lr_given else {}
     if o is not None:
         lr_note += f"\n# betas, eps and weight decay for the batch: square-root rule of Malladi et al. 2022 (x{o.kappa:.4g} batch)"
-        torch_args += f", betas=({o.betas[0]:.6g}, {o.betas[1]:.6g}), eps={o.eps:.6g}"
-        keras_args += f", beta_1={o.betas[0]:.6g}, beta_2={o.betas[1]:.6g}, epsilon={o.eps:.6g}"
-        hf_args += [f"    adam_beta1={o.betas[0]:.6g},", f"    adam_beta2={o.betas[1]:.6g},", f"    adam_epsilon={o.eps:.6g},"]
-        ds_params.update(betas=[round(o.betas[0], 9), round(o.betas[1], 9)], eps=o.eps)
-        if o.weight_decay is not None:
-            torch_args += f", weight_decay={o.weight_decay:.6g}"
-            keras_args += f", weight_decay={o.weight_decay:.6g}"
-            hf_args.append(f"    weight_decay={o.weight_decay:.6g},")
-            ds_params["weight_decay"] = o.weight_decay
-    optimizer_line = f"optimizer = torch.optim.{plan.optimizer or 'AdamW'}(model.parameters(), {torch_args})"
-    deepspeed: dict[str, Any] = {"train_batch_size": target, "train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}
-    if o is not None and ds_params:
-        deepspeed["optimizer"] = {"type": plan.optimizer or "AdamW", "params": ds_params}
+    hyper = _hyper(r, plan)
+    optimizer_line = _optimizer_line(r, lr if lr_given else "lr", hyper)
+    hf_args, trainer_optimizer = _trainer_lines(r, hyper, optimizer_line, follow=o is not None)
+    if plan.precision in _MIXED:
+        hf_args.append(f"    {_MIXED[plan.precision][1]}=True,")
+    if plan.checkpointing:
+        hf_args.append(f"    {'activation_checkpointing' if _transformers_5() else 'gradient_checkpointing'}=True,")
+    precision, precision_note = _lightning_precision(plan, r)
+    mixed = _MIXED[plan.precision][1] if plan.precision in _MIXED else "no"
+    comments, deepspeed = _deepspeed(plan, r, m=m, k=k, head=head, lr_note=lr_note, hyper=hyper, lr_given=lr_given)
     configs = {
         "lightning": "\n".join([
-            head, lr_note,
-            f"trainer = lightning.Trainer(accumulate_grad_batches={k}, devices={world})",
+            head, lr_note, *precision_note,
+            f'trainer = lightning.Trainer(accumulate_grad_batches={k}, devices={world}, precision="{precision}")',
             f"train_loader = DataLoader(dataset, batch_size={m}, shuffle=True, drop_last=True)  # {short}",
-            *([f"{optimizer_line}  # in configure_optimizers"] if o is not None else []),
+            *_lightning_model(_model_lines(plan, r, checkpointing=True)),
+            f"{optimizer_line}  # in configure_optimizers",
         ]),
         "accelerate": "\n".join([
             head, lr_note,
-            f"accelerator = Accelerator(gradient_accumulation_steps={k})",
+            f'accelerator = Accelerator(mixed_precision="{mixed}", gradient_accumulation_steps={k})',
             f"train_loader = DataLoader(dataset, batch_size={m}, shuffle=True, drop_last=True)  # {short}",
+            *_model_lines(plan, r, checkpointing=True),
             optimizer_line,
         ]),
         "hf": "\n".join([
             head,
             *([] if lr_given else [lr_note]),
+            *_model_lines(plan, r, checkpointing=False),
+            *trainer_optimizer,
             "training_args = TrainingArguments(",
             f"    per_device_train_batch_size={m},",
             f"    gradient_accumulation_steps={k},",
@@ -194,14 +405,10 @@ def framework_configs(plan: Plan, *, lr_given: bool = True) -> dict[str, str]:
             "    # and your other arguments: output_dir, num_train_epochs, and so on",
             ")",
         ]),
-        "deepspeed": json.dumps(deepspeed, indent=2),
-        "keras": "\n".join([
-            head, lr_note,
-            f"optimizer = keras.optimizers.{keras_opt}({keras_args}, gradient_accumulation_steps={k})",
-            f"model.fit(x, y, batch_size={m})  # and your other arguments: epochs, validation_data, and so on",
-        ]),
+        "deepspeed": deepspeed,
+        "keras": "\n".join([head, lr_note, *_keras_lines(plan, r, lr if lr_given else "lr", hyper, k, m)]),
     }
-    return configs
+    return configs, comments
 
 
 def _row(label: str, value: str) -> str:
@@ -301,7 +508,9 @@ def render_text(
         lines.append("")
         lines.append("Notes")
         lines.extend(f"  - {n}" for n in plan.notes)
-    configs = framework_configs(plan, lr_given=lr_given)
+    configs, comments = _configs(plan, lr_given)
+    if configs["deepspeed"] != comments:  # said once where no split exists
+        configs["deepspeed"] = f"{comments}\n{configs['deepspeed']}"
     titles = {"lightning": "PyTorch Lightning", "accelerate": "Accelerate", "hf": "Transformers TrainingArguments", "deepspeed": "DeepSpeed config", "keras": "Keras 3"}
     for name in FORMATS:
         lines.append("")
