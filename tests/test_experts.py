@@ -118,15 +118,15 @@ def routers(grads):
     return {n: g for n, g in grads.items() if n.endswith("mlp.gate.weight")}
 
 
-def fitted(model, router_loss=None, **extra):
+def fitted(model, router_loss=None, lr=0.0, **extra):
     """``fit`` at a learning rate of 0 (each step's reference is the start model's on its window), two
     windows of 4 + 4 + 4: each step's gradient as the optimizer sees it, and the result."""
     seqs = sequences()
     loader = [padded(seqs[i : i + MICRO]) for i in range(0, SAMPLES, MICRO)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     grads = []
     optimizer.register_step_pre_hook(lambda *_: grads.append({n: p.grad.clone() for n, p in model.named_parameters()}))
-    plan = manual_plan(micro_batch=MICRO, accumulation_steps=3, effective_batch=TARGET, micro_batches=(MICRO,) * 3, lr=0.0, base_lr=0.0)
+    plan = manual_plan(micro_batch=MICRO, accumulation_steps=3, effective_batch=TARGET, micro_batches=(MICRO,) * 3, lr=lr, base_lr=lr)
     kwargs = {} if router_loss is None else {"router_loss": router_loss}
     result = autotune.fit(model, loader, optimizer=optimizer, plan=plan, count=tokens, progress=False, noise_scale=False, **kwargs, **extra)
     return seqs, grads, result
@@ -177,6 +177,60 @@ def test_the_default_says_how_far_the_first_window_is_and_is_that_far(name):
     # and the default trains what it says: the routers' gradient is not the big batch's, the rest nearly is
     _, want = big_batch(start, window)
     assert relative(routers(grads[0]), routers(want)) > 0.01
+
+
+def test_exact_mode_routes_its_forward_as_the_training_forwards_under_dropout_and_jitter():
+    """With attention dropout and router jitter the window has no big batch to compare with (its random
+    draws differ); the reference is then the training forwards themselves: the same micro-batches from
+    the same random state, each with gradients, the window's fractions taken from those very forwards.
+    A forward without gradients that drew other numbers (not put back) or ran in eval mode would route
+    otherwise and fail this."""
+    model = mixtral(attention_dropout=0.3, router_jitter_noise=0.2)
+    start = copy.deepcopy(model)
+    torch.manual_seed(123)
+    seqs, grads, _ = fitted(model, "exact")
+    torch.manual_seed(123)
+    reference = copy.deepcopy(start).train()
+    micro = [padded(seqs[i : i + MICRO]) for i in range(0, TARGET, MICRO)]
+    outs = [reference(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_router_logits=True) for b in micro]
+    keep = torch.cat([b["attention_mask"].reshape(-1) for b in micro]).bool()
+    probs = torch.cat([torch.cat([o.router_logits[layer] for o in outs]).softmax(-1)[keep] for layer in range(2)])
+    fractions = F.one_hot(probs.topk(TOP_K, dim=-1).indices, EXPERTS).sum(1).to(probs.dtype).mean(0)
+    counted = sum(map(tokens, micro))
+    ce = sum(F.cross_entropy(o.logits[:, :-1].reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+             for o, b in zip(outs, micro)) / counted
+    (ce + COEF * EXPERTS * (fractions * probs.mean(0)).sum()).backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    assert relative(grads[0], want) <= 1e-12
+    # and the default's gradient with the same draws is not that: the forward changed nothing else
+    no_jitter = mixtral(attention_dropout=0.3, router_jitter_noise=0.2)
+    torch.manual_seed(123)
+    _, plain, _ = fitted(no_jitter)
+    assert relative(routers(plain[0]), routers(want)) > 0.01
+
+
+class OtherBalance(transformers.MixtralForCausalLM):
+    """A load-balancing loss of another form: twice Switch's."""
+
+    def forward(self, **kwargs):
+        out = super().forward(**kwargs)
+        out.aux_loss = out.aux_loss * 2
+        return out
+
+
+def _other_balance():
+    torch.manual_seed(0)
+    config = mixtral().config
+    return _routed(OtherBalance(config))
+
+
+def test_a_balancing_loss_of_another_form_is_said_unmeasured_by_default_and_refused_exact():
+    seqs, _, result = fitted(_other_balance())
+    (note,) = [n for n in result.plan.notes if "load-balancing" in n]
+    assert "is not the Switch Transformer form" in note and "was not measured" in note
+    model = _other_balance()
+    with pytest.raises(autotune.AutotuneError, match=r"Invalid router_loss 'exact' for OtherBalance, found at its first window before it trained \(nothing has changed\): the model's load-balancing loss \(output.aux_loss\) is not the Switch"):
+        _unchanged(model, lambda: fitted(model, "exact", lr=0.1))
 
 
 def test_at_no_coefficient_both_modes_are_the_big_batch():

@@ -31,6 +31,7 @@ import torch
 
 from autotune import batches as B
 from autotune.errors import AutotuneError
+from autotune.memory.ledger import is_out_of_memory
 from autotune.rng import RNGState
 from autotune.step import LossFn, autocast
 
@@ -177,6 +178,9 @@ def window_routing(model: Any, batches: Sequence[Any], weights: Sequence[float],
                     raise TypeError(f"Invalid batch of type {type(batch).__name__} for the load-balancing loss: it runs "
                                     "model(**batch) on dict batches only; leave router_loss out")
                 output = forward(model, batch)
+                if not getattr(output, "router_logits", None):
+                    raise TypeError(f"Invalid model output {type(output).__name__} for the load-balancing loss: it holds no "
+                                    "router_logits; leave router_loss out")
                 assigned, probs, rows, jacobians = routing(output.router_logits, batch.get("attention_mask"), router, curvature=True)
                 parts.append((assigned, probs, rows, weight, jacobians))
                 own = getattr(output, "aux_loss", None)
@@ -250,13 +254,22 @@ class RouterLoss:
         bn = run.save_bn()
         try:
             routed = window_routing(run.model, [m.batch for m in window], [m.weight for m in window], self.router, forward)
+        except Exception as exc:
+            if self.mode == "exact" or is_out_of_memory(exc):
+                raise
+            # the default trains as trainers do whatever the measurement meets; the note says what stopped it
+            self.note = (f"load-balancing loss per micro-batch (router_loss='per_micro_batch', what trainers do): how far it is from "
+                         f"the window's was not measured ({type(exc).__name__}: {exc})")
+            run.plan = dataclasses.replace(run.plan, notes=run.plan.notes + (self.note,))
+            return None
         finally:
             run.restore_bn(bn)
+        if self.mode == "exact" and not routed.agrees:
+            raise AutotuneError(f"Invalid router_loss 'exact' for {type(run.model).__name__}, found at its first window before it "
+                                f"trained (nothing has changed): {measured(self.router, routed, len(window))}; leave router_loss out")
         if self.note is None:
             self.note = self._said(routed, len(window))
             run.plan = dataclasses.replace(run.plan, notes=run.plan.notes + (self.note,))
-        if self.mode == "exact" and not routed.agrees:
-            raise AutotuneError(f"router_loss='exact' stopped before training: {self.note}; leave router_loss out")
         return routed if self.mode == "exact" else None
 
     def _said(self, routed: Routed, micro_batches: int) -> str:
