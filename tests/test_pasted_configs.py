@@ -286,3 +286,28 @@ def test_an_optimizer_the_trainer_has_no_name_for_is_passed_to_it(capsys, monkey
     assert "optim" not in fields
     name, kwargs, _ = call(out, "torch.optim.Adam")
     assert value(kwargs["weight_decay"]) == 0.0  # the planned optimizer's (the Trainer's settings), not torch's default
+
+
+def test_a_plan_read_back_from_json_or_the_cache_gives_the_same_configs(capsys, monkeypatch, tmp_path):
+    import autotune
+    from autotune.planning.report import framework_configs
+
+    setting = SETTINGS["qlora nf4"]
+    data = json.loads(report(capsys, monkeypatch, tmp_path, setting, "--json")[0])
+    recipe = data["plan"]["recipe"]
+    assert recipe["optim"] == "paged_adamw_8bit" and recipe["optimizer_class"] == "bitsandbytes.optim.PagedAdamW8bit"
+    assert dict(recipe["lora"])["r"] == 16 and dict(recipe["quantization"])["bnb_4bit_quant_type"] == "nf4"
+    plan = autotune.Plan.from_dict(json.loads(json.dumps(data["plan"])))
+    assert plan.recipe.lora == (("r", 16), ("lora_alpha", 8), ("lora_dropout", 0.0), ("target_modules", ("q_proj", "v_proj")))
+    printed = sections(report(capsys, monkeypatch, tmp_path, setting)[0])
+    configs = framework_configs(plan)
+    assert {name: configs[name] for name in ("hf", "accelerate", "lightning", "keras")} == {
+        name: printed[name] for name in ("hf", "accelerate", "lightning", "keras")}
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "shared-cache"))
+    path = tmp_path / "config.json"
+    for _ in range(2):  # the second answer comes from the cache
+        assert main(["report", "--hf-config", str(path), *COMMON, *setting["flags"]]) == 0
+        out, _ = capsys.readouterr()
+    assert out.startswith("(answered from the cache")
+    assert sections(out) == printed
