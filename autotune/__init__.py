@@ -36,12 +36,14 @@ _WHERE = {
     "fit": "autotune.train.fit",
     "format_bytes": "autotune.units",
     "is_planning": "autotune.step",
+    "label_tokens": "autotune.items",
     "noise_scale": "autotune.train.noise",
     "pad_to_longest": "autotune.batches",
     "parse_bytes": "autotune.units",
     "plan": "autotune.planning.planner",
     "quantize": "autotune.memory.quantized",
     "shard_plan": "autotune.planning.sharding",
+    "shifted_label_tokens": "autotune.items",
     "tune_bn_momentum": "autotune.train.tune",
     "what_if": "autotune.planning.planner",
 }
@@ -51,6 +53,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
 
     from autotune.batches import pad_to_longest
     from autotune.errors import AutotuneError, AutotuneWarning, NothingFits
+    from autotune.items import label_tokens, shifted_label_tokens
     from autotune.memory.quantized import quantize
     from autotune.planning.planner import plan, what_if
     from autotune.planning.plans import Plan
@@ -108,12 +111,14 @@ __all__ = [
     "fit",
     "format_bytes",
     "is_planning",
+    "label_tokens",
     "noise_scale",
     "pad_to_longest",
     "parse_bytes",
     "plan",
     "quantize",
     "shard_plan",
+    "shifted_label_tokens",
     "tune_bn_momentum",
     "what_if",
 ]

@@ -256,10 +256,11 @@ def loss_items(model: nn.Module, loss_fn: Callable[..., Any] | None, loader: Ite
         finally:
             rng.restore()
     known = _own_rule(model, first) if own else None
-    return _decide(own, known, found, candidates, first, _kind(model))
+    return _decide(own, known, found, candidates, first, _kind(model), tried=measure)
 
 
-def _decide(own: bool, known: str | None, found: _Measure | None, candidates: set[str], first: Any, kind: str | None) -> Items:
+def _decide(own: bool, known: str | None, found: _Measure | None, candidates: set[str], first: Any, kind: str | None, *,
+            tried: bool = True) -> Items:
     """The rule, from what was measured and what the model's kind says."""
     whose = f"the model's own loss ({kind})" if own and kind else "the model's own loss" if own else "loss_fn"
     if found is not None and not found.holds:
@@ -290,10 +291,10 @@ def _decide(own: bool, known: str | None, found: _Measure | None, candidates: se
         why = "measured: the model's loss is their mean" + (
             f"; weighted by samples, two samples of a first batch give {found.ratio:.6g} times their loss "
             f"({abs(found.ratio - 1):.1%} off)" if rule != "samples" else "")
-    elif kind is not None and _KINDS.get(kind) == rule:
-        why = f"by the model's kind, {kind}: the batches looked at could not tell, every sample holding as many label tokens"
     else:
-        why = "assumed: the batches looked at could not tell, every sample holding as many label tokens"
+        source = f"by the model's kind, {kind}" if kind is not None and _KINDS.get(kind) == rule else "assumed"
+        why = (f"{source}: the batches looked at could not tell, every sample holding as many label tokens" if tried else
+               f"{source}: not measured, as nothing runs here (an estimate, or ranks that run every forward together)")
     held = ""
     if rule != "samples" and first is not None and _labels(first) is not None:
         held = f", {_count(rule, first):,} in the first batch"

@@ -25,6 +25,8 @@ from autotune.checks import (
     resolve_device,
 )
 from autotune.errors import AutotuneError, NothingFits
+from autotune.items import Items, loss_items
+from autotune.packed import packing_problem
 from autotune.memory.device import (
     CUDA_OUTSIDE,
     allocator_cap,
@@ -232,6 +234,7 @@ def plan(
                      base_batch=base_batch, precision=precision, epochs=epochs, checkpointing=checkpointing, progress=progress)
     probing = Probing.of(verify=verify, estimate=estimate, max_probe_batches=max_probe_batches, by_shape=by_shape,
                          lengths=lengths, follow_batch=follow_batch, on_trial=on_trial)
+    probing = dataclasses.replace(probing, items=True)
     return plan_with(model, loader, shared, probing, optimizer=optimizer, loss_fn=loss_fn, device=device)
 
 
@@ -265,6 +268,7 @@ class _Probed:
     shape_model: Any
     first_size: int
     maxima: list[int]
+    items: str = "samples"  # what the loss averages over (autotune.items)
 
 
 def plan_with(
@@ -366,12 +370,22 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
                                device=setup.device, what="looking at its first batches")
     else:
         looked = sample_batch(loader, max_batches=probing.max_probe_batches)
+    items = Items()
+    if probing.items:  # what the loss averages over: run (no gradient) where one process holds the real model
+        items = loss_items(setup.model, loss_fn, loader, device=setup.device, precision=setup.precision,
+                           measure=probing.verify and setup.world_size == 1 and not setup.fsdp)
     work = Workload(
         model=setup.model, optimizer=setup.optimizer, loss_fn=loss_fn or default_loss, batch=looked.batch, device=setup.device,
         precision=setup.precision, on_trial=_both(probing.on_trial, shown.done), on_start=shown.starting,
         resident=setup.device.type == "cpu" and setup.limit is None and not setup.fsdp, checkpointing=shared.checkpointing,
         fsdp=setup.fsdp,
     )
+    if probing.items and items.note:
+        work.notes.append(items.note)
+    if probing.items and probing.verify and setup.world_size == 1 and not setup.fsdp:
+        packing = packing_problem(setup.model, loader, device=setup.device, precision=setup.precision)
+        if packing:
+            work.notes.append(packing)
     if setup.fsdp:
         work.notes.append(
             f"sharded with FSDP2 over {setup.world_size} ranks: real trials only, every rank in lockstep (a size fits when "
@@ -400,7 +414,7 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
         if probing.by_shape and (looked.varies or probing.lengths) and not setup.fsdp:
             shape_model = shape_model_for(work, looked, found, budget, upper, probing.lengths)
     return _Probed(work=work, found=found, limit=limit, set_aside=set_aside, shape_model=shape_model,
-                   first_size=looked.first_size, maxima=[])
+                   first_size=looked.first_size, maxima=[], items=items.rule)
 
 
 def _set_aside(setup: _Setup, work: Workload, probing: Probing, limit_given: bool) -> list[tuple[str, int]]:
@@ -492,6 +506,7 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
         by_shape=probing.by_shape, memory_curve=work.curve, trials=tuple(work.trials), notes=tuple(notes),
         setting=describe_setting(model, optimizer, device=setup.device, precision=setup.precision, checkpointing=shared.checkpointing,
                                  batch=work.batch, loss_fn=work.loss_fn),
+        items=probed.items,
         recipe=recipe_of(model, optimizer),
     )
 

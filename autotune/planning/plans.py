@@ -87,6 +87,10 @@ class Plan:
         recipe: the same setting as the values a framework's config takes: the optimizer's class and the Trainer's
             ``optim`` name, the weights' dtype, the attention kernel, quantization and adapters (see
             :class:`autotune.planning.recipe.Recipe`); None for a plan made without them.
+        items: what the loss planned with averages over, and so what ``fit`` and
+            :func:`autotune.accumulate` weight each micro-batch by when no ``count`` is given:
+            ``"samples"``, ``"labels"`` (labels that are not -100) or ``"shifted labels"`` (a causal
+            LM's, after the first position); see :mod:`autotune.items`. The notes say how it was found.
     """
 
     micro_batch: int
@@ -123,6 +127,7 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     setting: tuple[tuple[str, str], ...] = ()
     recipe: Recipe | None = None
+    items: str = "samples"
 
     @property
     def budget(self) -> int:
@@ -217,6 +222,8 @@ class Plan:
             problems.append(f"headroom {self.headroom!r} outside [0, 1)")
         if not (isinstance(self.lr_scale, (int, float)) and self.lr_scale > 0):
             problems.append(f"lr_scale {self.lr_scale!r} is not positive")
+        if self.items not in ("samples", "labels", "shifted labels"):
+            problems.append(f"items {self.items!r} is not 'samples', 'labels' or 'shifted labels'")
         if problems:
             raise ValueError("Invalid plan: " + "; ".join(problems))
 
