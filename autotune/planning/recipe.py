@@ -112,7 +112,9 @@ def _settings(cls: type, group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...
         if name in ("self", "params", "lr", "args") or parameter.default is inspect.Parameter.empty or name not in group:
             continue
         value = _frozen(group[name])
-        if (value != _frozen(parameter.default) or name == "weight_decay") and _plain(value):  # decay said: defaults differ by framework
+        if not _plain(value) or not _plain(_frozen(parameter.default)):  # a tensor's setting (capturable betas): not written
+            continue
+        if value != _frozen(parameter.default) or name == "weight_decay":  # the decay always: defaults differ by framework
             found.append((name, value))
     return tuple(found)
 
