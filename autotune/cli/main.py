@@ -214,6 +214,7 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
     from autotune.cli.demo import DEMO
     from autotune.units import parse_bytes
 
+    _card_flags(args)
     if not args.model and not args.demo and not args.hf_config:
         raise UsageError("Missing MODEL: give module:callable or path/file.py:callable, --hf-config PATH, or --demo")
     given = [flag for flag, on in ((f"MODEL {args.model!r}", args.model), ("--demo", args.demo), ("--hf-config", args.hf_config)) if on]
@@ -307,6 +308,40 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
     return base_batch, lengths, ramp, device, on_device
 
 
+def _card_flags(args: argparse.Namespace) -> None:
+    """``--gpu NAME``: the card (``args.card``), ``--device cuda`` and, unless this machine's GPU is that card, its memory
+    as ``--memory-limit`` (an explicit one is planned with instead, at most the card's); the note that says so
+    (``args.card_note``). Refused before anything runs: a name the catalogue lacks (with its names), ``--device cpu``."""
+    import torch
+
+    from autotune.memory.gpus import estimate_limit, gpu_named, is_here
+    from autotune.units import parse_bytes
+
+    args.card, args.card_note = None, None
+    if args.gpu is None:
+        return
+    try:
+        card = gpu_named(args.gpu)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("Invalid gpu", "Invalid --gpu", 1)) from None
+    try:
+        wanted = torch.device(args.device or "cuda")
+    except RuntimeError:
+        raise UsageError(f"Invalid --device {args.device!r}: use cuda or cuda:N with --gpu") from None
+    if wanted.type != "cuda":
+        raise UsageError(f"--gpu {args.gpu} plans for a CUDA card: drop --device {args.device}, or give --device cuda")
+    args.device, args.card = str(wanted), card
+    if not args.hf_config and is_here(card, wanted.index):
+        args.card_note = f"planned for {card.describe()}: this machine's {wanted}"
+        return
+    try:
+        given = parse_bytes(args.memory_limit) if args.memory_limit is not None else None
+        limit, args.card_note = estimate_limit(card, given, flag="--memory-limit")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc).replace(f"with gpu {card.name!r}", f"with --gpu {args.gpu}")) from None
+    args.memory_limit = args.memory_limit or str(limit)
+
+
 def _device_facts(args: argparse.Namespace, model: Any, device: Any, on_device: bool) -> tuple[dict[str, Any], int | None, str | None]:
     """What the device has (for the report), the limit that keys the cache, and a note when none was given."""
     from autotune.memory.device import default_limit, device_memory
@@ -316,14 +351,17 @@ def _device_facts(args: argparse.Namespace, model: Any, device: Any, on_device: 
     key_limit = parse_bytes(args.memory_limit) if args.memory_limit is not None else None
     if not on_device:
         name = "estimated for a model without weights" if args.hf_config else "not on this machine"
-        return {"device": str(device), "name": name, "total": None, "free": None, "other_processes": None}, key_limit, None
+        if args.card is not None:
+            name = f"{args.card.title} from the catalogue, {name}"
+        return {"device": str(device), "name": name, "total": None, "free": None, "other_processes": None}, key_limit, args.card_note
     d = device_memory(device)
     facts = {"device": d.device, "name": d.name, "total": d.total, "free": d.free, "other_processes": d.other_processes}
     if args.memory_limit is not None:
-        return facts, key_limit, None
+        return facts, key_limit, args.card_note
     # What the device has now: rounded, it keys the cache (small fluctuations still hit it).
     available = default_limit(device, storage_bytes([*model.parameters(), *model.buffers()]))
-    return facts, _rounded_limit(available), f"no --memory-limit: planned for what {d.device} has now, {format_bytes(available)}"
+    said = f"no --memory-limit: planned for what {d.device} has now, {format_bytes(available)}"
+    return facts, _rounded_limit(available), f"{args.card_note}; {said}" if args.card_note else said
 
 
 def _cache_key(args: argparse.Namespace, model: Any, described: Any, *, lr: float, facts: dict[str, Any], key_limit: int | None,
@@ -423,6 +461,8 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         plot_memory(plan, args.plot, by_length)
     if args.json:
         data = render_json(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length)
+        if args.card is not None:  # the card planned for, with every figure and its source
+            data["gpu"] = args.card.to_dict()
         if args.lr is None:  # the optimizer's rate is a default: the rule, not a rate
             data["learning_rate"] = {"given": False, "rule": plan.lr_rule, "scale": plan.lr_scale, "base_batch": plan.base_batch}
         if tokens is not None:

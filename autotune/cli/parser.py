@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from autotune.memory.gpus import GPUS
 from autotune.memory.optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from autotune.memory.optimizers import NAMES as OPTIMIZERS
 
@@ -82,6 +83,8 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-batch", type=int, metavar="N", help="samples per optimizer step")
     r.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu)")
     r.add_argument("--memory-limit", metavar="SIZE", help="e.g. 24GiB (default: what the device has)")
+    r.add_argument("--gpu", metavar="NAME", help="plan for this card (its memory is the limit; estimated unless it is this machine's "
+                   f"GPU): {', '.join(GPUS)}; also forgiving names such as h100, 'H100 SXM', a100-80gb, 4090")
     r.add_argument("--headroom", type=float, metavar="FRACTION", help="fraction of the limit kept free (default 0.10 on CUDA, 0.05 on CPU)")
     r.add_argument("--cuda-context", metavar="SIZE",
                    help="what an estimate for a GPU this machine lacks sets aside for the CUDA context (default: 781MiB as measured "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["GPUS", "Gpu", "gpu_for", "gpu_named"]
+__all__ = ["GPUS", "Gpu", "estimate_limit", "gpu_for", "gpu_named", "is_here"]
 
 _GiB = 2**30
 _MiB = 2**20
@@ -163,7 +163,7 @@ _CARDS = (
         bandwidth=600e9, link=32e9, link_kind="PCIe 4.0 x16", source=_A10,
         nvml_names=("NVIDIA A10G",)),
     Gpu("rtx3090", "RTX 3090", "24 GB GDDR6X", *_reported(24259, "on Linux"),
-        fp32=35.6e12, tf32=71e12 / 2, bf16=142e12 / 2, fp16=142e12 / 2, fp8=None, int8=568e12 / 2,
+        fp32=35.6e12, tf32=35.6e12, bf16=142e12 / 2, fp16=142e12 / 2, fp8=None, int8=568e12 / 2,
         bandwidth=936e9, link=32e9, link_kind="PCIe 4.0 x16", source=_GA102,
         nvml_names=("NVIDIA GeForce RTX 3090",), aliases=("3090", "geforce-rtx-3090")),
     Gpu("rtx4090", "RTX 4090", "24 GB GDDR6X", *_reported(24563, "on Linux"),
@@ -232,3 +232,32 @@ def gpu_for(nvml_name: str) -> Gpu | None:
         if any(given == n.lower().removeprefix("nvidia ") for n in card.nvml_names):
             return card
     return None
+
+
+def is_here(card: Gpu, index: int | None = None) -> bool:
+    """Whether this machine's CUDA device ``index`` (default: the current one) is ``card``, by the name its driver
+    reports (torch's ``get_device_name``, NVML's name)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if index is None else index
+    return index < torch.cuda.device_count() and gpu_for(torch.cuda.get_device_name(index)) is card
+
+
+def estimate_limit(card: Gpu, given: int | None, *, flag: str = "memory_limit") -> tuple[int, str]:
+    """The limit of an estimate for ``card`` (a card not on this machine) and the note that says so: its memory, or
+    ``given`` (``flag``: how the user gave it) where given, at most the card's memory (5% above it is the card's
+    total as its maker counts it: "24GiB" for a 23.99 GiB card).
+
+    Raises:
+        ValueError: ``given`` is more than the card has.
+    """
+    from autotune.units import format_bytes
+
+    if given is not None and given > card.memory * 1.05:
+        raise ValueError(f"Invalid {flag} {format_bytes(given)} with gpu {card.name!r}: {card.describe()} has "
+                         f"{format_bytes(card.memory)}; give at most that, or leave {flag} out")
+    said = (f"{flag} {format_bytes(given)} given: planned with it instead of the card's {format_bytes(card.memory)}"
+            if given is not None else f"its memory {format_bytes(card.memory)}, {card.memory_source}")
+    return (card.memory if given is None else given), f"planned for {card.describe()}, estimated (no such card here); {said}"

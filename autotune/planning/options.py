@@ -18,6 +18,7 @@ from typing import Any
 
 from autotune.checks import check_callable, check_flag, check_progress
 from autotune.errors import NotACount
+from autotune.memory.gpus import Gpu, gpu_named
 from autotune.planning.scaling import LR_RULES
 from autotune.probe.search import Trial
 from autotune.step import Precision, normalize_precision
@@ -41,6 +42,7 @@ class Options:
         epochs: the run's length in epochs, or None when unknown.
         checkpointing: activation checkpointing on the model's blocks.
         progress: say on stderr what the probe does (a number: after how many seconds).
+        gpu: the catalogue's card to plan for (:mod:`autotune.memory.gpus`), or None.
     """
 
     target_batch: int | None = None
@@ -52,6 +54,7 @@ class Options:
     epochs: int | None = None
     checkpointing: bool = False
     progress: bool | float = True
+    gpu: Gpu | None = None
 
 
 def check_target(target_batch: Any) -> int:
@@ -81,6 +84,7 @@ def options(
     progress: Any = True,
     progress_seconds: bool = True,
     epochs_optional: bool = True,
+    gpu: Any = None,
 ) -> Options:
     """Check the shared arguments and return them as :class:`Options`.
 
@@ -96,6 +100,7 @@ def options(
         progress: a bool; with ``progress_seconds``, also a number of seconds >= 0.
         progress_seconds: whether ``progress`` may be a number of seconds.
         epochs_optional: whether ``epochs`` may be None (the run's length unknown).
+        gpu: a card's name in the catalogue (:mod:`autotune.memory.gpus`, e.g. ``"h100-sxm"``), or None.
 
     Raises:
         TypeError / ValueError: a bad value; the message names it and the fix.
@@ -118,10 +123,11 @@ def options(
         raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs, a whole number >= 1")
     check_flag("checkpointing", checkpointing)
     check_progress(progress, seconds=progress_seconds)
+    card = gpu_named(gpu) if gpu is not None else None
     return Options(
         target_batch=target_batch, memory_limit=limit, headroom=None if headroom is None else float(headroom), lr_rule=lr_rule,
         base_batch=base_batch, precision=name, epochs=epochs, checkpointing=checkpointing,
-        progress=progress,
+        progress=progress, gpu=card,
     )
 
 

@@ -37,6 +37,7 @@ from autotune.memory.device import (
     device_memory,
     outside_allocator,
 )
+from autotune.memory.gpus import Gpu, estimate_limit, is_here
 from autotune.memory.ledger import storage_bytes
 from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
 from autotune.parallel.ranks import bypass_nested, gather, group_broken, parallel, world
@@ -157,6 +158,7 @@ def plan(
     follow_batch: bool = False,
     progress: bool | float = True,
     on_trial: Callable[[Trial], Any] | None = None,
+    gpu: str | None = None,
 ) -> Plan:
     """Find the largest micro-batch that fits and plan training at ``target_batch`` samples per step.
 
@@ -214,6 +216,11 @@ def plan(
             which size is being tried and whether it is an estimate or a real step (before a real
             step starts, and its outcome after); False is silent.
         on_trial: called with each :class:`Trial` as it is made.
+        gpu: plan for a card of the catalogue (:mod:`autotune.memory.gpus`), e.g. ``"h100-sxm"``, ``"a100-80gb"``,
+            ``"rtx4090"``: where this machine's CUDA device is that card (by the name its driver reports), planned
+            on it as asked; else estimated for it (``device="cuda"``, ``verify=False``) with its memory as the
+            limit. A ``memory_limit`` given too is planned with instead (at most the card's memory); a note says
+            which card and which limit.
 
     Returns:
         A frozen :class:`Plan`.
@@ -231,11 +238,31 @@ def plan(
         (64, 4)
     """
     shared = options(target_batch=check_target(target_batch), memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule,
-                     base_batch=base_batch, precision=precision, epochs=epochs, checkpointing=checkpointing, progress=progress)
+                     base_batch=base_batch, precision=precision, epochs=epochs, checkpointing=checkpointing, progress=progress,
+                     gpu=gpu)
+    card_note = None
+    if shared.gpu is not None:  # the card decides the device, whether it runs, and the limit
+        device, verify, limit, card_note = _for_card(shared.gpu, device, shared.memory_limit, verify)
+        shared = dataclasses.replace(shared, memory_limit=limit)
     probing = Probing.of(verify=verify, estimate=estimate, max_probe_batches=max_probe_batches, by_shape=by_shape,
                          lengths=lengths, follow_batch=follow_batch, on_trial=on_trial)
     probing = dataclasses.replace(probing, items=True)
-    return plan_with(model, loader, shared, probing, optimizer=optimizer, loss_fn=loss_fn, device=device)
+    found = plan_with(model, loader, shared, probing, optimizer=optimizer, loss_fn=loss_fn, device=device)
+    return found if card_note is None else dataclasses.replace(found, notes=(card_note, *found.notes))
+
+
+def _for_card(card: Gpu, device: Any, memory_limit: int | None, verify: bool) -> tuple[torch.device, bool, int | None, str]:
+    """``gpu=``: the device, whether to run on it, the limit and the note. On this machine's CUDA device where it is
+    that card (by the name its driver reports), as asked; else an estimate for it, with its memory as the limit."""
+    wanted = torch.device(device) if device is not None else torch.device("cuda")
+    if wanted.type != "cuda":
+        raise ValueError(f"Invalid device {str(wanted)!r} with gpu={card.name!r}: the card is a CUDA device; leave device "
+                         "out, or give device='cuda' (or 'cuda:N')")
+    limit, note = estimate_limit(card, memory_limit)  # refused here too: a limit above the card's memory
+    if is_here(card, wanted.index):
+        index = wanted.index if wanted.index is not None else torch.cuda.current_device()
+        return torch.device("cuda", index), verify, memory_limit, f"planned for {card.describe()}: this machine's cuda:{index}"
+    return wanted, False, limit, note
 
 
 @dataclasses.dataclass
@@ -567,6 +594,7 @@ def what_if(
     verify: bool = True,
     progress: bool = True,
     plan: Plan | None = None,
+    gpu: str | None = None,
 ) -> WhatIf:
     """The largest micro-batch under other precisions, with activation checkpointing, and with an
     optimizer of smaller state: one table, estimated; your own settings' row verified by a real step.
@@ -592,7 +620,7 @@ def what_if(
         p = plan if plan is not None else _plan(
             model, loader, target_batch=target_batch, optimizer=optimizer, loss_fn=loss_fn, device=device,
             memory_limit=memory_limit, headroom=headroom, precision=precision, verify=verify,
-            progress=progress, by_shape=False, checkpointing=checkpointing,
+            progress=progress, by_shape=False, checkpointing=checkpointing, gpu=gpu,
         )
     except NothingFits as exc:
         if exc.what_if is not None:
