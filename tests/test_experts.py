@@ -390,3 +390,18 @@ def test_the_trainer_prepared_exact_is_the_trainers_own_big_step(tmp_path):
     assert got_losses == pytest.approx(want_losses, rel=1e-8)
     for g, w in zip(got, want):
         assert relative(g, w) <= 1e-6
+
+
+def test_prepare_refuses_a_bad_router_loss_before_anything_changes(tmp_path):
+    from autotune.integrations import hf
+
+    model = mixtral()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Sequences(sequences(8)), data_collator=collate)
+    before = trainer.args
+    with pytest.raises(ValueError, match=r"Invalid router_loss 'sum': use 'per_micro_batch'"):
+        _unchanged(model, lambda: hf.prepare(trainer, target_batch=8, router_loss="sum", progress=False))
+    assert trainer.args is before and "compute_loss" not in trainer.__dict__ and model.router_aux_loss_coef == COEF
+    plain = transformers.Trainer(model=mixtral(coef=0.0), args=args, train_dataset=Sequences(sequences(8)), data_collator=collate)
+    with pytest.raises(ValueError, match=r"Invalid router_loss 'exact' for MixtralForCausalLM: it adds no load-balancing loss"):
+        hf.prepare(plain, target_batch=8, router_loss="exact", progress=False)

@@ -81,7 +81,8 @@ def routed_step(trainer: Any, router: Router, batches: list[Mapping[str, Any]]) 
 
 def said(router: Router, routed: Routed, micro_batches: int, mode: str, name: str) -> str:
     """The note on the load-balancing loss under the Trainer."""
-    found = measured(router, routed, micro_batches, window="step")
+    # prepare() measures a step of the dataset's first samples, in order (the Trainer's own first step may shuffle them)
+    found = measured(router, routed, micro_batches, window="step").replace("on the first step (", "on a step of the dataset's first samples (", 1)
     head = (f"{name} adds a load-balancing loss (x{router.coef:g}) to each micro-batch's loss, which the Trainer alone does not "
             f"divide by the accumulation ({micro_batches} micro-batches: {micro_batches} times one loss's worth)")
     if mode == "exact":
