@@ -7,8 +7,8 @@ Figures:
 
 - ``memory``: bytes, as the CUDA runtime reports the card's total (``torch.cuda.get_device_properties().total_memory``,
   ``cudaDeviceProp.totalGlobalMem``): less than the datasheet's capacity (ECC, the driver's reserve) and a little
-  different between drivers. Where no such reading was found, the datasheet's capacity in GiB (memory parts are
-  binary): ``memory_source`` says which.
+  different between drivers. Where no such reading was found, nvidia-smi's total, else the datasheet's capacity in
+  GiB (memory parts are binary): ``memory_source`` says which.
 - FLOP/s: peak **dense** tensor-core figures (NVIDIA's datasheets print the sparse ones, twice as large, with an
   asterisk: halved here), with FP32 accumulation where the document gives two (GeForce cards: that is what PyTorch's
   matmuls use); ``fp32`` is the non-tensor rate (PyTorch's default for float32 matmuls, TF32 off). None: the card
@@ -84,10 +84,10 @@ class Gpu:
 
     def describe(self) -> str:
         """One line for a plan's notes, e.g. ``"an H100 SXM (80 GB HBM3; 989 TFLOP/s bf16 dense, 3.35 TB/s)"``."""
-        dtype = "bf16" if self.bf16 is not None else "fp16"
-        article = "an" if self.title[0] in "AEFHILMNORSX" else "a"
+        dtype, peak = ("bf16", self.bf16) if self.bf16 is not None else ("fp16", self.fp16)
+        article = "an" if self.title[0] in "AEFHILMNORSX" else "a"  # as the letter is said: an H100, a T4
         bandwidth = f"{self.bandwidth / _T:.3g} TB/s" if self.bandwidth >= _T else f"{self.bandwidth / _G:.0f} GB/s"
-        return f"{article} {self.title} ({self.capacity}; {self.peak(dtype) / _T:.0f} TFLOP/s {dtype} dense, {bandwidth})"  # type: ignore[operator]
+        return f"{article} {self.title} ({self.capacity}; {peak / _T:.0f} TFLOP/s {dtype} dense, {bandwidth})"
 
     def to_dict(self) -> dict[str, object]:
         """The entry as plain values (for ``--json``)."""
@@ -115,6 +115,10 @@ def _reported(mib: int, where: str) -> tuple[int, str]:
     return mib * _MiB, f"as PyTorch reports it ({mib} MiB, total_memory), {where}"
 
 
+def _smi(mib: int, where: str) -> tuple[int, str]:
+    return mib * _MiB, f"as nvidia-smi reports its total ({mib} MiB), {where}; the CUDA runtime may report a little less"
+
+
 def _datasheet(gib: int, why: str = "") -> tuple[int, str]:
     return gib * _GiB, f"the datasheet's capacity ({gib} GiB){why}; the card reports a little less"
 
@@ -129,7 +133,8 @@ _CARDS = (
         fp32=19.5e12, tf32=156e12, bf16=312e12, fp16=312e12, fp8=None, int8=624e12,
         bandwidth=1555e9, link=32e9, link_kind="PCIe 4.0 x16", source=_A100,
         nvml_names=("NVIDIA A100-PCIE-40GB",)),
-    Gpu("a100-80gb-sxm", "A100 SXM 80GB", "80 GB HBM2e", *_datasheet(80, " (the 80GB PCIe card reports 81049 MiB)"),
+    Gpu("a100-80gb-sxm", "A100 SXM 80GB", "80 GB HBM2e",
+        *_datasheet(80, " (nvidia-smi shows 81920 MiB; the CUDA runtime reports 81049 MiB for the 80GB PCIe card)"),
         fp32=19.5e12, tf32=156e12, bf16=312e12, fp16=312e12, fp8=None, int8=624e12,
         bandwidth=2039e9, link=300e9, link_kind="NVLink 3", source=_A100,
         nvml_names=("NVIDIA A100-SXM4-80GB",), aliases=("a100-80gb", "a100-sxm4-80gb")),
@@ -150,7 +155,7 @@ _CARDS = (
         fp32=67e12, tf32=989e12 / 2, bf16=1979e12 / 2, fp16=1979e12 / 2, fp8=3958e12 / 2, int8=3958e12 / 2,
         bandwidth=4.8e12, link=450e9, link_kind="NVLink 4", source=_H200,
         nvml_names=("NVIDIA H200",), aliases=("h200-sxm", "h200-141gb")),
-    Gpu("l4", "L4", "24 GB GDDR6", *_datasheet(24, ", ECC on: the card reports about 22.5 GiB"),
+    Gpu("l4", "L4", "24 GB GDDR6", *_smi(23034, "ECC on, drivers of 2023-2026"),
         fp32=30.3e12, tf32=120e12 / 2, bf16=242e12 / 2, fp16=242e12 / 2, fp8=485e12 / 2, int8=485e12 / 2,
         bandwidth=300e9, link=32e9, link_kind="PCIe 4.0 x16", source=_L4,
         nvml_names=("NVIDIA L4",)),
@@ -178,7 +183,7 @@ _CARDS = (
         fp32=15.7e12, tf32=None, bf16=None, fp16=125e12, fp8=None, int8=None,
         bandwidth=900e9, link=150e9, link_kind="NVLink 2", source=_V100,
         nvml_names=("Tesla V100-SXM2-16GB",), aliases=("v100-sxm2-16gb",)),
-    Gpu("v100-32gb", "V100 SXM2 32GB", "32 GB HBM2", *_datasheet(32),
+    Gpu("v100-32gb", "V100 SXM2 32GB", "32 GB HBM2", *_smi(32510, "as for the 16 GB card, where it equals PyTorch's total_memory"),
         fp32=15.7e12, tf32=None, bf16=None, fp16=125e12, fp8=None, int8=None,
         bandwidth=900e9, link=150e9, link_kind="NVLink 2", source=_V100,
         nvml_names=("Tesla V100-SXM2-32GB",), aliases=("v100-sxm2-32gb",)),
