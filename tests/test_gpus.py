@@ -96,6 +96,20 @@ def test_a_card_on_this_machine_is_found_by_its_reported_name(monkeypatch):
     assert not is_here(GPUS["h100-pcie"]) and not is_here(GPUS["h100-sxm"], 1) and not is_here(GPUS["h100-sxm"], 2)
 
 
+def test_on_the_card_itself_the_plan_runs_there_as_asked(monkeypatch):
+    from autotune.planning.planner import _for_card
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA A10G")
+    device, verify, limit, note = _for_card(GPUS["a10g"], None, None, True)
+    assert (device, verify, limit) == (torch.device("cuda", 0), True, None)  # the limit: what the device has
+    assert note.endswith("this machine's cuda:0")
+    device, verify, limit, note = _for_card(GPUS["l4"], "cuda", None, True)  # another card: an estimate for it
+    assert (device, verify, limit) == (torch.device("cuda"), False, 23034 * MiB) and "no such card here" in note
+
+
 def _trained():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
