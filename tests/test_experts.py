@@ -405,3 +405,19 @@ def test_prepare_refuses_a_bad_router_loss_before_anything_changes(tmp_path):
     plain = transformers.Trainer(model=mixtral(coef=0.0), args=args, train_dataset=Sequences(sequences(8)), data_collator=collate)
     with pytest.raises(ValueError, match=r"Invalid router_loss 'exact' for MixtralForCausalLM: it adds no load-balancing loss"):
         hf.prepare(plain, target_batch=8, router_loss="exact", progress=False)
+
+
+def test_exact_mode_under_bf16_autocast_is_the_big_batch_within_bf16():
+    """Under autocast the router logits are bf16 (the model's softmax rounds its probabilities): the model's
+    own load-balancing loss is still recognised, and the step is the float32 big batch's within bf16 rounding."""
+    model = mixtral().float()
+    start = copy.deepcopy(model)
+    seqs = sequences()
+    loader = [padded(seqs[i : i + MICRO]) for i in range(0, SAMPLES, MICRO)]
+    plan = manual_plan(micro_batch=MICRO, accumulation_steps=3, effective_batch=TARGET, micro_batches=(MICRO,) * 3, lr=0.0, base_lr=0.0,
+                       precision="bf16")
+    result = autotune.fit(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), plan=plan, count=tokens,
+                          router_loss="exact", progress=False, noise_scale=False, max_steps=1)
+    assert [n for n in result.plan.notes if n.startswith("router_loss='exact'")]
+    loss, _ = big_batch(start, seqs[:TARGET])
+    assert result.history[0].loss == pytest.approx(loss, rel=2e-2)
