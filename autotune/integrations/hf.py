@@ -283,13 +283,13 @@ def prepare(
         check = check_loss(trainer, next(iter(_loader(dataset, trainer.data_collator, rows, 4))), rows,
                            _first_two(_loader(dataset, trainer.data_collator, rows, 2)))
         fix = correction(trainer, model, check)
-    if _per_sample(trainer.data_collator) is not trainer.data_collator:
-        # the rule was measured on the sequences padded; what trains is a flattened row of them: compared with them apart
-        packs = [dataset[i] for i in range(min(4, len(dataset)))] if hasattr(dataset, "__len__") else []
-        if check is not None and len(packs) >= 2:
-            check = dataclasses.replace(check, packed=check_packed(trainer, trainer.data_collator(packs),
-                                                                   [trainer.data_collator([s]) for s in packs], check))
-        fix = packed(fix, check, len(packs))
+        if _per_sample(trainer.data_collator) is not trainer.data_collator:
+            # the rule was measured on the sequences padded; what trains is a flattened row of them: compared with them apart
+            packs = [dataset[i] for i in range(min(4, len(dataset)))] if hasattr(dataset, "__len__") else []
+            if check is not None and len(packs) >= 2:
+                check = dataclasses.replace(check, packed=check_packed(trainer, trainer.data_collator(packs),
+                                                                       [trainer.data_collator([s]) for s in packs], check))
+            fix = packed(fix, check, len(packs))
     fix = _rounded(fix, args)
     had_warmup = bool(getattr(args, "warmup_steps", 0)) or bool(getattr(args, "warmup_ratio", 0))
     settings = equal_settings(plan, lr_rule=lr_rule, learning_rate=args.learning_rate if own_lr is None else own_lr, warmup=warmup,
