@@ -128,6 +128,7 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         import transformers
     except ImportError:
         raise UsageError("--hf-config needs transformers: pip install 'torch-autotune[llm]' (or pip install transformers)") from None
+    _check_shape(args, transformers, data)
     quantization = _quantization_of(args, data)
     dtype = getattr(torch, str(data.get("dtype") or data.get("torch_dtype") or "float32").replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -177,6 +178,32 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     described = {"hf_config": data, "tokens": tokens, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
                  "master_weights": args.master_weights, "attention": attention, "fused_ce": args.fused_ce, "packing": args.packing}
     return model, [batch], loss_fn, described
+
+
+# The fields that shape a model, by Transformers' common names (a config class may spell them its own way: its
+# ``attribute_map``, e.g. GPT-2's ``n_embd``): a config without one would be built with its class's default.
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def _check_shape(args: argparse.Namespace, transformers: Any, data: dict[str, Any]) -> None:
+    """Refuse a config missing a field of the model's shape that its config class has (it would be filled with the
+    class's default, e.g. ``LlamaConfig``'s 4096 and 32 layers, and another model estimated), naming the fields and the fix."""
+    kind = data.get("model_type")
+    if not isinstance(kind, str) or kind not in transformers.CONFIG_MAPPING:
+        return  # no model_type, or one this transformers does not know: said when the model is built
+    cls = transformers.CONFIG_MAPPING[kind]  # a lazy mapping: its .get does not import the class
+    own = vars(cls())
+    missing = {}
+    for field in SHAPE_FIELDS:
+        name = cls.attribute_map.get(field, field)
+        if name in own and field not in data and name not in data:
+            missing[name] = own[name]
+    if missing:
+        names = ", ".join(missing)
+        defaults = ", ".join(f"{k}={v!r}" for k, v in missing.items())
+        raise UsageError(f"Invalid --hf-config {args.hf_config!r}: it has no {names} (the model's shape; {cls.__name__} would fill "
+                         f"in its defaults, {defaults}, and estimate another model); give the model's own config.json, or add "
+                         f"{'these fields' if len(missing) > 1 else 'this field'}")
 
 
 def _quantization_of(args: argparse.Namespace, data: dict[str, Any]) -> Any:
@@ -278,9 +305,10 @@ def _with_lora(args: argparse.Namespace, model: Any) -> Any:
         import peft
     except ImportError:
         raise UsageError("--lora needs peft: pip install 'torch-autotune[llm]' (or pip install peft)") from None
-    modules: Any = None
     if args.lora_modules:
-        modules = "all-linear" if args.lora_modules == "all-linear" else [m.strip() for m in args.lora_modules.split(",") if m.strip()]
+        modules: Any = "all-linear" if args.lora_modules == "all-linear" else [m.strip() for m in args.lora_modules.split(",") if m.strip()]
+    else:
+        modules = _default_lora_modules(args, model)
 
     def wrap() -> Any:
         with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns (not the user's doing)
@@ -288,6 +316,24 @@ def _with_lora(args: argparse.Namespace, model: Any) -> Any:
             return peft.get_peft_model(model, peft.LoraConfig(r=args.lora, target_modules=modules))
 
     return call_user(wrap, f"--lora {args.lora}" + (f" --lora-modules {args.lora_modules}" if modules else ""), args.debug)
+
+
+def _default_lora_modules(args: argparse.Namespace, model: Any) -> Any:
+    """The modules LoRA adapts without ``--lora-modules``: PEFT's default for the model's architecture (its table by
+    ``model_type``), given to PEFT by name, as it would pick them (with Transformers 5 PEFT empties its own default for
+    some mixture-of-experts models, such as Mixtral, before reading it); an architecture it has no default for, or whose
+    default names no module of the model, refused with the fix."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    found = defaults.get(kind) if kind else None
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if found is None or (not isinstance(found, str) and not names & set(found)):
+        which = f"{kind!r} models" if kind else f"{type(model).__name__} (not a Transformers model)"
+        why = f"PEFT's default modules for {which} ({', '.join(found)}) are not in the model" if found else f"PEFT has no default modules for {which}"
+        raise UsageError(f"Invalid --lora {args.lora} without --lora-modules: {why}; name the modules to adapt with --lora-modules "
+                         "(e.g. --lora-modules all-linear, or q_proj,v_proj)")
+    return found if isinstance(found, str) else list(found)
 
 
 def _loader_from_args(args: argparse.Namespace) -> tuple[Any, None, dict[str, Any]]:

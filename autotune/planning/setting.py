@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.memory.ledger import storage_bytes
 from autotune.memory.optimizers import describe as describe_optimizer
 from autotune.memory.quantized import is_quantized, is_quantized_weight, logical_numel, quantization_of, quantized_layer_types
 from autotune.units import format_bytes
@@ -84,7 +85,8 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     quantization = quantization_of(model) if quantized or getattr(config, "quantization_config", None) is not None else None
     lora = lora_of(model)
     if quantization is not None:
-        out.append(("quantization", quantization.describe() + (_frozen_words(model, numel) if quantized and lora is None else "")))
+        out.append(("quantization", quantization.describe() + (_frozen_words(model, numel) if quantized and lora is None else "")
+                    + (_unquantized_words(model) if quantized else "")))
     if lora is not None:
         out.append(("adapters", lora))
     tokens = _tokens(batch)
@@ -116,6 +118,31 @@ def _frozen_words(model: nn.Module, numel: Any) -> str:
     where = ", ".join(f"{leaf} (x{n})" if n > 1 else leaf for leaf, n in owners.items())
     count = _count(trained) if trained >= 1e8 else f"{trained:,}"
     return f"; the quantized layers' weights frozen (no adapters): what trains is the rest, {count} parameters in {where or 'none'}"
+
+
+def _unquantized_words(model: nn.Module, shown: int = 4) -> str:
+    """What a quantization left as it was among the frozen weights, in words: bitsandbytes quantizes linear layers (not
+    the output head), so the head and a weight of another kind (an embedding, a norm, a mixture of experts' fused
+    experts, which are parameters and not linear layers) keep their dtype, e.g. ``"; left unquantized: 45.4B parameters,
+    84.49 GiB of bf16 weights: experts.gate_up_proj (x32) 56.00 GiB, experts.down_proj (x32) 28.00 GiB, ..."``; empty
+    where none is."""
+    groups: dict[str, list[Any]] = {}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if p.requires_grad or is_quantized_weight(p):
+                continue
+            leaf = name.rsplit(".", 1)[-1] or type(module).__name__
+            key = leaf if pname == "weight" else f"{leaf}.{pname}"
+            groups.setdefault(key, []).append(p)
+    if not groups:
+        return ""
+    sized = sorted(((storage_bytes(ps), key, len(ps)) for key, ps in groups.items()), key=lambda g: -g[0])  # the largest first
+    count = sum(p.numel() for ps in groups.values() for p in ps)
+    dtypes = Counter(_NAMES.get(p.dtype, str(p.dtype)) for ps in groups.values() for p in ps)
+    named = ", ".join(f"{key}{f' (x{n})' if n > 1 else ''} {format_bytes(b)}" for b, key, n in sized[:shown])
+    more = f", and {len(sized) - shown} more" if len(sized) > shown else ""
+    return (f"; left unquantized: {_count(count) if count >= 1e6 else f'{count:,}'} parameters, "
+            f"{format_bytes(sum(b for b, _, _ in sized))} of {', '.join(dtypes)} weights: {named}{more}")
 
 
 def _count(n: int) -> str:
