@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -143,3 +144,90 @@ def test_the_llama_3_70b_shape_needs_no_more_devices_with_an_8_bit_optimizer_tha
     params = sum(math.prod(s) for s in shapes_of(LLAMA_3_70B))
     assert abs(eight["parts"]["optimizer_state"] / (params / eight["ranks"]) - 2) < 0.2  # 2 bytes, where bf16 AdamW holds 4
     assert abs(fused["parts"]["optimizer_state"] / (params / fused["ranks"]) - 4) < 0.01
+
+
+# --- what the CLI's --hf-config builds: the adapters' default modules, the shape, what stays unquantized ------------
+
+TINY_MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 100, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "max_position_embeddings": 256, "torch_dtype": "float32"}
+CPU = ("--device", "cpu", "--memory-limit", "1GiB", "--tokens", "32")
+
+
+def test_lora_on_mixtral_without_lora_modules_adapts_peft_s_default_for_it(capsys, monkeypatch, tmp_path):
+    """PEFT's default for Mixtral (q_proj and v_proj), which PEFT itself loses for Transformers 5's fused experts."""
+    pytest.importorskip("peft")
+    code, data, err = report(capsys, monkeypatch, tmp_path, TINY_MIXTRAL, *CPU, "--lora", "4")
+    assert code == 0, err
+    setting = data["plan"]["setting"]
+    assert setting["adapters"] == "LoRA rank 4, alpha 8, on q_proj, v_proj"
+    per_layer = (4 * 64 + 64 * 4) + (4 * 64 + 32 * 4)  # q_proj 64 -> 64, v_proj 64 -> 32 (2 key-value heads of 16)
+    assert setting["parameters"].endswith(f", {2 * per_layer:,} trained")
+
+
+@pytest.mark.parametrize("config, argv, message", [
+    ({**TINY_MIXTRAL, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 32,
+      "shared_expert_intermediate_size": 64},
+     ("--lora", "4"),
+     r"Invalid --lora 4 without --lora-modules: PEFT has no default modules for 'qwen2_moe' models; name the modules to adapt "
+     r"with --lora-modules \(e\.g\. --lora-modules all-linear"),
+    ({k: v for k, v in TINY.items() if k not in ("hidden_size", "num_hidden_layers")}, (),
+     r"Invalid --hf-config '.*config0\.json': it has no hidden_size, num_hidden_layers \(the model's shape; LlamaConfig would fill "
+     r"in its defaults, hidden_size=4096, num_hidden_layers=32, and estimate another model\); give the model's own config\.json, "
+     r"or add these fields"),
+    ({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "vocab_size": 500, "n_positions": 256}, (),
+     r"it has no n_embd \(the model's shape; GPT2Config would fill in its defaults, n_embd=768.*or add this field"),
+], ids=["lora-without-a-default", "llama-without-its-shape", "gpt2-without-its-width"])
+def test_a_config_the_cli_cannot_build_as_asked_is_refused_naming_the_value_and_the_fix(config, argv, message, capsys, monkeypatch, tmp_path):
+    if "--lora" in argv:
+        pytest.importorskip("peft")
+    code, _, err = report(capsys, monkeypatch, tmp_path, config, *CPU, *argv)
+    assert code == 2 and re.search(message, err), err
+
+
+def test_qlora_on_mixtral_says_its_fused_experts_stay_unquantized_with_their_bytes(capsys, monkeypatch, tmp_path):
+    """bitsandbytes quantizes linear layers; Mixtral's experts are parameters (8 experts' gate_up_proj and down_proj a layer),
+    so they stay fp32 here (bf16 in a bf16 config), said on the setting's quantization line with their bytes by hand."""
+    pytest.importorskip("peft")
+    code, data, err = report(capsys, monkeypatch, tmp_path, TINY_MIXTRAL, *CPU, "--quantize", "nf4", "--lora", "4")
+    assert code == 0, err
+    line = data["plan"]["setting"]["quantization"]
+    experts = 2 * 8 * (2 * 128 * 64 + 64 * 128)  # 2 layers of 8 experts: gate_up_proj 256 x 64, down_proj 64 x 128
+    rest = 2 * 100 * 64 + 5 * 64 + 2 * 8 * 64  # embed_tokens and lm_head, the 5 norms, the 2 routers' weights
+    assert line.startswith("bitsandbytes nf4") and f"left unquantized: {experts + rest:,} parameters" in line, line
+    assert "of fp32 weights: experts.gate_up_proj (x2) 1.00 MiB, experts.down_proj (x2) 512.00 KiB" in line, line
+
+
+# --- what the shard answer says of its figures --------------------------------------------------------------------
+
+
+def test_a_sharded_bitsandbytes_optimizer_counts_its_8_bit_shard_and_says_bitsandbytes_does_not_step_on_fsdp2(
+        capsys, monkeypatch, tmp_path):
+    code, data, err = report(capsys, monkeypatch, tmp_path, TINY, "--device", "cuda", "--memory-limit", "1GiB", "--tokens", "64",
+                             "--optimizer", "adamw_8bit", "--shard", "2")
+    assert code == 0, err
+    assert data["fsdp2"]["parts"]["optimizer_state"] == -(-eight_bit_state(shapes_of(TINY)) // 2)
+    assert any(n.startswith("bitsandbytes' optimizers do not step on FSDP2's sharded (DTensor) parameters") and "2.03 bytes" in n
+               for n in data["fsdp2"]["notes"]), data["fsdp2"]["notes"]
+    code, data, err = report(capsys, monkeypatch, tmp_path, TINY, "--device", "cuda", "--memory-limit", "1GiB", "--tokens", "64",
+                             "--shard", "2")
+    assert code == 0 and data["fsdp2"]["notes"] == [], err
+
+
+@pytest.mark.slow  # about 15 s: the 70B shape's fewest devices
+def test_the_llama_3_70b_shape_with_fp32_master_weights_fits_no_count_of_devices_because_each_holds_autocasts_copies(
+        capsys, monkeypatch, tmp_path):
+    """Every rank runs the whole forward under bf16 autocast, whose cast cache keeps a bf16 copy of each fp32 weight of a
+    linear layer until the forward ends: 69.5B weights (the 80 blocks' projections and the head), 129.46 GiB, on every rank
+    whatever their count, more than an 80 GiB device. The rest of a rank's activations at one sample with checkpointing is
+    small: the 80 blocks' fp32 inputs (5 GiB) and the loss."""
+    code, data, err = report(capsys, monkeypatch, tmp_path, LLAMA_3_70B, "--device", "cuda", "--memory-limit", "80GiB", "--tokens", "2048",
+                             "--master-weights", "fp32", "--checkpointing", "--shard", "auto")
+    assert code == 1 and not data["fsdp2"]["fits"] and data["fsdp2"]["ranks"] == 1024, err
+    h = 8192
+    linear = [(h, h), (h // 8, h), (h // 8, h), (h, h), (28672, h), (28672, h), (h, 28672)]  # q, k, v, o (8 key-value heads), MLP
+    copies = 2 * (80 * sum(math.prod(s) for s in linear) + 128256 * h)
+    activations = data["fsdp2"]["parts"]["activations"]
+    inputs = 80 * 2048 * h * 4
+    assert copies + inputs < activations < copies + inputs + 4 * 2**30
+    assert any(f"copies of the fp32 weights of the linear layers ({copies / 2**30:.2f} GiB)" in n for n in data["fsdp2"]["notes"])

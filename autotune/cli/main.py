@@ -552,6 +552,8 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     if row.accumulation_steps > 1 or (not row.fits and -(-row.target_batch // row.ranks) > 1):
         print("  note: while a window accumulates, FSDP2 holds each rank's gradients unsharded (they are synced on its "
               "last micro-batch): counted above")
+    for note in row.notes:
+        print(f"  note: {note}")
     if not row.fits:
         print("what would fit, estimated:" if would else "nothing else estimated fits: a larger --memory-limit or a smaller model")
         for flags, r in would:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from autotune.rng import RNGState
 from autotune.step import default_loss, min_micro_batch, normalize_precision
 from autotune.units import format_bytes, parse_bytes
 
-__all__ = ["ShardEstimate", "ShardParts", "fewest_devices", "shard_estimates", "shard_parts", "shard_plan"]
+__all__ = ["ShardEstimate", "ShardParts", "fewest_devices", "shard_estimates", "shard_parts", "shard_plan", "sharding_notes"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,7 @@ class ShardEstimate:
         budget: bytes a rank may use.
         parts: the per-rank breakdown of ``peak``: parameters, optimizer_state, gradients,
             reduce_scatter, gathered (parameters unsharded at once, and buffers), activations.
+        notes: what such a run would meet that the figures do not show (:func:`sharding_notes`).
     """
 
     ranks: int
@@ -124,6 +125,7 @@ class ShardEstimate:
     peak: int
     budget: int
     parts: dict[str, int]
+    notes: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -143,7 +145,46 @@ class ShardEstimate:
         """Plain data for JSON."""
         return {"ranks": self.ranks, "micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
                 "target_batch": self.target_batch, "peak": self.peak, "budget": self.budget, "fits": self.fits,
-                "parts": dict(self.parts)}
+                "parts": dict(self.parts), "notes": list(self.notes)}
+
+
+# What the estimate of a sharded bitsandbytes optimizer counts, and why it says so (measured with bitsandbytes 0.50.2 and
+# torch 2.13 on the CPU, two ranks of fully_shard: the 8-bit step fails with "optimizer_update_8bit_blockwise got mixed
+# torch.Tensor and DTensor", its absmax made at the whole parameter's size; the 32-bit step with "optimizer_update_32bit
+# does not have a sharding strategy registered").
+BITSANDBYTES_UNDER_FSDP2 = (
+    "bitsandbytes' optimizers do not step on FSDP2's sharded (DTensor) parameters (bitsandbytes 0.50: its update kernels "
+    "take no DTensor), so this run needs an optimizer that does: the optimizer state above is its states' shard of the "
+    "rank, counted at bitsandbytes' size ({size})")
+
+
+def sharding_notes(optimizer: torch.optim.Optimizer, model: nn.Module | None = None, precision: str = "fp32",
+                   activations: int = 0) -> tuple[str, ...]:
+    """What an FSDP2 run of ``optimizer`` on ``model`` would meet that the per-rank figures do not show: a bitsandbytes
+    optimizer, which does not step on FSDP2's sharded parameters (:data:`BITSANDBYTES_UNDER_FSDP2`); and, under autocast,
+    the low-precision copies of fp32 weights that every rank holds whatever the count of ranks, where they are a large
+    part of a rank's ``activations`` (bytes)."""
+    notes = []
+    if type(optimizer).__module__.startswith("bitsandbytes"):
+        bits = int(getattr(getattr(optimizer, "args", None), "optim_bits", 32) or 32)
+        size = "8-bit: two uint8 states and a float32 absmax per 256 values, 2.03 bytes a parameter" if bits == 8 else "32-bit"
+        notes.append(BITSANDBYTES_UNDER_FSDP2.format(size=size))
+    copies = _autocast_copies(model, precision) if model is not None else 0
+    if copies and 4 * copies >= activations:
+        notes.append(
+            f"autocast's {precision} copies of the fp32 weights of the linear layers ({format_bytes(copies)}) are counted in "
+            "every rank's activations, whatever the count of ranks: each rank runs the whole forward, and autocast keeps the "
+            "copy of each weight it casts until the forward ends (its cast cache; without checkpointing autograd saves them "
+            "for the backward too)")
+    return tuple(notes)
+
+
+def _autocast_copies(model: nn.Module, precision: str) -> int:
+    """Bytes of autocast's copies of the trained fp32 weights of ``model``'s linear layers under ``precision``."""
+    if precision not in ("bf16", "fp16"):
+        return 0
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
+    return sum(2 * p.numel() for p in weights.values() if p.requires_grad and p.dtype == torch.float32)
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -298,8 +339,10 @@ def shard_plan(
     lower = min_micro_batch(model)
     parts, activations = estimated(work, lower)
     if ranks == "auto":
-        return [fewest_devices(parts, activations, budget=budget, target_batch=target_batch, lower=lower)]
-    return shard_estimates(parts, activations, ranks=counts, budget=budget, target_batch=target_batch, lower=lower)
+        rows = [fewest_devices(parts, activations, budget=budget, target_batch=target_batch, lower=lower)]
+    else:
+        rows = shard_estimates(parts, activations, ranks=counts, budget=budget, target_batch=target_batch, lower=lower)
+    return [replace(row, notes=sharding_notes(optimizer, model, work.precision, row.parts["activations"])) for row in rows]
 
 
 def fewest_devices(parts: ShardParts, activations: Callable[[int], int], *, budget: int, target_batch: int, lower: int = 1,
