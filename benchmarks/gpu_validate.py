@@ -27,6 +27,11 @@ Each case runs under its own time limit and reports its figures and its pass cri
    at 8641822, and Transformers' Llama-2-7B), BERT-large at 512 tokens, and the CUDA context with CUDA's modules
    loaded lazily and eagerly.
 
+9. ``fit speed``: ``fit``'s throughput against the plain accumulation loop (forward, ``(loss / k).backward()``
+   per micro-batch, clip, one optimizer step, one ``loss.item()`` a step) on GPT-2 small at 1024 tokens,
+   the same micro-batch, accumulation, model, optimizer and steps, the two interleaved run by run; ``fit``
+   with its defaults on (the noise meter) and no memory limit: fit / plain loop >= 0.98.
+
 It writes every figure to one JSON file (``--json``) and prints a table; the figures go into
 ``docs/benchmarks.md`` ("GPU validation").
 
@@ -397,6 +402,70 @@ def fit(ctx: Context, res: Result) -> None:
     }
 
 
+def fit_speed(ctx: Context, res: Result) -> None:
+    """``fit`` against the plain accumulation loop at the same micro-batch, model, optimizer and steps: samples
+    per second over the steps after a warm-up (the device synchronised at both ends of the timing only), the
+    two interleaved run by run."""
+    model = MODELS["gpt2"]
+    full = ctx.scale >= 1
+    length, micro, k = (model.length, 4, 4) if full else (32, 2, 2)
+    warm, steps, runs = (3, 20, 3) if full else (1, 2, 1)
+    net, opt = fresh(model, ctx.scale, ctx.device, dropout=0.0)
+    batch = model.batch(micro, length, ctx.scale)
+    if ctx.device.type == "cuda":
+        batch = {name: t.pin_memory() for name, t in batch.items()}  # both loops copy it up without waiting
+    data = [batch] * ((warm + steps) * k)
+    plan = autotune.Plan(micro_batch=micro, accumulation_steps=k, effective_batch=micro * k, world_size=1, micro_batches=(micro,) * k,
+                         lr=1e-5, base_lr=1e-5, lr_scale=1.0, lr_rule="none", base_batch=micro * k, warmup_steps=None, bn_momentum=None,
+                         memory_limit=ctx.limit, headroom=0.0, peak_memory=0, device=ctx.device.type, precision=model.precision)
+
+    def synchronize() -> float:
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        return time.perf_counter()
+
+    def with_fit() -> float:
+        marks: list[float] = []
+
+        def callback(record: Any) -> None:
+            if record.step in (warm, warm + steps):
+                marks.append(synchronize())
+
+        autotune.fit(net, data, plan=plan, optimizer=opt, loss_fn=model.loss, precision=model.precision, clip_grad_norm=1.0,
+                     progress=False, max_steps=warm + steps, callback=callback, device=ctx.device)
+        return steps * k * micro / (marks[1] - marks[0])
+
+    def plain() -> float:
+        dtype = torch.bfloat16 if model.precision == "bf16" else None
+        for step in range(warm + steps):
+            if step == warm:
+                began = synchronize()
+            for _ in range(k):
+                moved = {name: t.to(ctx.device, non_blocking=True) for name, t in batch.items()}
+                with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = model.loss(net, moved)
+                (loss / k).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()  # logged once a step
+        return steps * k * micro / (synchronize() - began)
+
+    net.train()
+    ratios, fitted, plained = [], [], []
+    for run in range(runs):
+        first, second = (with_fit, plain) if run % 2 == 0 else (plain, with_fit)  # which goes first rotates
+        a, b = first(), second()
+        f, p = (a, b) if first is with_fit else (b, a)
+        fitted.append(f)
+        plained.append(p)
+        ratios.append(f / p)
+    ratio = sorted(ratios)[len(ratios) // 2]
+    res.figures.update(micro_batch=micro, accumulation=k, length=length, steps=steps, runs=runs, fit_samples_per_s=fitted,
+                       plain_samples_per_s=plained, ratios=ratios, fit_over_plain=ratio)
+    res.checks = {"fit / plain loop >= 0.98": ratio >= 0.98}
+
+
 def binsearch(model: Model, net: nn.Module, samples: list[Any], device: torch.device, cap: int | None, max_trials: int) -> tuple[int, float]:
     """Lightning's batch-size search (``mode="binsearch"``, ``steps_per_trial=3``) on ``net`` under ``cap``: the
     size found and its wall time."""
@@ -584,6 +653,7 @@ CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
     "allocator": (allocator, 90),
     "outside the allocator": (outside, 15),
     "fit": (fit, 90),
+    "fit speed": (fit_speed, 90),
     "plan time": (plan_time, 120),
 }
 

@@ -14,7 +14,7 @@ from autotune.memory.ledger import is_out_of_memory
 from autotune.step import forward_backward
 from autotune.train.accumulate import Window
 
-__all__ = ["attempt", "run_micro_batches", "weighted_sum"]
+__all__ = ["attempt", "read_window", "run_micro_batches", "weighted_sum"]
 
 
 def attempt(run: Any, window: Window) -> float:
@@ -65,16 +65,39 @@ def run_micro_batches(run: Any, window: Window) -> float:
                 exc.autotune_micro_size = B.per_sample_numel(micro.batch)  # type: ignore[attr-defined]
             raise
         losses.append(loss)
-        if measured:  # a measured window keeps its first micro-batch's gradient norm
+        if measured:  # a measured window keeps its first micro-batch's gradient norm (a tensor: no read)
             run.noise.first(run.synced, micro.weight * share, micro.items)
-    return weighted_sum(losses, [micro.weight for micro in window])
+    # In one process the gradients are the window's now: its norm for the meter joins the loss's read.
+    big = run.noise.last(run.synced) if measured and run.world_size == 1 else None
+    return read_window(run, weighted_sum(losses, [micro.weight for micro in window]), big)
 
 
-def weighted_sum(losses: list[torch.Tensor], weights: list[float]) -> float:
-    """``sum(w * loss)`` in float64, with one read from the device."""
-    if len(losses) == 1:
-        return float(losses[0]) * weights[0]
+def weighted_sum(losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """``sum(w * loss)`` in float64, on the losses' device (nothing read; the weights are not copied there)."""
     if not losses:
-        return 0.0
-    stacked = torch.stack([loss.reshape(()) for loss in losses]).double()
-    return float(stacked @ torch.tensor(weights, dtype=torch.float64, device=stacked.device))
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([loss.reshape(()).double() * w for loss, w in zip(losses, weights)]).sum()
+
+
+def read_window(run: Any, loss: torch.Tensor, big: torch.Tensor | None) -> float:
+    """The window's one read from the device: its loss, with what the step needs to know on the host
+    (the GradScaler's scale, for the meter and, with a fused optimizer, to tell a skipped step; the
+    meter's squared norms).
+
+    On a GPU every read waits for the device to finish what it was given: the plain loop reads its loss
+    once per step, and so does the window, whatever its micro-batches. Returns the loss; the scale is
+    kept in ``run.scale`` and the norms handed to the meter (:meth:`NoisePacer.read`).
+    """
+    values = [loss]
+    # the scale as the tensor it is (GradScaler.get_scale() would read it on its own)
+    scale = run.scaler._get_scale_async() if run.scaler is not None and run.scaler.is_enabled() else None
+    if scale is not None:
+        values.append(scale)
+    if run.noise.small is not None:
+        values.append(run.noise.small[0])
+        if big is not None:
+            values.append(big)
+    read = torch.stack([v.reshape(()).to(loss.device, torch.float64) for v in values]).tolist() if len(values) > 1 else [float(loss)]
+    run.scale = read[1] if scale is not None else None
+    run.noise.read(read[1 + (scale is not None):])
+    return read[0]

@@ -323,28 +323,32 @@ class BNController:
 
         ``"pooled"``: per module the count, sum and sum of squares of its inputs over the window;
         other modes: the running buffers (to be averaged over the ranks that had data). A rank
-        without data sends zeros.
+        without data sends zeros. Built on the modules' device: nothing is read from it here.
         """
         self._flush_micro()
         parts: list[torch.Tensor] = []
         if self.mode == "pooled":
             for m, pool in zip(self.modules, self._pools):
                 c = m.num_features
+                device = m.running_mean.device  # type: ignore[union-attr]
                 if pool.mean is None or not had_data:
-                    parts.append(torch.zeros(1 + 2 * c, dtype=torch.float64))
+                    parts.append(torch.zeros(1 + 2 * c, dtype=torch.float64, device=device))
                     continue
                 assert pool.m2 is not None
-                s1 = pool.mean.detach().double().cpu() * pool.n
-                s2 = pool.m2.detach().double().cpu() + pool.n * pool.mean.detach().double().cpu() ** 2
-                parts.append(torch.cat([torch.tensor([float(pool.n)], dtype=torch.float64), s1, s2]))
+                mean = pool.mean.detach().double().to(device)
+                s2 = pool.m2.detach().double().to(device) + pool.n * mean**2
+                parts.append(torch.cat([torch.full((1,), float(pool.n), dtype=torch.float64, device=device), mean * pool.n, s2]))
         elif self.mode is not None:
             for m in self.modules:
                 weight = 1.0 if had_data else 0.0
-                rm = m.running_mean.detach().double().cpu() * weight  # type: ignore[union-attr]
-                rv = m.running_var.detach().double().cpu() * weight  # type: ignore[union-attr]
-                nbt = torch.tensor([float(m.num_batches_tracked) * weight], dtype=torch.float64)  # type: ignore[arg-type]
+                rm = m.running_mean.detach().double() * weight  # type: ignore[union-attr]
+                rv = m.running_var.detach().double() * weight  # type: ignore[union-attr]
+                nbt = m.num_batches_tracked.detach().double().reshape(1).to(rm.device) * weight  # type: ignore[union-attr]
                 parts.append(torch.cat([rm, rv, nbt]))
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64)
+        device = parts[0].device
+        return torch.cat([p if p.device == device else p.to(device) for p in parts])
 
     def finish_window(self, summed: torch.Tensor | None = None, ranks_with_data: int = 1, *, distributed: bool = False) -> None:
         """The window is done on every rank: apply the pooled update (from ``summed``, the payloads
@@ -354,7 +358,10 @@ class BNController:
             return
         self._flush_micro()
         if self.mode == "pooled":
-            self._apply_pools(summed if summed is not None else self.payload(True))
+            if summed is None:
+                self._apply_own_pools()  # one process: from the pools as they are, on the device
+            else:
+                self._apply_pools(summed)
         elif distributed and ranks_with_data > 0:
             assert summed is not None
             offset = 0
@@ -383,15 +390,33 @@ class BNController:
                     continue
                 mean = s1 / n
                 var = (s2 - n * mean * mean) / max(n - 1.0, 1.0)  # unbiased, as BatchNorm stores it
-                m.num_batches_tracked.add_(1)  # type: ignore[union-attr,operator]
-                factor = 1.0 / float(m.num_batches_tracked) if momentum is None else momentum  # type: ignore[arg-type]
-                m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean), alpha=factor)  # type: ignore[union-attr]
-                m.running_var.mul_(1 - factor).add_(var.to(m.running_var), alpha=factor)  # type: ignore[union-attr]
+                _update(m, momentum, mean, var)
+
+    def _apply_own_pools(self) -> None:
+        """One update per module from this process's pooled statistics (its count known on the host)."""
+        with torch.no_grad():
+            for m, (momentum, _), pool in zip(self.modules, self._saved, self._pools):
+                if pool.mean is None:
+                    continue
+                _update(m, momentum, pool.mean, pool.unbiased_var())
 
     def end_window(self) -> None:
         """The window's micro-batches are done (single process): apply the pooled update or keep
         the recording."""
-        self.finish_window(self.payload(True), 1)
+        self.finish_window(None, 1)
+
+
+def _update(m: BatchNorm, momentum: float | None, mean: torch.Tensor, var: torch.Tensor) -> None:
+    """One running-statistics update of ``m`` with the window's ``mean`` and unbiased ``var``, as BatchNorm
+    makes it (``momentum=None``: the cumulative average, its factor computed on the device, not read)."""
+    m.num_batches_tracked.add_(1)  # type: ignore[union-attr,operator]
+    if momentum is None:
+        factor = 1.0 / m.num_batches_tracked.double()  # type: ignore[union-attr]
+        m.running_mean.mul_(1 - factor.to(m.running_mean)).add_(mean.to(m.running_mean) * factor.to(m.running_mean))  # type: ignore[union-attr]
+        m.running_var.mul_(1 - factor.to(m.running_var)).add_(var.to(m.running_var) * factor.to(m.running_var))  # type: ignore[union-attr]
+        return
+    m.running_mean.mul_(1 - momentum).add_(mean.to(m.running_mean), alpha=momentum)  # type: ignore[union-attr]
+    m.running_var.mul_(1 - momentum).add_(var.to(m.running_var), alpha=momentum)  # type: ignore[union-attr]
 
 
 def precise_bn(model: nn.Module, batches: Iterable[Any], forward: Callable[[nn.Module, Any], Any], *, samples: int = 4096) -> int:

@@ -24,6 +24,7 @@ top-k is a near-tie otherwise.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -163,11 +164,13 @@ class Routed:
 
 
 def window_routing(model: Any, batches: Sequence[Any], weights: Sequence[float], router: Router,
-                   forward: Callable[[Any, Any], Any]) -> Routed:
+                   forward: Callable[[Any, Any], Any], *, measure: bool = True) -> Routed:
     """The window's routing (:class:`Routed`): ``forward(model, batch)`` (the model's output, with
     ``router_logits``) of every micro-batch without gradients, from the random state the training
     forwards will start from, which is put back after it, so dropout and router jitter route them
-    alike. ``weights``: what each micro-batch's loss is multiplied by in training."""
+    alike. ``weights``: what each micro-batch's loss is multiplied by in training. ``measure=False``:
+    the routing only, nothing read from the device (``per_micro``, ``exact`` and ``gradient_off`` NaN,
+    ``agrees`` True: what the first window measured holds)."""
     rng = RNGState()
     parts = []
     agrees = True
@@ -184,7 +187,7 @@ def window_routing(model: Any, batches: Sequence[Any], weights: Sequence[float],
                 assigned, probs, rows, jacobians = routing(output.router_logits, batch.get("attention_mask"), router, curvature=True)
                 parts.append((assigned, probs, rows, weight, jacobians))
                 own = getattr(output, "aux_loss", None)
-                if torch.is_tensor(own):
+                if measure and torch.is_tensor(own):
                     mine = float(router.experts * (assigned / rows) @ (probs / rows))
                     # the model's softmax runs in its logits' dtype: half precision rounds its probabilities
                     tolerance = 1e-4 if output.router_logits[0].dtype in (torch.float32, torch.float64) else 2e-2
@@ -194,6 +197,8 @@ def window_routing(model: Any, batches: Sequence[Any], weights: Sequence[float],
     assigned = sum(p[0] for p in parts)
     probs = sum(p[1] for p in parts)
     rows = sum(p[2] for p in parts)
+    if not measure:
+        return Routed(assigned, rows, math.nan, math.nan, math.nan, True)  # type: ignore[arg-type]
     per_micro = sum(w * float(router.experts * (a / r) @ (p / r)) for a, p, r, w, _ in parts)
     exact = float(router.experts * (assigned / rows) @ (probs / rows))
     # The loss's gradient with respect to a micro-batch's summed probabilities: E f_i w_i / R_i as the
@@ -254,7 +259,8 @@ class RouterLoss:
 
         bn = run.save_bn()
         try:
-            routed = window_routing(run.model, [m.batch for m in window], [m.weight for m in window], self.router, forward)
+            routed = window_routing(run.model, [m.batch for m in window], [m.weight for m in window], self.router, forward,
+                                    measure=self.note is None)  # measured on the first window only: no read in later ones
         except Exception as exc:
             if self.mode == "exact" or is_out_of_memory(exc):
                 raise

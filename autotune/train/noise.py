@@ -14,10 +14,11 @@ window, the two-batch estimator of McCandlish et al. (Appendix A.1) is unbiased:
     tr(S)  ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
     B_simple = EMA(tr S) / EMA(|G|^2)          (the ratio of the averages, not the average of ratios)
 
-``|G_b|^2`` is read from the gradient after the first micro-batch (divided by its weight squared),
+``|G_b|^2`` is taken from the gradient after the first micro-batch (divided by its weight squared),
 ``|G_B|^2`` from the window's gradient before clipping (under data parallelism: the global one, after
 the sync; under fp16, both divided by the GradScaler's scale squared). Two norms per step, no extra
-backward, no copy of the gradients. It is an SGD-theory quantity: for Adam it is advice, not a law;
+backward, no copy of the gradients; both stay on the device until the window's end, where they are read
+with the window's loss (one read per step, as the plain loop's ``loss.item()``). It is an SGD-theory quantity: for Adam it is advice, not a law;
 BatchNorm couples samples, which biases it.
 
 The meter and the advice are pure (they take squared norms as numbers); :func:`noise_scale` measures
@@ -154,6 +155,8 @@ class NoisePacer:
         self.meter: NoiseMeter | None = NoiseMeter() if asked is not False else None
         self.fixed = None if isinstance(asked, bool) else max(1, int(asked))
         self.small: tuple[torch.Tensor, float, int] | None = None  # first micro-batch: (|grad|^2, weight, items)
+        self.values: list[float] = []  # read at the window's end: |G_b|^2 (weighted), and |G_B|^2 in one process
+        self.last_seconds = 0.0
         # Every `every`-th window is measured, chosen so that it costs at most 1% of the step time.
         self.every, self.count, self.seconds, self.first_seconds = self.fixed or 1, 0, 0.0, 0.0
         self.due = asked is not False
@@ -183,6 +186,22 @@ class NoisePacer:
             self.small = (squared_norm(grads), weight, items)
         self.first_seconds = time.perf_counter() - started
 
+    def last(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """At a measured window's end in one process, where its gradient is the window's: ``|G_B|^2`` of
+        ``params``' gradients, as a tensor (read with the window's loss, :meth:`read`); None when not measured."""
+        if not self.due or self.small is None:
+            return None
+        started = time.perf_counter()
+        grads = [p.grad for p in params if p.grad is not None]
+        big = squared_norm(grads) if grads else None
+        self.last_seconds = time.perf_counter() - started
+        return big
+
+    def read(self, values: list[float]) -> None:
+        """What the window's one read brought back for the meter: ``|G_b|^2`` (weighted) when the first
+        micro-batch kept it, then ``|G_B|^2`` when :meth:`last` measured it."""
+        self.values = values
+
     def measure(self, grads: list[torch.Tensor], window_items: float, scale: float) -> float | None:
         """Feed the meter with this window, its first micro-batch against the whole window (``grads``,
         before clipping; ``scale``: the GradScaler's scale, squared); the estimate so far."""
@@ -190,14 +209,19 @@ class NoisePacer:
             return None
         due, self.due = self.due, False
         small, self.small = self.small, None
+        values, self.values = self.values, []
         before = self.meter.n
         if due and small is not None:
             start = time.perf_counter()
-            small_sq, weight, items = small
+            _, weight, items = small
             if grads and weight > 0:
-                big_sq = float(squared_norm(grads))
-                self.meter.add(float(small_sq) / (weight * weight) / scale, items, big_sq / scale, float(window_items))
-            self.seconds = time.perf_counter() - start + self.first_seconds
+                # read at the window's end with its loss (:meth:`read`); under data parallelism the
+                # window's gradient is the one after the exchange, read here
+                small_sq = values[0] if values else float(small[0])
+                big_sq = values[1] if len(values) > 1 else float(squared_norm(grads))
+                self.meter.add(small_sq / (weight * weight) / scale, items, big_sq / scale, float(window_items))
+            self.seconds = time.perf_counter() - start + self.first_seconds + self.last_seconds
+            self.last_seconds = 0.0
         self.fresh = self.meter.n > before
         estimate = self.meter.estimate()
         return estimate.value if estimate is not None and math.isfinite(estimate.value) else None
@@ -223,7 +247,8 @@ class NoisePacer:
 def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The squared norm of all gradients together, as a tensor (no sync)."""
     norms = torch._foreach_norm(grads)
-    return torch.stack([n.to(norms[0].device) for n in norms]).double().square().sum()
+    device = norms[0].device
+    return torch.stack([n if n.device == device else n.to(device) for n in norms]).double().square().sum()
 
 
 def _fieller(t: float, g: float, vt: float, vg: float, c: float) -> tuple[float, float]:

@@ -126,6 +126,8 @@ class Run:
         self.ramp: BatchRamp | None = None  # a target that grows (fit's target_batch=BatchRamp)
         self.failure: BaseException | None = None  # the error the run stopped on (None: it finished)
         self.router: Any = None  # a mixture-of-experts load-balancing loss (autotune.train.experts.RouterLoss), or None
+        # The GradScaler's scale during the window now ending, read with its loss (None: not read)
+        self.scale: float | None = None
 
     def shares(self, window: int) -> int:
         """This rank's samples in the epoch's window ``window``: the target (the ramp's, when the target
@@ -242,7 +244,8 @@ class Run:
         (one more collective); nothing without BatchNorm."""
         if not self.bnc.modules:
             return
-        payload = self.bnc.payload(had_data) if (self.world_size > 1 or self.bnc.mode == "pooled") else None
+        # In one process the pooled statistics are applied where they are, on the device (nothing read).
+        payload = self.bnc.payload(had_data) if self.world_size > 1 else None
         summed = payload if (payload is None or self.sync is None) else self.sync.sum(payload)
         self.bnc.finish_window(summed, ranks_with_data, distributed=self.world_size > 1)
 
@@ -281,7 +284,7 @@ class Run:
         if self.noise.meter is None:
             return None
         grads = [p.grad for p in self.synced if p.grad is not None]
-        scale = float(self.scaler.get_scale()) ** 2 if self.scaler is not None else 1.0
+        scale = (self.scale if self.scale is not None else float(self.scaler.get_scale())) ** 2 if self.scaler is not None else 1.0
         return self.noise.measure(grads, float(agreed.items), scale)
 
     def pace_noise(self, step_seconds: float) -> None:

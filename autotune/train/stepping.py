@@ -57,10 +57,7 @@ def optimizer_step(run: Any, samples: int = 0) -> tuple[float, bool]:
         lr = float(optimizer.param_groups[0]["lr"])
         skipped = False
         if scaler is not None:
-            before = float(scaler.get_scale())
-            scaler.step(optimizer)
-            scaler.update()
-            skipped = float(scaler.get_scale()) < before  # it lowers the scale exactly when it skips
+            skipped = _scaler_step(scaler, optimizer, run.scale)
         else:
             optimizer.step()
     except Exception as exc:
@@ -84,6 +81,30 @@ def optimizer_step(run: Any, samples: int = 0) -> tuple[float, bool]:
     for p in run.outside:  # parameters outside the optimizer do not pile up gradients either
         p.grad = None
     return lr, skipped
+
+def _scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, scale: float | None) -> bool:
+    """``scaler.step`` and ``scaler.update``; whether the scaler skipped the step (non-finite gradients).
+
+    Told by the optimizer's own step hook, which runs only when the step does: nothing read from the
+    device beyond the scaler's own check. An optimizer without hooks, or one whose step is handed the
+    scaler's verdict and skips inside (fused ones), is told by the scale, which the update lowers exactly
+    when the step was skipped: one read (``scale``: the scale the window ran at, read with its loss).
+    """
+    hook = getattr(optimizer, "register_step_post_hook", None)
+    if hook is None or getattr(optimizer, "_step_supports_amp_scaling", False):
+        before = scale if scale is not None else float(scaler.get_scale())
+        scaler.step(optimizer)
+        scaler.update()
+        return float(scaler.get_scale()) < before
+    stepped: list[bool] = []
+    handle = hook(lambda *_: stepped.append(True))
+    try:
+        scaler.step(optimizer)
+    finally:
+        handle.remove()
+    scaler.update()
+    return not stepped
+
 
 def _ledger_for_step(run: Any) -> Any:
     """The first optimizer step creates the optimizer state: count it under a CPU limit."""
