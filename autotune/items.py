@@ -34,7 +34,7 @@ from autotune.checks import is_one_shot
 from autotune.rng import RNGState
 from autotune.step import Precision, autocast, planning
 
-__all__ = ["RULES", "Items", "count_for", "label_tokens", "loss_items", "shifted_label_tokens"]
+__all__ = ["RULES", "Items", "count_for", "label_tokens", "labelled", "loss_items", "shifted_label_tokens"]
 
 RULES = ("samples", "labels", "shifted labels")
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # relative; half precision: 1e-2
@@ -129,6 +129,19 @@ class Items:
     def count(self) -> Callable[[Any], int] | None:
         """The ``count`` that weights by the rule (None: samples)."""
         return count_for(self.rule)
+
+
+def labelled(loader: Iterable[Any]) -> bool:
+    """Whether the loader's first batch carries integer labels to count (its generators put back):
+    without them, and without a model of a known kind, there is nothing to tell and nothing is run."""
+    if is_one_shot(loader):
+        return False
+    rng = RNGState(loader)
+    try:
+        first = next(iter(loader), None)
+    finally:
+        rng.restore()
+    return _labels(first) is not None
 
 
 def _kind(model: nn.Module) -> str | None:

@@ -97,7 +97,7 @@ def test_a_card_on_this_machine_is_found_by_its_reported_name(monkeypatch):
 
 
 def test_on_the_card_itself_the_plan_runs_there_as_asked(monkeypatch):
-    from autotune.planning.planner import _for_card
+    from autotune.memory.gpus import target_for as _for_card
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -12,21 +12,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 # before it. This is the one place the order is written.
 WINGS = {
     # base: what everything may use
-    "base": ["units", "errors", "batches", "checks", "rng", "step", "losses"],
+    "base": ["units", "errors", "batches", "checks", "rng", "step", "losses", "items", "packed"],
     # what a step holds and would hold
-    "memory": ["memory", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.quantized", "memory.optimizers", "memory.ledger", "memory.device", "memory.checkpointing"],
+    "memory": ["memory", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.quantized", "memory.optimizers", "memory.ledger", "memory.device", "memory.gpus", "memory.checkpointing"],
     # ranks: agreements for planning, the exchange of training
     "parallel": ["parallel", "parallel.ranks", "parallel.stops", "parallel.exchange", "parallel.lockstep"],
     # trials that change nothing, real and on fake tensors, and the search
     "probe": ["probe", "probe.search", "probe.trial", "probe.cuda", "probe.experts", "probe.attention", "probe.fakes", "probe.traces", "probe.depth", "probe.estimate", "probe.priced", "probe.largest"],
     # the plan (pure) and the verbs that make plans
-    "planning": ["planning", "planning.scaling", "planning.options", "planning.setting", "planning.plans", "planning.report", "planning.cache",
+    "planning": ["planning", "planning.scaling", "planning.options", "planning.setting", "planning.recipe", "planning.plans", "planning.report", "planning.cache",
                  "planning.whatif", "planning.sharding", "planning.advice", "planning.lengths", "planning.planner"],
     # training at the planned batch: the loop, its windows, BatchNorm, the noise scale, BN tuning
-    "train": ["train", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.arguments", "train.caps", "train.run", "train.resume", "train.attempt",
+    "train": ["train", "train.experts", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.arguments", "train.caps", "train.run", "train.resume", "train.attempt",
               "train.retry", "train.stepping", "train.single", "train.data_parallel", "train.sharded", "train.fit", "train.tune"],
     # the surfaces
-    "surfaces": ["integrations", "integrations.common", "integrations.rows", "integrations.loss_rules", "integrations.hf", "integrations.lightning", "integrations.accelerate",
+    "surfaces": ["integrations", "integrations.common", "integrations.rows", "integrations.loss_rules", "integrations.router_loss", "integrations.hf", "integrations.lightning", "integrations.accelerate",
                  "__init__", "cli.demo", "cli.parser", "cli.render", "cli.workload", "cli.main", "cli", "cli.__main__"],
 }
 LAYERS = [module for modules in WINGS.values() for module in modules]
@@ -135,14 +135,15 @@ def test_the_model_passes_through_few_modules_on_its_way_through_fit():
     """The reader's path (``benchmarks/model_path.py``): every autotune function that receives the model
     or a part of it, in the order of the code, for one process's fit and the plan it makes first. The
     loop calls down into a few helpers, each doing a whole job: at most 7 modules, at most 8 moves back
-    up a layer; the plan one module more, the words of the setting it states (``planning.setting``)."""
+    up a layer; the plan two modules more, the setting it states in words (``planning.setting``) and as a
+    framework's values (``planning.recipe``)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("model_path", Path(__file__).resolve().parents[1] / "benchmarks" / "model_path.py")
     model_path = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(model_path)
     for name, path in model_path.measure().items():
-        assert len(set(path)) <= (8 if name == "planning" else 7), (name, path)
+        assert len(set(path)) <= (9 if name == "planning" else 7), (name, path)
         assert model_path.moves_up(path) <= 8, (name, path)
 
 

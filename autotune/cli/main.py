@@ -2,6 +2,8 @@
 
 ``main(argv) -> int`` returns the exit code: 0 success, 1 nothing fits (with the numbers), 2 a usage
 error (with a one-line reason).
+
+Why this is long: every flag's check and its one-line usage error live beside the command that reads it.
 """
 
 from __future__ import annotations

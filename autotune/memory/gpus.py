@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["GPUS", "Gpu", "estimate_limit", "gpu_for", "gpu_named", "is_here"]
+__all__ = ["GPUS", "Gpu", "estimate_limit", "gpu_for", "gpu_named", "is_here", "target_for"]
 
 _GiB = 2**30
 _MiB = 2**20
@@ -266,3 +267,19 @@ def estimate_limit(card: Gpu, given: int | None, *, flag: str = "memory_limit") 
     said = (f"{flag} {format_bytes(given)} given: planned with it instead of the card's {format_bytes(card.memory)}"
             if given is not None else f"its memory {format_bytes(card.memory)}, {card.memory_source}")
     return (card.memory if given is None else given), f"planned for {card.describe()}, estimated (no such card here); {said}"
+
+
+def target_for(card: Gpu, device: Any, memory_limit: int | None, verify: bool) -> tuple[Any, bool, int | None, str]:
+    """``plan(gpu=...)``: the device, whether to run on it, the limit and the note. On this machine's CUDA device where it is
+    that card (by the name its driver reports), as asked; else an estimate for it, with its memory as the limit."""
+    import torch
+
+    wanted = torch.device(device) if device is not None else torch.device("cuda")
+    if wanted.type != "cuda":
+        raise ValueError(f"Invalid device {str(wanted)!r} with gpu={card.name!r}: the card is a CUDA device; leave device "
+                         "out, or give device='cuda' (or 'cuda:N')")
+    limit, note = estimate_limit(card, memory_limit)  # refused here too: a limit above the card's memory
+    if is_here(card, wanted.index):
+        index = wanted.index if wanted.index is not None else torch.cuda.current_device()
+        return torch.device("cuda", index), verify, memory_limit, f"planned for {card.describe()}: this machine's cuda:{index}"
+    return wanted, False, limit, note

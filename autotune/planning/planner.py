@@ -6,6 +6,9 @@ into :class:`autotune.planning.options.Probing` (:func:`plan_with` is where ``fi
 checks that need the model (:func:`_set_up`), the probe on every rank (:func:`_probe_every_rank`: snapshot, look at the
 loader, estimate, verify, agree) and the Plan (:func:`_assemble`). The shape model lives in
 :mod:`autotune.planning.lengths`, what to say when nothing fits in :mod:`autotune.planning.advice`.
+
+Why this is long: the pipeline's steps are read in order in one file (``plan``'s and ``what_if``'s arguments
+documented where they are taken), each step a short function.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from autotune.checks import (
     resolve_device,
 )
 from autotune.errors import AutotuneError, NothingFits
-from autotune.items import Items, loss_items
-from autotune.packed import packing_problem
+from autotune.items import Items, labelled, loss_items
+from autotune.packed import packed_row, packing_problem
 from autotune.memory.device import (
     CUDA_OUTSIDE,
     allocator_cap,
@@ -37,7 +40,7 @@ from autotune.memory.device import (
     device_memory,
     outside_allocator,
 )
-from autotune.memory.gpus import Gpu, estimate_limit, is_here
+from autotune.memory.gpus import target_for
 from autotune.memory.ledger import storage_bytes
 from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
 from autotune.parallel.ranks import bypass_nested, gather, group_broken, parallel, world
@@ -242,27 +245,13 @@ def plan(
                      gpu=gpu)
     card_note = None
     if shared.gpu is not None:  # the card decides the device, whether it runs, and the limit
-        device, verify, limit, card_note = _for_card(shared.gpu, device, shared.memory_limit, verify)
+        device, verify, limit, card_note = target_for(shared.gpu, device, shared.memory_limit, verify)
         shared = dataclasses.replace(shared, memory_limit=limit)
     probing = Probing.of(verify=verify, estimate=estimate, max_probe_batches=max_probe_batches, by_shape=by_shape,
                          lengths=lengths, follow_batch=follow_batch, on_trial=on_trial)
     probing = dataclasses.replace(probing, items=True)
     found = plan_with(model, loader, shared, probing, optimizer=optimizer, loss_fn=loss_fn, device=device)
     return found if card_note is None else dataclasses.replace(found, notes=(card_note, *found.notes))
-
-
-def _for_card(card: Gpu, device: Any, memory_limit: int | None, verify: bool) -> tuple[torch.device, bool, int | None, str]:
-    """``gpu=``: the device, whether to run on it, the limit and the note. On this machine's CUDA device where it is
-    that card (by the name its driver reports), as asked; else an estimate for it, with its memory as the limit."""
-    wanted = torch.device(device) if device is not None else torch.device("cuda")
-    if wanted.type != "cuda":
-        raise ValueError(f"Invalid device {str(wanted)!r} with gpu={card.name!r}: the card is a CUDA device; leave device "
-                         "out, or give device='cuda' (or 'cuda:N')")
-    limit, note = estimate_limit(card, memory_limit)  # refused here too: a limit above the card's memory
-    if is_here(card, wanted.index):
-        index = wanted.index if wanted.index is not None else torch.cuda.current_device()
-        return torch.device("cuda", index), verify, memory_limit, f"planned for {card.describe()}: this machine's cuda:{index}"
-    return wanted, False, limit, note
 
 
 @dataclasses.dataclass
@@ -398,7 +387,8 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
     else:
         looked = sample_batch(loader, max_batches=probing.max_probe_batches)
     items = Items()
-    if probing.items:  # what the loss averages over: run (no gradient) where one process holds the real model
+    if probing.items and (labelled(loader) or isinstance(getattr(setup.model, "loss_type", None), str)):
+        # what the loss averages over: run (no gradient) where one process holds the real model
         items = loss_items(setup.model, loss_fn, loader, device=setup.device, precision=setup.precision,
                            measure=probing.verify and setup.world_size == 1 and not setup.fsdp)
     work = Workload(
@@ -409,10 +399,10 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
     )
     if probing.items and items.note:
         work.notes.append(items.note)
-    if probing.items and probing.verify and setup.world_size == 1 and not setup.fsdp:
-        packing = packing_problem(setup.model, loader, device=setup.device, precision=setup.precision)
-        if packing:
-            work.notes.append(packing)
+    row = packed_row(loader) if probing.items and probing.verify and setup.world_size == 1 and not setup.fsdp else None
+    packing = packing_problem(setup.model, row, device=setup.device, precision=setup.precision) if row is not None else None
+    if packing:
+        work.notes.append(packing)
     if setup.fsdp:
         work.notes.append(
             f"sharded with FSDP2 over {setup.world_size} ranks: real trials only, every rank in lockstep (a size fits when "

@@ -84,13 +84,10 @@ class Plan:
         setting: what was planned, in words, as ``(what, value)`` pairs: the model and its parameters, the
             weights policy, quantization, adapters, tokens per sample, attention, checkpointing, the
             optimizer's implementation, the device (see :mod:`autotune.planning.setting`).
-        recipe: the same setting as the values a framework's config takes: the optimizer's class and the Trainer's
-            ``optim`` name, the weights' dtype, the attention kernel, quantization and adapters (see
-            :class:`autotune.planning.recipe.Recipe`); None for a plan made without them.
-        items: what the loss planned with averages over, and so what ``fit`` and
-            :func:`autotune.accumulate` weight each micro-batch by when no ``count`` is given:
-            ``"samples"``, ``"labels"`` (labels that are not -100) or ``"shifted labels"`` (a causal
-            LM's, after the first position); see :mod:`autotune.items`. The notes say how it was found.
+        recipe: the setting as a framework's config takes it (optimizer, dtype, attention, quantization,
+            adapters: :class:`autotune.planning.recipe.Recipe`); None for a plan made without them.
+        items: what the loss averages over, what ``fit`` and ``accumulate`` weight micro-batches by
+            without ``count``: ``"samples"``, ``"labels"`` or ``"shifted labels"`` (:mod:`autotune.items`).
     """
 
     micro_batch: int

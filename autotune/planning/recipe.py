@@ -126,11 +126,19 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
+def _quantized(model: Any) -> bool:
+    """Whether any of the model's layers is a bitsandbytes quantized one (none before bitsandbytes is imported)."""
+    from autotune.memory.quantized import quantized_layer_types
+
+    types = quantized_layer_types()
+    return bool(types) and any(isinstance(m, types) for m in model.modules())
+
+
 def _weights_dtype(model: Any) -> str:
     """The dtype most of the model's weights are in, quantized weights and LoRA's adapters aside."""
-    from autotune.memory.quantized import is_quantized_weight, quantized_layer_types
+    from autotune.memory.quantized import is_quantized_weight
 
-    quantized = bool(quantized_layer_types())
+    quantized = _quantized(model)
     count: Counter[str] = Counter()
     for name, p in model.named_parameters():
         if "lora_" in name or (quantized and is_quantized_weight(p)):
@@ -143,6 +151,8 @@ def _quantization(model: Any) -> tuple[tuple[str, Any], ...]:
     """``BitsAndBytesConfig``'s keywords for the model's quantization, or none."""
     from autotune.memory.quantized import quantization_of
 
+    if not _quantized(model) and getattr(getattr(model, "config", None), "quantization_config", None) is None:
+        return ()  # nothing quantized, nor asked to be
     try:
         found = quantization_of(model)
     except ValueError:  # not bitsandbytes: nothing this config can say

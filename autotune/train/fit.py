@@ -22,6 +22,9 @@ scheduler always hold the unscaled values the user's schedule computes, and the 
 Chained, warm restarts, ``LambdaLR`` schedules such as transformers' ``get_scheduler``), and after
 ``fit`` returns the optimizer and scheduler are where the unscaled run would have left them, so
 ``fit(epochs=1)`` called N times trains like ``fit(epochs=N)``.
+
+Why this is long: ``fit``'s many arguments are documented and refused in one place (``_Request.checked``), and the
+loop, its setup and its finish are read top to bottom beside them.
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ from autotune.checks import (
     resolve_device,
 )
 from autotune.errors import AutotuneWarning
-from autotune.items import count_for, loss_items
-from autotune.packed import packing_problem
+from autotune.items import count_for, labelled, loss_items
+from autotune.packed import packed_row, packing_problem
 from autotune.parallel.ranks import (
     broadcast_model,
     is_distributed,
@@ -301,7 +304,8 @@ class _Request:
             raise ValueError(f"Invalid max_steps {max_steps!r}: give a whole number >= 1, or None")
         check_positive_number("clip_grad_norm", rest["clip_grad_norm"])
         mode = resolve_bn(rest.pop("bn"))
-        check_router_loss(model, rest["router_loss"], loss_fn=rest["loss_fn"], distributed=is_distributed())
+        if rest["router_loss"] != "per_micro_batch":  # the default asks nothing of the model
+            check_router_loss(model, rest["router_loss"], loss_fn=rest["loss_fn"], distributed=is_distributed())
         ramp = target_batch if isinstance(target_batch, BatchRamp) else None
         target = ramp.maximum if ramp is not None else target_batch  # a ramp's plan is made for its largest target
         shared = options(target_batch=target, memory_limit=memory_limit, headroom=headroom, lr_rule=lr_rule, base_batch=base_batch,
@@ -366,10 +370,10 @@ def _look_and_agree(request: _Request) -> None:
 
     def look() -> None:
         check_count(r.loader, r.count, r.par.group)
-        if not r.par.fsdp:  # packed rows the model would not keep apart: refused before anything trains
-            packing = packing_problem(inner, r.loader, device=next(inner.parameters()).device, precision=r.precision)
-            if packing:
-                raise ValueError(f"Invalid loader: {packing}")
+        row = packed_row(r.loader) if not r.par.fsdp else None  # packed rows the model would not keep apart: refused
+        packing = packing_problem(inner, row, device=next(inner.parameters()).device, precision=r.precision) if row else None
+        if packing:
+            raise ValueError(f"Invalid loader: {packing}")
         if check_loss:
             check_step(inner, r.loss_fn or default_loss, r.loader, device=next(inner.parameters()).device, precision=r.precision)
 
@@ -417,12 +421,13 @@ def _set_up(r: _Request) -> Run:
     if plan is None:
         plan = plan_with(r.model, r.loader, dataclasses.replace(r.shared, precision=r.precision), Probing(items=True),
                          optimizer=r.optimizer, loss_fn=r.loss_fn, device=device)
-    elif r.count is None and own_loss:  # a plan made elsewhere: what the model's loss averages over, told here
+    elif r.count is None and own_loss and (labelled(r.loader) or isinstance(getattr(inner, "loss_type", None), str)):
+        # a plan made elsewhere: what the model's own loss averages over, told here
         items = loss_items(inner, None, r.loader, device=device, precision=r.precision,
                            measure=not par.fsdp and world(par.group)[1] == 1)
         plan = dataclasses.replace(plan, items=items.rule,
                                    notes=plan.notes + ((items.note,) if items.note and items.note not in plan.notes else ()))
-    elif r.count is None:  # your loss_fn, with a plan made elsewhere: by samples, as count=None says
+    elif r.count is None:  # your loss_fn (or batches without labels), with a plan made elsewhere: by samples
         plan = dataclasses.replace(plan, items="samples")
     if r.count is None:
         r.count = count_for(plan.items)
@@ -464,7 +469,8 @@ def _set_up(r: _Request) -> Run:
             run.noise.every = run.noise.fixed
     if tracker is not None:
         tracker.restore_run(run)
-    run.router = router_loss_for(inner, r.router_loss)  # type: ignore[arg-type]
+    if getattr(getattr(inner, "config", None), "output_router_logits", False):  # a mixture of experts' balancing loss
+        run.router = router_loss_for(inner, r.router_loss)  # type: ignore[arg-type]
     return run
 
 
