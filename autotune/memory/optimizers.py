@@ -120,6 +120,9 @@ def rebuilt(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> t
 
     accepted = inspect.signature(cls.__init__).parameters
     args = copy.copy(getattr(optimizer, "args", None))
+    # Every bitsandbytes optimizer of 8-bit states keeps its bits in ``args``: one without them is a copy that lost them
+    # (``copy.copy`` of an optimizer keeps what torch's ``Optimizer.__getstate__`` keeps), rebuilt it would hold 32-bit states.
+    assert args is not None or "optim_bits" not in accepted, f"{cls.__name__} without its args: copy it with its attributes"
     extra = {"optim_bits": getattr(args, "optim_bits", 32), "args": args, "is_paged": is_paged(optimizer)}
     if cls.__name__.endswith("8bit"):  # Adam8bit, AdamW8bit, ...: always 8 bits, and they refuse optim_bits other than 32
         del extra["optim_bits"]
