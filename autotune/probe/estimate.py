@@ -86,6 +86,7 @@ from autotune.memory.curve import MemoryCurve
 from autotune.memory.device import CUDA_BLOCK
 from autotune.memory.ledger import TensorLedger, held_outside_parameters, held_tensors, storage_bytes
 from autotune.memory.optimizers import rebuilt
+from autotune.memory.work import Work
 from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend, recomputing
 from autotune.probe.depth import DepthEstimator, stacks_to_extend
 from autotune.probe.fakes import (
@@ -231,6 +232,7 @@ class Estimator:
         self._grads: list[Any] | None = None  # the steady state's gradients, after the first step
         self._transient = 0  # bytes the optimizer step holds above what it leaves
         self._step_events: list[tuple[int, int]] = []  # the optimizer step's temporaries (CUDA)
+        self._step_work = Work()  # the optimizer step's FLOPs and bytes
         self._replays: dict[Any, AllocatorPeaks] = {}  # the allocator's replays, by template, size and cap
         self._held = 0  # how many of a ledger's first events are the held tensors
         self._traces: dict[tuple[Any, int], Trace] = {}
@@ -341,6 +343,8 @@ class Estimator:
                 self._micro_step(batch)
                 ledger.peak = ledger.live
                 start = len(ledger.events or ())
+                ledger.work.clear()
+                ledger.work.phase = "step"
                 self.optimizer.step()
             self._receiving = {id(p) for p in self.params if p.grad is not None}
         else:
@@ -352,9 +356,11 @@ class Estimator:
             start = len(ledger.events or ())
             with self._running(ledger):
                 ledger.peak = ledger.live
+                ledger.work.phase = "step"
                 self.optimizer.step()
             self._receiving = receiving
         self._transient = ledger.peak - ledger.live
+        self._step_work = ledger.work.work()
         self._grads = [p.grad for p in self.params]
         # The optimizer step's temporaries (what it allocates and frees; what it keeps is state, held).
         step = (ledger.events or [])[start:]
@@ -418,7 +424,7 @@ class Estimator:
                      held=held, events=tuple(events), outputs=tuple(ledger.outputs),
                      marks=tuple(sorted(t for t, _ in marks.values())) if len(marks) == 4 * len(self._marked) else (),
                      event_marks=tuple(sorted(e for _, e in marks.values())) if len(marks) == 4 * len(self._marked) else (),
-                     micro_peak=ledger.peak + shift)
+                     micro_peak=ledger.peak + shift, work=ledger.work.work() + self._step_work, op_work=tuple(ledger.work.ops or ()))
         self._traces[key] = made
         if self.on_trace is not None:
             self.on_trace(made, False)
@@ -459,7 +465,8 @@ class Estimator:
         end = traced.live[-1] - source._transient + shift  # what the micro-step leaves
         made = replace(traced, peak=max(traced.micro_peak + shift, end + self._transient),
                        live=(*(x + shift for x in traced.live[:-1]), end + self._transient),
-                       seconds=traced.seconds if fresh else 0.0, held=sizes, micro_peak=traced.micro_peak + shift)
+                       seconds=traced.seconds if fresh else 0.0, held=sizes, micro_peak=traced.micro_peak + shift,
+                       work=traced.work.of(phase=("forward", "backward")) + self._step_work)
         self._traces[key] = made
         if self.on_trace is not None:
             self.on_trace(made, not fresh)
@@ -506,6 +513,12 @@ class Estimator:
         """Peak bytes of the trial step with ``b`` samples shaped like ``template`` (default: the
         workload's batch)."""
         return self.trace(b, template).peak
+
+    def work(self, b: int, template: Any = None) -> Work:
+        """The FLOPs and bytes read and written of one micro-step of ``b`` samples shaped like ``template`` (default: the
+        workload's batch) and of the optimizer step, by phase, dtype and kind, from the trace at ``b``
+        (:class:`autotune.memory.work.Work`; ``work(b).of(phase="step")`` is the optimizer step's alone)."""
+        return self.trace(b, template).work
 
     def curve(self, template: Any = None, *, sizes: tuple[int, int] | None = None) -> MemoryCurve:
         """Peak bytes against the micro-batch at ``template``'s shape, from two traces (see the module

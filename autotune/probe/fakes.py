@@ -26,6 +26,7 @@ from torch import nn
 from autotune import batches as B
 from autotune.memory.ledger import TensorLedger
 from autotune.memory.quantized import copy_memo, fake_quantized, quantized_layer_types
+from autotune.memory.work import WorkCounter
 from autotune.probe.attention import fused_attention
 from autotune.probe.experts import routed_experts
 
@@ -130,14 +131,17 @@ class Counter(TensorLedger):
     """The ledger of an estimate: fake tensors counted as the device would hold them, and
     operations on real integer tensors alone run for real (see the module docstring). Tracing, it
     also keeps each operation's outputs as ``(dtype, elements)`` (``outputs``), which tests compare
-    with CUDA's."""
+    with CUDA's. Each operation's FLOPs and bytes read and written are counted beside its allocations
+    (``work``, :mod:`autotune.memory.work`; each operation's too while tracing)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outputs: list[tuple[tuple[torch.dtype, int], ...]] = []
+        self.work = WorkCounter(each=self.ops is not None)
 
     def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self._run_values(func, args, kwargs)
+        self.work.count(func, args, kwargs, out)
         if self.ops is not None:
             items = out if isinstance(out, (tuple, list)) else (out,)
             self.outputs.append(tuple((t.dtype, t.numel()) for t in items if isinstance(t, torch.Tensor)))

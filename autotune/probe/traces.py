@@ -1,6 +1,6 @@
 """A trace: one forward and backward of the trial step in the steady state, on fake tensors, as
 :class:`autotune.probe.estimate.Estimator` records it (the live bytes after each operation, the
-allocations for a CUDA target, where marked blocks run)."""
+allocations for a CUDA target, where marked blocks run, each operation's FLOPs and bytes moved)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from autotune.memory.work import Work
 
 __all__ = ["Trace"]
 
@@ -32,6 +34,9 @@ class Trace:
             start and end, in order (empty when none is marked, or one was not seen).
         event_marks: the same points in ``events`` (a CUDA target).
         micro_peak: the forward and backward's peak as the ledger counted it (within an operation too).
+        work: the FLOPs and bytes read and written of the forward, the backward (with any recomputed forward) and
+            the optimizer step, by phase, dtype and kind (:class:`autotune.memory.work.Work`).
+        op_work: each operation's ``(flops, bytes)`` in ``ops`` (without the last, ``"step"``).
     """
 
     size: int
@@ -45,6 +50,8 @@ class Trace:
     marks: tuple[int, ...] = ()
     event_marks: tuple[int, ...] = ()
     micro_peak: int = 0
+    work: Work = Work()
+    op_work: tuple[tuple[int, int], ...] = ()
 
     @property
     def backward_peak(self) -> int:

@@ -1,0 +1,275 @@
+"""The work of a step's operations: floating-point operations and bytes read and written, from their shapes.
+
+An estimate walks every operation of a training step on fake tensors (:mod:`autotune.probe.estimate`); the same walk
+counts each operation's work beside its allocations, with two small rules:
+
+- **FLOPs** are torch's own formulas (``torch.utils.flop_counter.flop_registry``, what ``FlopCounterMode`` counts):
+  matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``), convolutions and their backward, the
+  fused attention kernels (flash, memory-efficient, cuDNN) and their backward, with the CPU's flash kernel counted
+  by the formula of CUDA's (same arguments; torch's counter has none for it). A bitsandbytes dequantization
+  (``dequantize_4bit``, ``dequantize_blockwise``) counts one operation per element it produces, and so does the
+  dequantization inside bitsandbytes' fused 4-bit matmul (``gemm_4bit``: the weight's elements, and its 8-bit
+  absmax's with double quantization), beside the matmul's own FLOPs. Element-wise and reduction work is counted by
+  its bytes alone: it is bound by memory, not by arithmetic.
+- **Bytes** are what an operation reads and writes: the bytes of each tensor among its inputs (each as its shape
+  and dtype say, however large the storage it views) and among its outputs. An operation that only makes a view
+  (``view``, ``t``, ``slice``, ``detach``...) or reads metadata (``prim.device``, ``aten.size``...) moves nothing;
+  one that reads only its input's shape (``zeros_like``...) counts its output; an in-place one counts its
+  destination read and written.
+
+Each operation's work is kept under its phase (``"forward"``; ``"backward"``, which holds a checkpointed block's
+recomputed forward, as it runs inside the backward, up to the block's last saved tensor as torch's checkpoint stops
+early; ``"step"``, the optimizer's), its dtype (of its first tensor input, else its first output; a dequantization's,
+of what it produces: ``"bfloat16"``, ``"float32"``, ``"int8"``...) and its kind (``"matmul"``, ``"attention"``,
+``"dequantize"``, or ``"memory"`` for the rest). :class:`Work` is the record of those totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["Work", "WorkCounter"]
+
+Axis = Literal["phase", "dtype", "kind"]
+_AXES = {"phase": 0, "dtype": 1, "kind": 2}
+
+
+@dataclass(frozen=True)
+class Work:
+    """Floating-point operations and bytes moved by a step's operations, by phase, dtype and kind.
+
+    Attributes:
+        parts: ``(phase, dtype, kind, flops, bytes)``, one for each combination the step met (see the module
+            docstring for what each names).
+
+    Example:
+        >>> w = Work((("forward", "float32", "matmul", 8, 48), ("backward", "float32", "matmul", 16, 96)))
+        >>> w.flops, w.of(phase="forward").bytes, w.by("phase")["backward"]
+        (24, 48, (16, 96))
+    """
+
+    parts: tuple[tuple[str, str, str, int, int], ...] = ()
+
+    @property
+    def flops(self) -> int:
+        """Floating-point operations in all."""
+        return sum(p[3] for p in self.parts)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes read and written in all."""
+        return sum(p[4] for p in self.parts)
+
+    def of(self, *, phase: str | tuple[str, ...] | None = None, dtype: str | tuple[str, ...] | None = None,
+           kind: str | tuple[str, ...] | None = None) -> Work:
+        """The part of this work in that phase, dtype and kind (each a name or several; any, where not given)."""
+        wanted = [(i, (v,) if isinstance(v, str) else v) for i, v in enumerate((phase, dtype, kind)) if v is not None]
+        return Work(tuple(p for p in self.parts if all(p[i] in names for i, names in wanted)))
+
+    def by(self, axis: Axis) -> dict[str, tuple[int, int]]:
+        """``{name: (flops, bytes)}`` along one axis: ``"phase"``, ``"dtype"`` or ``"kind"``."""
+        i = _AXES[axis]
+        out: dict[str, tuple[int, int]] = {}
+        for p in self.parts:
+            flops, nbytes = out.get(p[i], (0, 0))
+            out[p[i]] = (flops + p[3], nbytes + p[4])
+        return out
+
+    def __add__(self, other: Work) -> Work:
+        return _merged([*self.parts, *other.parts])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The totals and each axis's breakdown, as plain values (for ``--json``)."""
+        return {"flops": self.flops, "bytes": self.bytes,
+                **{f"by_{axis}": {k: {"flops": f, "bytes": n} for k, (f, n) in self.by(axis).items()} for axis in _AXES}}  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        """One line: the FLOPs and bytes, and the share of each phase in the FLOPs."""
+        from autotune.units import format_bytes
+
+        total = self.flops
+        shares = ", ".join(f"{phase} {100 * f / total:.0f}%" for phase, (f, _) in self.by("phase").items()) if total else ""
+        return f"{total / 1e9:,.3f} GFLOP, {format_bytes(self.bytes)} read and written" + (f" ({shares})" if shares else "")
+
+
+def _merged(parts: list[tuple[str, str, str, int, int]]) -> Work:
+    totals: dict[tuple[str, str, str], list[int]] = {}
+    for phase, dtype, kind, flops, nbytes in parts:
+        found = totals.setdefault((phase, dtype, kind), [0, 0])
+        found[0] += flops
+        found[1] += nbytes
+    return Work(tuple((*key, f, n) for key, (f, n) in totals.items()))
+
+
+# --- counting, operation by operation ---------------------------------------------------------------------
+
+_VIEW, _MEMORY = "view", "memory"
+# Operations that return their input's storage without the schema's alias mark, and those that read metadata alone.
+_ALSO_VIEWS = frozenset({
+    "_unsafe_view", "size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "dim", "storage_offset",
+    "sym_storage_offset", "is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense", "sym_is_contiguous",
+})
+_SHAPE_ONLY = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like"})
+_SHAPED = "shaped"  # a "memory" operation that reads no input's data
+_DEQUANTIZE = ("dequantize_4bit", "dequantize_blockwise")
+_CLASSES: dict[Any, tuple[Callable[..., int] | None, str]] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _classified(func: Any) -> tuple[Callable[..., int] | None, str]:
+    """An operation's FLOP formula (None: none) and kind, worked out once per operation."""
+    found = _CLASSES.get(func)
+    if found is not None:
+        return found
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    packet = getattr(func, "_overloadpacket", None)
+    name = getattr(func, "_opname", str(func))
+    # The CPU's fused attention kernel takes the arguments of CUDA's flash kernel, in the same order.
+    cpu = {aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+           aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward}
+    formula = flop_registry.get(cpu.get(packet, packet))
+    if formula is not None:
+        # torch wraps a formula over shapes to take tensors (through a pytree, slow on fake tensors): unwrapped here
+        found = (_over_shapes(formula.__wrapped__) if hasattr(formula, "__wrapped__") else formula,
+                 "attention" if "attention" in name else "matmul")
+    elif getattr(func, "namespace", None) == "bitsandbytes" and name in _DEQUANTIZE:
+        found = (_elements, "dequantize")
+    elif getattr(func, "namespace", None) == "bitsandbytes" and name == "gemm_4bit":
+        found = (_gemm_4bit, "matmul")
+    elif getattr(func, "is_view", False) or name in _ALSO_VIEWS or getattr(func, "namespace", None) == "prim":
+        found = (None, _VIEW)
+    elif name in _SHAPE_ONLY:
+        found = (None, _SHAPED)
+    else:
+        found = (None, _MEMORY)
+    _CLASSES[func] = found
+    return found
+
+
+def _over_shapes(formula: Callable[..., int]) -> Callable[..., int]:
+    """A formula over shapes, called with tensors (and lists of them), each replaced by its shape."""
+
+    def shape(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.shape
+        return [shape(t) for t in v] if isinstance(v, (tuple, list)) else v
+
+    def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return formula(*map(shape, args), out_shape=shape(out_val), **{k: shape(v) for k, v in kwargs.items()})
+
+    return counted
+
+
+def _elements(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """A dequantization's work: one operation per element it produces."""
+    return sum(t.numel() for t in (out_val if isinstance(out_val, (tuple, list)) else (out_val,)) if isinstance(t, torch.Tensor))
+
+
+def _gemm_4bit(a: torch.Tensor, b: Any, shape: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """bitsandbytes' fused 4-bit matmul: ``a (..., K)`` times the weight ``(N, K)`` dequantized, transposed."""
+    return 2 * a.numel() * int(shape[0])
+
+
+def _dequantized_in_gemm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The elements ``gemm_4bit`` dequantizes: its weight's, and its 8-bit absmax's where that is quantized too."""
+    absmax = args[7] if len(args) > 7 else kwargs.get("absmax_8bit")  # positional as the dispatcher passes it
+    return int(args[2][0]) * int(args[2][1]) + (absmax.numel() if isinstance(absmax, torch.Tensor) else 0)
+
+
+def _tensor_bytes(values: Any, first: list[torch.dtype]) -> int:
+    """The bytes of the tensors among ``values`` (and in lists among them), noting the first one's dtype."""
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+            if not first:
+                first.append(v.dtype)
+        elif isinstance(v, (tuple, list)):
+            for t in v:
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+                    if not first:
+                        first.append(t.dtype)
+    return total
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+class WorkCounter:
+    """Counts the work of the operations it is shown (see the module docstring), for a ledger to call with each.
+
+    Args:
+        each: also keep each operation's ``(flops, bytes)``, in order (``ops``).
+
+    Attributes:
+        phase: the phase to count under (``"step"`` while the optimizer steps); None: ``"backward"`` while autograd's
+            engine runs the backward, else ``"forward"``.
+        ops: with ``each``, each operation's ``(flops, bytes)``.
+        uncounted: the operations whose FLOP formula refused their arguments (counted as none).
+    """
+
+    def __init__(self, *, each: bool = False) -> None:
+        self.phase: str | None = None
+        self.ops: list[tuple[int, int]] | None = [] if each else None
+        self._totals: dict[tuple[str, str, str], list[int]] = {}
+        self.uncounted: set[str] = set()
+
+    def count(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Count one operation: ``func(*args, **kwargs)`` returned ``out``."""
+        formula, kind = _classified(func)
+        if kind == _VIEW:
+            if self.ops is not None:
+                self.ops.append((0, 0))
+            return
+        first: list[torch.dtype] = []
+        nbytes = 0
+        if kind == _SHAPED:
+            kind = _MEMORY
+        else:
+            nbytes = _tensor_bytes(args, first) + _tensor_bytes(kwargs.values(), first)
+        nbytes += _tensor_bytes(out if isinstance(out, (tuple, list)) else (out,), first)
+        flops = 0
+        if formula is not None:
+            try:
+                flops = int(formula(*args, **kwargs, out_val=out))
+            except Exception:  # a formula's own check refused the shapes: the operation is named, its FLOPs not counted
+                self.uncounted.add(str(func))
+        if self.ops is not None:
+            self.ops.append((flops, nbytes))
+        if not first:
+            return  # no tensor in or out: nothing read, nothing written
+        phase = self.phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        dtype = first[0]
+        if formula is _gemm_4bit:  # its dequantization apart from its matmul, in the dtype it computes in
+            self._add((phase, _dtype_name(dtype), "dequantize"), _dequantized_in_gemm(args, kwargs), 0)
+        elif kind == "dequantize":
+            dtype = next((t.dtype for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)), dtype)
+        self._add((phase, _dtype_name(dtype), kind), flops, nbytes)
+
+    def _add(self, key: tuple[str, str, str], flops: int, nbytes: int) -> None:
+        found = self._totals.get(key)
+        if found is None:
+            found = self._totals[key] = [0, 0]
+        found[0] += flops
+        found[1] += nbytes
+
+    def clear(self) -> None:
+        """Forget what was counted."""
+        self._totals.clear()
+        if self.ops is not None:
+            self.ops.clear()
+
+    def work(self) -> Work:
+        """What was counted."""
+        return Work(tuple((*key, f, n) for key, (f, n) in self._totals.items()))
