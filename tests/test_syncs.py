@@ -11,7 +11,11 @@ of labels) stay on the host until moved, so reading them is no synchronisation.
 The same counter runs over the plain loop written here (forward, ``(loss / k).backward()`` per
 micro-batch, clip, one ``optimizer.step()``, one ``zero_grad``, one ``loss.item()`` per step) and over
 ``fit`` at the same micro-batch, and ``fit``'s reads per window are at most the plain loop's, whatever
-the number of micro-batches.
+the number of micro-batches. (fp16: both make the GradScaler's own read in ``scaler.step``.)
+
+What the counter cannot tell on a CPU: a ``.to(...)`` naming a device object rather than "cpu" is
+taken for a move to the training device (on a CPU the two are the same device), and synchronisations
+inside C++ (the caching allocator's, a collective's) are not calls it sees.
 """
 
 from __future__ import annotations
