@@ -329,3 +329,34 @@ def test_the_exact_router_loss_reads_nothing_per_micro_batch():
 
     two, six = per_window(2), per_window(6)
     assert two == six and max(six) <= 1, (two, six)
+
+
+def test_on_a_gpu_the_meter_is_paced_by_its_time_on_the_device(monkeypatch):
+    """Nothing is read inside the window, so the host's clock sees only the norms' launch: on a GPU,
+    CUDA events around them give their time on the device, which paces the meter (at most 1% of a step)."""
+    from types import SimpleNamespace
+
+    from autotune.train.noise import NoisePacer
+
+    class Event:  # a CUDA event whose pair spans 3 ms on the device
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, end: Any) -> float:
+            return 3.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    pacer = NoisePacer(True)
+    on_gpu = [SimpleNamespace(device=torch.device("cuda", 0))]
+    pacer._timed(lambda grads: torch.zeros(()), on_gpu)  # |G_b|^2 after the first micro-batch
+    pacer._timed(lambda grads: torch.zeros(()), on_gpu)  # |G_B|^2 at the window's end
+    pacer.seconds = 1e-4  # what the host's clock saw
+    pacer.pace(step_seconds=0.1, agreed_pace=None)
+    assert pacer.seconds == pytest.approx(0.006) and pacer.every == 6  # 6 ms a measurement: every 6th window of 100 ms
+    assert pacer.events == []

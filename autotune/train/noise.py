@@ -157,6 +157,9 @@ class NoisePacer:
         self.small: tuple[torch.Tensor, float, int] | None = None  # first micro-batch: (|grad|^2, weight, items)
         self.values: list[float] = []  # read at the window's end: |G_b|^2 (weighted), and |G_B|^2 in one process
         self.last_seconds = 0.0
+        # On a GPU the host's clock sees only the norms' launch (nothing is read until the window's end):
+        # CUDA events around them time the device's work, read at pace() once the window's read is done.
+        self.events: list[tuple[Any, Any]] = []
         # Every `every`-th window is measured, chosen so that it costs at most 1% of the step time.
         self.every, self.count, self.seconds, self.first_seconds = self.fixed or 1, 0, 0.0, 0.0
         self.due = asked is not False
@@ -182,8 +185,9 @@ class NoisePacer:
             return
         started = time.perf_counter()
         grads = [p.grad for p in params if p.grad is not None]
+        self.events = []
         if grads:
-            self.small = (squared_norm(grads), weight, items)
+            self.small = (self._timed(squared_norm, grads), weight, items)
         self.first_seconds = time.perf_counter() - started
 
     def last(self, params: list[torch.Tensor]) -> torch.Tensor | None:
@@ -193,9 +197,20 @@ class NoisePacer:
             return None
         started = time.perf_counter()
         grads = [p.grad for p in params if p.grad is not None]
-        big = squared_norm(grads) if grads else None
+        big = self._timed(squared_norm, grads) if grads else None
         self.last_seconds = time.perf_counter() - started
         return big
+
+    def _timed(self, norm: Any, grads: list[torch.Tensor]) -> torch.Tensor:
+        """``norm(grads)``, between two CUDA events when the gradients are on a GPU (nothing waits for them)."""
+        if grads[0].device.type != "cuda":
+            return norm(grads)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = norm(grads)
+        end.record()
+        self.events.append((start, end))
+        return out
 
     def read(self, values: list[float]) -> None:
         """What the window's one read brought back for the meter: ``|G_b|^2`` (weighted) when the first
@@ -235,6 +250,10 @@ class NoisePacer:
         """
         if self.meter is None:
             return
+        if self.events:  # long done (the window's read came after them): their time on the device
+            if all(end.query() for _, end in self.events):
+                self.seconds = max(self.seconds, sum(start.elapsed_time(end) for start, end in self.events) / 1000)
+            self.events = []
         self.count += 1
         if self.fixed is not None:
             self.every = self.fixed
