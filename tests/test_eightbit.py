@@ -99,7 +99,7 @@ def test_the_what_if_row_of_an_8_bit_optimizer_made_from_fused_adamws_traces_hol
     assert derived.optimizer_state_bytes() == eight_bit_state(shapes)
 
 
-@pytest.mark.slow  # about 20 s: the 8B shape's QLoRA estimated twice
+@pytest.mark.slow  # 6-8 s each (30 s on a loaded machine): the 8B shape's QLoRA
 @pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit"])
 def test_qlora_on_the_llama_3_8b_shape_holds_2_bytes_of_8_bit_state_a_trained_parameter(optimizer, capsys, monkeypatch, tmp_path):
     code, data, err = report(capsys, monkeypatch, tmp_path, LLAMA_3_8B, "--device", "cuda", "--memory-limit", "80GiB",
@@ -113,7 +113,7 @@ def test_qlora_on_the_llama_3_8b_shape_holds_2_bytes_of_8_bit_state_a_trained_pa
     assert state == eight_bit_state(shapes)
 
 
-@pytest.mark.slow  # about half a minute: the 8B shape's full fine-tune on one device, then sharded over 8
+@pytest.mark.slow  # 9 s (30 s on a loaded machine): the 8B shape's full fine-tune on one device, then sharded over 8
 def test_a_full_fine_tune_of_the_llama_3_8b_shape_holds_2_bytes_of_8_bit_state_a_parameter_on_one_device_and_sharded(
         capsys, monkeypatch, tmp_path):
     common = ("--device", "cuda", "--precision", "bf16", "--tokens", "2048", "--optimizer", "adamw_8bit")
@@ -130,7 +130,7 @@ def test_a_full_fine_tune_of_the_llama_3_8b_shape_holds_2_bytes_of_8_bit_state_a
     assert per_rank == -(-by_hand // 8)
 
 
-@pytest.mark.slow  # about 40 s: the 70B shape's fewest devices with each optimizer
+@pytest.mark.slow  # 9 s (35 s on a loaded machine): the 70B shape's fewest devices with each optimizer
 def test_the_llama_3_70b_shape_needs_no_more_devices_with_an_8_bit_optimizer_than_with_fused_adamw(capsys, monkeypatch, tmp_path):
     rows = {}
     for optimizer in ("adamw_torch_fused", "paged_adamw_8bit"):
@@ -214,7 +214,7 @@ def test_a_sharded_bitsandbytes_optimizer_counts_its_8_bit_shard_and_says_bitsan
     assert code == 0 and data["fsdp2"]["notes"] == [], err
 
 
-@pytest.mark.slow  # about 15 s: the 70B shape's fewest devices
+@pytest.mark.slow  # 4 s (15 s on a loaded machine): the 70B shape's fewest devices
 def test_the_llama_3_70b_shape_with_fp32_master_weights_fits_no_count_of_devices_because_each_holds_autocasts_copies(
         capsys, monkeypatch, tmp_path):
     """Every rank runs the whole forward under bf16 autocast, whose cast cache keeps a bf16 copy of each fp32 weight of a
