@@ -182,21 +182,19 @@ def _dequantized_in_gemm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return int(args[2][0]) * int(args[2][1]) + (absmax.numel() if isinstance(absmax, torch.Tensor) else 0)
 
 
-def _tensor_bytes(values: Any, first: list[torch.dtype]) -> int:
-    """The bytes of the tensors among ``values`` (and in lists among them), noting the first one's dtype."""
+def _tensor_bytes(values: Any, dtype: torch.dtype | None) -> tuple[int, torch.dtype | None]:
+    """The bytes of the tensors among ``values`` (and in lists among them), and ``dtype`` or else the first one's."""
     total = 0
     for v in values:
         if isinstance(v, torch.Tensor):
             total += v.numel() * v.element_size()
-            if not first:
-                first.append(v.dtype)
+            dtype = dtype or v.dtype
         elif isinstance(v, (tuple, list)):
             for t in v:
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
-                    if not first:
-                        first.append(t.dtype)
-    return total
+                    dtype = dtype or t.dtype
+    return total, dtype
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -222,7 +220,7 @@ class WorkCounter:
     def __init__(self, *, each: bool = False) -> None:
         self.phase: str | None = None
         self.ops: list[tuple[int, int]] | None = [] if each else None
-        self._totals: dict[tuple[str, str, str], list[int]] = {}
+        self._totals: dict[str, dict[torch.dtype, dict[str, list[int]]]] = {}
         self.uncounted: set[str] = set()
 
     def count(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -232,13 +230,16 @@ class WorkCounter:
             if self.ops is not None:
                 self.ops.append((0, 0))
             return
-        first: list[torch.dtype] = []
-        nbytes = 0
+        nbytes, dtype = 0, None
         if kind == _SHAPED:
             kind = _MEMORY
         else:
-            nbytes = _tensor_bytes(args, first) + _tensor_bytes(kwargs.values(), first)
-        nbytes += _tensor_bytes(out if isinstance(out, (tuple, list)) else (out,), first)
+            nbytes, dtype = _tensor_bytes(args, None)
+            if kwargs:
+                more, dtype = _tensor_bytes(kwargs.values(), dtype)
+                nbytes += more
+        written, dtype = _tensor_bytes(out if isinstance(out, (tuple, list)) else (out,), dtype)
+        nbytes += written
         flops = 0
         if formula is not None:
             try:
@@ -247,20 +248,26 @@ class WorkCounter:
                 self.uncounted.add(str(func))
         if self.ops is not None:
             self.ops.append((flops, nbytes))
-        if not first:
+        if dtype is None:
             return  # no tensor in or out: nothing read, nothing written
         phase = self.phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
-        dtype = first[0]
         if formula is _gemm_4bit:  # its dequantization apart from its matmul, in the dtype it computes in
-            self._add((phase, _dtype_name(dtype), "dequantize"), _dequantized_in_gemm(args, kwargs), 0)
+            self._add(phase, dtype, "dequantize", _dequantized_in_gemm(args, kwargs), 0)
         elif kind == "dequantize":
             dtype = next((t.dtype for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)), dtype)
-        self._add((phase, _dtype_name(dtype), kind), flops, nbytes)
+        self._add(phase, dtype, kind, flops, nbytes)
 
-    def _add(self, key: tuple[str, str, str], flops: int, nbytes: int) -> None:
-        found = self._totals.get(key)
+    def _add(self, phase: str, dtype: torch.dtype, kind: str, flops: int, nbytes: int) -> None:
+        # Nested by phase, dtype and kind: no key made for each operation (this runs for every one).
+        by_dtype = self._totals.get(phase)
+        if by_dtype is None:
+            by_dtype = self._totals[phase] = {}
+        by_kind = by_dtype.get(dtype)
+        if by_kind is None:
+            by_kind = by_dtype[dtype] = {}
+        found = by_kind.get(kind)
         if found is None:
-            found = self._totals[key] = [0, 0]
+            found = by_kind[kind] = [0, 0]
         found[0] += flops
         found[1] += nbytes
 
@@ -272,4 +279,5 @@ class WorkCounter:
 
     def work(self) -> Work:
         """What was counted."""
-        return Work(tuple((*key, f, n) for key, (f, n) in self._totals.items()))
+        return Work(tuple((phase, _dtype_name(dtype), kind, f, n) for phase, by_dtype in self._totals.items()
+                          for dtype, by_kind in by_dtype.items() for kind, (f, n) in by_kind.items()))
