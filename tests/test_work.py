@@ -211,3 +211,23 @@ def test_work_adds_filters_and_breaks_down():
     assert total.by("phase") == {"forward": (105, 11), "backward": (0, 7), "step": (0, 30)}
     assert total.to_dict()["by_kind"] == {"matmul": {"flops": 105, "bytes": 11}, "memory": {"flops": 0, "bytes": 37}}
     assert Work().flops == 0 and "0.000 GFLOP" in Work().describe()
+
+
+def test_a_deep_model_traced_with_few_blocks_counts_the_work_of_all_of_them():
+    """A stack of ten blocks is traced with two, three and four of them (:mod:`autotune.probe.depth`): the work extended
+    to ten blocks equals torch's count of the real ten-block step, and the whole model's trace, bytes and all."""
+    from autotune.probe.depth import DepthEstimator
+    from autotune.probe.estimate import estimator_for
+
+    model = hf_models.llama(layers=10)
+    batch = text_batch(4)
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                    device=torch.device("cpu"))
+    est = estimator_for(work)
+    assert isinstance(est, DepthEstimator)
+    extended = est.work(4)
+    assert est._whole is None  # extended, not traced whole
+    assert extended.of(phase=("forward", "backward")).flops == counted(model, batch).get_total_flops()
+    assert extended.of(phase="step").flops == 0 and extended.of(phase="step").bytes > 0
+    whole = Estimator(work).work(4)  # the ten blocks traced: the same bytes too, part by part
+    assert sorted(extended.parts) == sorted(whole.parts)

@@ -26,13 +26,13 @@ of what it produces: ``"bfloat16"``, ``"float32"``, ``"int8"``...) and its kind 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["Work", "WorkCounter"]
+__all__ = ["Work", "WorkCounter", "combined"]
 
 Axis = Literal["phase", "dtype", "kind"]
 _AXES = {"phase": 0, "dtype": 1, "kind": 2}
@@ -94,6 +94,18 @@ class Work:
         total = self.flops
         shares = ", ".join(f"{phase} {100 * f / total:.0f}%" for phase, (f, _) in self.by("phase").items()) if total else ""
         return f"{total / 1e9:,.3f} GFLOP, {format_bytes(self.bytes)} read and written" + (f" ({shares})" if shares else "")
+
+
+def combined(terms: Iterable[tuple[int, Work]]) -> Work:
+    """``n x work`` summed over ``terms`` of ``(n, work)``, part by part (``n`` may be negative: a model's work
+    extended in depth from copies with fewer blocks, see :class:`autotune.probe.depth.DepthEstimator`)."""
+    totals: dict[tuple[str, str, str], list[int]] = {}
+    for n, work in terms:
+        for phase, dtype, kind, flops, nbytes in work.parts:
+            found = totals.setdefault((phase, dtype, kind), [0, 0])
+            found[0] += n * flops
+            found[1] += n * nbytes
+    return Work(tuple((*key, f, b) for key, (f, b) in totals.items() if f or b))
 
 
 def _merged(parts: list[tuple[str, str, str, int, int]]) -> Work:

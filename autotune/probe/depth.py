@@ -389,6 +389,17 @@ class DepthEstimator:
         base = figure(self.base)
         return base + sum(n * (figure(s) - base) for n, s in zip(self.reach, self.steps))
 
+    def work(self, b: int, template: Any = None) -> Any:
+        """The full model's FLOPs and bytes moved at ``b`` samples (:meth:`autotune.probe.estimate.Estimator.work`): the base
+        copy's, and each block added to a stack doing what the block the step copy adds does."""
+        from autotune.memory.work import combined
+
+        self.trace(b, template)  # the copies' traces, or the fall-back to the whole model
+        if self._whole is not None:
+            return self._whole.work(b, template)
+        steps = [(n, s.work(b, template)) for n, s in zip(self.reach, self.steps)]
+        return combined([(1 - sum(self.reach), self.base.work(b, template)), *steps])
+
     def __call__(self, b: int, template: Any = None) -> int:
         """Peak bytes of the full model's trial step with ``b`` samples."""
         return self.trace(b, template).peak
