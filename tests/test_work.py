@@ -94,6 +94,25 @@ def test_a_trace_counts_the_flops_torch_counts_for_the_same_real_step(name, atte
     assert work.by("dtype")["float32"][0] == work.flops  # fp32 training: every FLOP in fp32
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_cuda_target_under_bf16_counts_the_same_flops_in_bf16_with_cudas_attention_kernel(name):
+    """A CUDA target runs CUDA's flash kernel and bf16 autocast: the same FLOPs as the real fp32 step on the CPU, every
+    one of them in bf16; the matmuls read and write half the bytes of an fp32 target's."""
+    model = getattr(hf_models, name)()
+    batch = text_batch(4, padded=False)
+    made = {}
+    for precision in ("bf16", "fp32"):
+        work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                        device=torch.device("cuda"), precision=precision)
+        est = Estimator(work)
+        made[precision] = est.work(4)
+        assert est.backends == ["flash" if precision == "bf16" else "efficient"] * model.config.num_hidden_layers
+    bf16 = made["bf16"]
+    assert bf16.of(phase=("forward", "backward")).flops == counted(model, batch).get_total_flops()
+    assert bf16.by("dtype")["bfloat16"][0] == bf16.flops > 0
+    assert 2 * bf16.of(kind="matmul").bytes == made["fp32"].of(kind="matmul").bytes
+
+
 def test_the_bytes_of_a_linear_layer_are_its_inputs_and_outputs_counted_by_hand():
     """A linear layer's forward, by hand: ``addmm`` reads the bias, the input and the weight and writes the output; the
     sum reads the output and writes a scalar; the backward's seed writes a scalar. Views (the weight's transpose, the
