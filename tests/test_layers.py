@@ -14,7 +14,7 @@ WINGS = {
     # base: what everything may use
     "base": ["units", "errors", "batches", "checks", "rng", "step", "losses", "items", "packed"],
     # what a step holds and would hold
-    "memory": ["memory", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.quantized", "memory.optimizers", "memory.ledger", "memory.device", "memory.gpus", "memory.checkpointing"],
+    "memory": ["memory", "memory.work", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.quantized", "memory.optimizers", "memory.ledger", "memory.device", "memory.gpus", "memory.checkpointing"],
     # ranks: agreements for planning, the exchange of training
     "parallel": ["parallel", "parallel.ranks", "parallel.stops", "parallel.exchange", "parallel.lockstep"],
     # trials that change nothing, real and on fake tensors, and the search

@@ -184,8 +184,7 @@ class Plan:
             values["shape_model"] = ShapeModel.from_dict(model) if model else None
             curve = values.get("memory_curve")
             values["memory_curve"] = MemoryCurve.from_dict(curve) if curve else None
-            recipe = values.get("recipe")
-            values["recipe"] = Recipe.from_dict(recipe) if recipe else None
+            values["recipe"] = Recipe.from_dict(values["recipe"]) if values.get("recipe") else None
             settings = values.get("optimizer_settings")
             values["optimizer_settings"] = (
                 OptimizerSettings(**{**settings, "betas": tuple(settings["betas"]), "notes": tuple(settings.get("notes", ()))})

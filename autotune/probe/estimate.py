@@ -1,64 +1,56 @@
 """Estimate a training step's memory without data: fake tensors that take the device's code paths.
 
-An estimate runs the trial step of :mod:`autotune.probe.trial` on a copy of the model and optimizer whose
-floating-point tensors are *fake* (``torch._subclasses.fake_tensor.FakeTensorMode``): shapes, dtypes
-and strides, no storage, no compute. The tensor ledger counts their bytes exactly, in a time that
-does not depend on the batch size.
+An estimate runs the trial step of :mod:`autotune.probe.trial` on a copy of the model and optimizer whose floating-point
+tensors are *fake* (``torch._subclasses.fake_tensor.FakeTensorMode``): shapes, dtypes and strides, no storage, no
+compute. The tensor ledger counts their bytes exactly, in a time that does not depend on the batch size.
 
-**Two traces, every size.** At a fixed per-sample shape every tensor's size is affine in the
-micro-batch, so the live bytes after each operation are too: a trace of the step at two sizes gives
-one line per operation, and their upper envelope (:class:`autotune.memory.curve.MemoryCurve`) is the peak
-at *every* size. A plan therefore costs two traces, plus one confirming the candidate where no real
-step can (a CUDA target, or ``verify=False``); on the CPU the real trial confirms it to the byte.
-Each trace is one forward and backward in the steady state (gradients and optimizer state live); the
-optimizer step is traced once, and its transient bytes above what it leaves are a line of the
-envelope. The fake copy of a model is made once and shared by every estimate of that model (the
-plan, the what-if table, the shard plan, the report, shapes met later by ``fit``), and estimators
-are kept for reuse, keyed by everything that changes an estimate: the model's structure, the
-optimizer's class, settings and state, the loss function, the device, precision and checkpointing.
-An optimizer changes what the steady state holds and its step, not the forward and the backward: the
-estimator of another optimizer (a what-if row) traces nothing of its own, its traces are those of the
-estimator of the workload's optimizer, moved by the difference in held bytes (:meth:`Estimator.derived`).
+**Two traces, every size.** At a fixed per-sample shape every tensor's size is affine in the micro-batch, so the live
+bytes after each operation are too: a trace of the step at two sizes gives one line per operation, and their upper
+envelope (:class:`autotune.memory.curve.MemoryCurve`) is the peak at *every* size. A plan therefore costs two traces,
+plus one confirming the candidate where no real step can (a CUDA target, or ``verify=False``); on the CPU the real trial
+confirms it to the byte. Each trace is one forward and backward in the steady state (gradients and optimizer state
+live); the optimizer step is traced once, and its transient bytes above what it leaves are a line of the envelope. The
+fake copy of a model is made once and shared by every estimate of that model (the plan, the what-if table, the shard
+plan, the report, shapes met later by ``fit``), and estimators are kept for reuse, keyed by everything that changes an
+estimate: the model's structure, the optimizer's class, settings and state, the loss function, the device, precision and
+checkpointing. An optimizer changes what the steady state holds and its step, not the forward and the backward: the
+estimator of another optimizer (a what-if row) traces nothing of its own, its traces are those of the estimator of the
+workload's optimizer, moved by the difference in held bytes (:meth:`Estimator.derived`).
 
-Fake tensors rather than ``meta`` ones, because the estimate must take the code paths the real
-device takes, or it is exact for the wrong program:
+Fake tensors rather than ``meta`` ones, because the estimate must take the code paths the real device takes, or it is
+exact for the wrong program:
 
-- **Kernels that pick a path by device.** Fake tensors live on a real device type, so the dispatcher
-  chooses the same kernel: on the CPU, ``scaled_dot_product_attention`` runs its flash kernel
-  (saved tensors O(B x H x L x d)), where ``meta`` falls back to the math path and materialises
-  B x H x L x L scores (5x the real peak at length 256, 21x at 1024, measured).
-- **Values a model reads.** Integer and boolean tensors of the batch (token ids, attention masks,
-  labels) stay real, with the batch's own values, and operations on them alone run for real
-  (while their results are small): a model that asks whether its attention mask pads anything
-  (``mask.all()``, as Hugging Face models do before choosing a causal kernel) gets the true answer
-  and takes the path the real step takes, so Llama and Qwen2 estimate exactly with and without
-  padding.
-- **The optimizer's implementation.** The copy takes the implementation the real optimizer takes on
-  the target device (``foreach``, ``fused`` or single tensor): on CUDA, optimizers default to
-  ``foreach``, whose step allocates whole-model temporaries.
-- **Autocast.** The step runs under the training precision's autocast, so activations have the
-  dtypes they will have.
+- **Kernels that pick a path by device.** Fake tensors live on a real device type, so the dispatcher chooses the same
+  kernel: on the CPU, ``scaled_dot_product_attention`` runs its flash kernel (saved tensors O(B x H x L x d)), where
+  ``meta`` falls back to the math path and materialises B x H x L x L scores (5x the real peak at length 256, 21x at
+  1024, measured).
+- **Values a model reads.** Integer and boolean tensors of the batch (token ids, attention masks, labels) stay real,
+  with the batch's own values, and operations on them alone run for real (while their results are small): a model that
+  asks whether its attention mask pads anything (``mask.all()``, as Hugging Face models do before choosing a causal
+  kernel) gets the true answer and takes the path the real step takes, so Llama and Qwen2 estimate exactly with and
+  without padding.
+- **The optimizer's implementation.** The copy takes the implementation the real optimizer takes on the target device
+  (``foreach``, ``fused`` or single tensor): on CUDA, optimizers default to ``foreach``, whose step allocates whole-
+  model temporaries.
+- **Autocast.** The step runs under the training precision's autocast, so activations have the dtypes they will have.
 
-Fake tensors are made on the CPU even for a CUDA target (autograd on fake CUDA tensors needs a CUDA
-build), and what differs on CUDA is modelled: attention takes the kernel the CUDA dispatcher would
-pick for the dtype, head size and mask (flash or memory-efficient: output plus log-sum-exp; the math
-path otherwise), optimizers default to ``foreach``, and storages are rounded to the allocator's
-512-byte blocks. Autocast on a CUDA target takes CUDA's own decisions, op by op, learned from CUDA's autocast kernels
-(:mod:`autotune.probe.cuda`), and the caching allocator's reserved bytes are replayed from the trace's
-allocations (:mod:`autotune.memory.allocator`).
+Fake tensors are made on the CPU even for a CUDA target (autograd on fake CUDA tensors needs a CUDA build), and what
+differs on CUDA is modelled: attention takes the kernel the CUDA dispatcher would pick for the dtype, head size and mask
+(flash or memory-efficient: output plus log-sum-exp; the math path otherwise), optimizers default to ``foreach``, and
+storages are rounded to the allocator's 512-byte blocks. Autocast on a CUDA target takes CUDA's own decisions, op by op,
+learned from CUDA's autocast kernels (:mod:`autotune.probe.cuda`), and the caching allocator's reserved bytes are
+replayed from the trace's allocations (:mod:`autotune.memory.allocator`).
 
-A model whose step cannot run without data (``.numpy()`` or ``.item()`` on a float tensor,
-data-dependent shapes, an op without a fake kernel) raises from :class:`Estimator`; the probe then
-searches with real trials. Torch's own log of such failures is kept off stderr while estimating.
+A model whose step cannot run without data (``.numpy()`` or ``.item()`` on a float tensor, data-dependent shapes, an op
+without a fake kernel) raises from :class:`Estimator`; the probe then searches with real trials. Torch's own log of such
+failures is kept off stderr while estimating.
 
-The fake copy of a model and the ledger that keeps integer tensors real live in
-:mod:`autotune.probe.fakes`; CUDA's kernels and autocast rules in :mod:`autotune.probe.cuda`.
+The fake copy of a model and the ledger that keeps integer tensors real live in :mod:`autotune.probe.fakes`; CUDA's
+kernels and autocast rules in :mod:`autotune.probe.cuda`.
 
-Why this is long: the :class:`Estimator` is one class of about 500 lines with its docstrings: its steady-state
-setup, its traces (and those made from another estimator's, for another optimizer), the curve through two of
-them and the allocator's replay of them all read and keep the same traces and fake optimizer state; split, each
-part would reach into the others' private state.
-"""
+Why this is long: the :class:`Estimator` is one class of about 500 lines: its steady-state setup, its traces (and those
+of another optimizer, made from them), the curve through two and the allocator's replay all read and keep the same traces
+and fake optimizer state; split, each part would reach into the others' private state."""
 
 from __future__ import annotations
 
@@ -515,9 +507,8 @@ class Estimator:
         return self.trace(b, template).peak
 
     def work(self, b: int, template: Any = None) -> Work:
-        """The FLOPs and bytes read and written of one micro-step of ``b`` samples shaped like ``template`` (default: the
-        workload's batch) and of the optimizer step, by phase, dtype and kind, from the trace at ``b``
-        (:class:`autotune.memory.work.Work`; ``work(b).of(phase="step")`` is the optimizer step's alone)."""
+        """The FLOPs and bytes of one micro-step of ``b`` samples like ``template`` (default: the workload's batch) and of
+        the optimizer step, from the trace at ``b`` (:class:`autotune.memory.work.Work`, by phase, dtype and kind)."""
         return self.trace(b, template).work
 
     def curve(self, template: Any = None, *, sizes: tuple[int, int] | None = None) -> MemoryCurve:
