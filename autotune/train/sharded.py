@@ -43,8 +43,6 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from autotune import batches as B
 from autotune.errors import AutotuneError, AutotuneWarning, NothingFits
 from autotune.memory.device import allocator_peak, release_cached, reset_peak
@@ -204,11 +202,12 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float, *, guard
         ledger.track(run.held())
     if measure and device.type == "cuda":
         reset_peak(device)
-    losses: list[torch.Tensor] = []  # summed on the device, read once after the micro-batches (no sync inside)
+    total = 0.0
     if window is not None:
         bnc.start_window(window.samples)
 
     def micro_batches() -> None:
+        nonlocal total
         for i in range(count):
             set_gradient_sync(model, i == count - 1)
             if i < len(own):
@@ -218,7 +217,7 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float, *, guard
                     model, run.loss_fn, B.to_device(micro.batch, device), weight=micro.weight * scale,
                     device_type=device.type, precision=run.precision, scaler=run.scaler,
                 )
-                losses.append(loss.reshape(()).double() * micro.items)
+                total += float(loss) * micro.items
             else:
                 _idle_micro(run)
 
@@ -231,7 +230,6 @@ def _run_micro_batches(run: Any, window: Any, count: int, scale: float, *, guard
                 micro_batches()
     finally:
         set_gradient_sync(model, True)
-    total = float(torch.stack(losses).sum()) if losses else 0.0
     if not measure:
         return 0, total, outcome
     if device.type == "cuda":
