@@ -34,7 +34,7 @@ from autotune.checks import is_one_shot
 from autotune.rng import RNGState
 from autotune.step import Precision, autocast, planning
 
-__all__ = ["RULES", "Items", "count_for", "label_tokens", "labelled", "loss_items", "shifted_label_tokens"]
+__all__ = ["RULES", "Items", "count_for", "first_batch", "label_tokens", "labelled", "loss_items", "shifted_label_tokens"]
 
 RULES = ("samples", "labels", "shifted labels")
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # relative; half precision: 1e-2
@@ -118,30 +118,27 @@ class Items:
     Attributes:
         rule: one of :data:`RULES`: what each micro-batch is weighted by.
         note: what the plan's notes say of it (None: nothing to say, a loss over samples as assumed).
-        measured: the rule was measured on the loader's batches (else: the model's kind, or assumed).
     """
 
     rule: str = "samples"
     note: str | None = None
-    measured: bool = False
-
-    @property
-    def count(self) -> Callable[[Any], int] | None:
-        """The ``count`` that weights by the rule (None: samples)."""
-        return count_for(self.rule)
 
 
-def labelled(loader: Iterable[Any]) -> bool:
-    """Whether the loader's first batch carries integer labels to count (its generators put back):
-    without them, and without a model of a known kind, there is nothing to tell and nothing is run."""
+def first_batch(loader: Iterable[Any]) -> Any:
+    """The loader's first batch, its generators put back (None for a one-shot iterator, or no batch)."""
     if is_one_shot(loader):
-        return False
+        return None
     rng = RNGState(loader)
     try:
-        first = next(iter(loader), None)
+        return next(iter(loader), None)
     finally:
         rng.restore()
-    return _labels(first) is not None
+
+
+def labelled(batch: Any) -> bool:
+    """Whether ``batch`` carries integer labels to count: without them, and without a model of a known
+    kind, there is nothing to tell and nothing is run."""
+    return _labels(batch) is not None
 
 
 def _kind(model: nn.Module) -> str | None:
@@ -256,18 +253,13 @@ def loss_items(model: nn.Module, loss_fn: Callable[..., Any] | None, loader: Ite
                     found = got
                     candidates &= got.holds | (set(RULES) - got.tested)
                     if not got.holds or len(candidates) <= 1:
-                        found = got
                         break
         finally:
             for m, training in modes:
                 m.training = training
             rng.restore()
-    if first is None and not is_one_shot(loader):
-        rng = RNGState(loader)
-        try:
-            first = next(iter(loader), None)
-        finally:
-            rng.restore()
+    if first is None:
+        first = first_batch(loader)
     known = _own_rule(model, first) if own else None
     return _decide(own, known, found, candidates, first, _kind(model), tried=measure)
 
@@ -281,7 +273,7 @@ def _decide(own: bool, known: str | None, found: _Measure | None, candidates: se
         return Items("samples", (
             f"{whose} is not a mean over samples {what}: measured on a first batch, its parts weighted by their samples give "
             f"{found.ratio:.6g} times its loss, so no weighting of micro-batches makes a step the big batch's; each micro-batch "
-            "is weighted by its samples"), True)
+            "is weighted by its samples"))
     measured = found is not None and len(candidates) == 1
     if measured:
         rule = next(iter(candidates))
@@ -292,14 +284,14 @@ def _decide(own: bool, known: str | None, found: _Measure | None, candidates: se
     assert found is not None or not measured
     if not own:
         if rule == "samples" or found is None:
-            return Items("samples", None, measured)
+            return Items("samples")
         return Items("samples", (
             f"loss_fn is the mean over {_WORDS[rule]}, not over samples (measured on two samples of a "
             f"first batch: weighted by their samples they give {found.ratio:.6g} times their loss, {abs(found.ratio - 1):.1%} "
             f"off), and with count=None each micro-batch is weighted by its samples, so steps are not the big batch's: pass "
-            f"count={_FIX[rule]} (to fit or accumulate) for the big batch's gradient"), True)
+            f"count={_FIX[rule]} (to fit or accumulate) for the big batch's gradient"))
     if kind is None and (rule == "samples" or not measured):
-        return Items(rule, None, measured)  # a default loss of ours, as documented: nothing found to say
+        return Items(rule)  # a default loss of ours, as documented: nothing found to say
     if measured and found is not None:
         why = "measured: the model's loss is their mean" + (
             f"; weighted by samples, two samples of a first batch give {found.ratio:.6g} times their loss "
@@ -311,4 +303,4 @@ def _decide(own: bool, known: str | None, found: _Measure | None, candidates: se
     held = ""
     if rule != "samples" and first is not None and _labels(first) is not None:
         held = f", {_count(rule, first):,} in the first batch"
-    return Items(rule, f"{whose} is the mean over {_WORDS[rule]}: each micro-batch is weighted by its own{held} ({why})", measured)
+    return Items(rule, f"{whose} is the mean over {_WORDS[rule]}: each micro-batch is weighted by its own{held} ({why})")

@@ -387,7 +387,7 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
     else:
         looked = sample_batch(loader, max_batches=probing.max_probe_batches)
     items = Items()
-    if probing.items and (labelled(loader) or isinstance(getattr(setup.model, "loss_type", None), str)):
+    if probing.items and (labelled(looked.batch) or isinstance(getattr(setup.model, "loss_type", None), str)):
         # what the loss averages over: run (no gradient) where one process holds the real model
         items = loss_items(setup.model, loss_fn, loader, device=setup.device, precision=setup.precision,
                            measure=probing.verify and setup.world_size == 1 and not setup.fsdp)

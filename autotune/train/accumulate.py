@@ -21,10 +21,11 @@ micro-batch of 10 real tokens like one of 1000. :func:`accumulate` replaces it::
 ``micro.weight`` is ``n_i / N``: the micro-batch's items over the window's items. With
 ``count=None`` items are what the loss the plan was made with averages over (``plan.items``: a
 Transformers model's own loss, its label tokens; a loss of yours, samples); with ``count=fn`` they
-are ``fn(batch)`` (e.g. non-padding tokens, :func:`autotune.shifted_label_tokens`), and the loss you weight must then be the mean over exactly those items (e.g.
-``F.cross_entropy(..., ignore_index=-100)``), so that ``mean_i * n_i / N`` sums to the mean over all
-the window's items. Micro-batches with no items are not yielded (their mean loss is undefined), and
-windows with no items are skipped; an epoch in which ``count`` found no item at all is an error.
+are ``fn(batch)`` (e.g. non-padding tokens, :func:`autotune.shifted_label_tokens`), and the loss you
+weight must then be the mean over exactly those items (e.g. ``F.cross_entropy(...,
+ignore_index=-100)``), so that ``mean_i * n_i / N`` sums to the mean over all the window's items.
+Micro-batches with no items are not yielded (their mean loss is undefined), and windows with no
+items are skipped; an epoch in which ``count`` found no item at all is an error.
 
 How a window is cut: consecutive loader batches whose per-sample shapes agree form a run (sequences
 padded to different lengths are never joined, so no padding is invented); each run is cut into the

@@ -58,7 +58,7 @@ from autotune.checks import (
     resolve_device,
 )
 from autotune.errors import AutotuneWarning
-from autotune.items import count_for, labelled, loss_items
+from autotune.items import count_for, first_batch, labelled, loss_items
 from autotune.packed import packed_row, packing_problem
 from autotune.parallel.ranks import (
     broadcast_model,
@@ -421,7 +421,7 @@ def _set_up(r: _Request) -> Run:
     if plan is None:
         plan = plan_with(r.model, r.loader, dataclasses.replace(r.shared, precision=r.precision), Probing(items=True),
                          optimizer=r.optimizer, loss_fn=r.loss_fn, device=device)
-    elif r.count is None and own_loss and (labelled(r.loader) or isinstance(getattr(inner, "loss_type", None), str)):
+    elif r.count is None and own_loss and (labelled(first_batch(r.loader)) or isinstance(getattr(inner, "loss_type", None), str)):
         # a plan made elsewhere: what the model's own loss averages over, told here
         items = loss_items(inner, None, r.loader, device=device, precision=r.precision,
                            measure=not par.fsdp and world(par.group)[1] == 1)
