@@ -126,19 +126,12 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def _quantized(model: Any) -> bool:
-    """Whether any of the model's layers is a bitsandbytes quantized one (none before bitsandbytes is imported)."""
-    from autotune.memory.quantized import quantized_layer_types
-
-    types = quantized_layer_types()
-    return bool(types) and any(isinstance(m, types) for m in model.modules())
-
-
 def _weights_dtype(model: Any) -> str:
     """The dtype most of the model's weights are in, quantized weights and LoRA's adapters aside."""
     from autotune.memory.quantized import is_quantized_weight
+    from autotune.planning.setting import has_quantized_layers
 
-    quantized = _quantized(model)
+    quantized = has_quantized_layers(model)
     count: Counter[str] = Counter()
     for name, p in model.named_parameters():
         if "lora_" in name or (quantized and is_quantized_weight(p)):
@@ -150,8 +143,9 @@ def _weights_dtype(model: Any) -> str:
 def _quantization(model: Any) -> tuple[tuple[str, Any], ...]:
     """``BitsAndBytesConfig``'s keywords for the model's quantization, or none."""
     from autotune.memory.quantized import quantization_of
+    from autotune.planning.setting import has_quantized_layers
 
-    if not _quantized(model) and getattr(getattr(model, "config", None), "quantization_config", None) is None:
+    if not has_quantized_layers(model) and getattr(getattr(model, "config", None), "quantization_config", None) is None:
         return ()  # nothing quantized, nor asked to be
     try:
         found = quantization_of(model)

@@ -27,7 +27,7 @@ from autotune.memory.optimizers import describe as describe_optimizer
 from autotune.memory.quantized import is_quantized, is_quantized_weight, logical_numel, quantization_of, quantized_layer_types
 from autotune.units import format_bytes
 
-__all__ = ["attention_of", "describe", "lora_of", "set_aside_words", "weights_policy"]
+__all__ = ["attention_of", "describe", "has_quantized_layers", "lora_of", "set_aside_words", "weights_policy"]
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
@@ -66,12 +66,18 @@ def attention_of(model: nn.Module) -> str | None:
     return str(found) if found else None
 
 
+def has_quantized_layers(model: nn.Module) -> bool:
+    """Whether any of the model's layers is a bitsandbytes quantized one (none before bitsandbytes is imported:
+    nothing to ask of quantized weights then)."""
+    types = quantized_layer_types()
+    return bool(types) and any(isinstance(m, types) for m in model.modules())
+
+
 def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, precision: str, checkpointing: bool,
              batch: Any = None, loss_fn: Any = None) -> tuple[tuple[str, str], ...]:
     """What a plan of ``model`` assumes, as ``(what, value)`` pairs in the order a reader asks them."""
     params = list(model.parameters())
-    types = quantized_layer_types()  # none before bitsandbytes is imported: nothing to ask of quantized weights
-    quantized = bool(types) and any(isinstance(m, types) for m in model.modules())
+    quantized = has_quantized_layers(model)
     numel = logical_numel if quantized else torch.Tensor.numel
     total = sum(numel(p) for p in params)
     trained = sum(numel(p) for p in params if p.requires_grad)
