@@ -32,6 +32,11 @@ Each case runs under its own time limit and reports its figures and its pass cri
    the same micro-batch, accumulation, model, optimizer and steps, the two interleaved run by run; ``fit``
    with its defaults on (the noise meter) and no memory limit: fit / plain loop >= 0.98.
 
+10. ``longest context``: ``autotune report --tokens max`` (estimate-only, no headroom, under ``--limit``) for a
+   Llama-shaped model (16 blocks of Llama-3-8B's width, random weights) with LoRA (rank 32, every linear layer) and
+   with QLoRA (the base in nf4); then real steps at micro-batch 1 under the plan's budget as the allocator's cap: the
+   length found fits, 1.1x that length runs out of memory (caught).
+
 It writes every figure to one JSON file (``--json``) and prints a table; the figures go into
 ``docs/benchmarks.md`` ("GPU validation").
 
@@ -70,7 +75,7 @@ from autotune.memory.device import (
 )
 from autotune.probe.estimate import Estimator
 from autotune.probe.trial import Workload, trial_step
-from published import hf_loss
+from published import default_dtype, hf_loss
 
 GiB, MiB = 2**30, 2**20
 
@@ -640,6 +645,102 @@ def bert_large(ctx: Context, res: Result) -> None:
                 clean(ctx.device)
 
 
+
+# the longest context: 16 blocks of Llama-3-8B's width (about 4.5 billion weights, random), a few thousand tokens under
+# 40 GiB; on the CPU (the control flow only) two small blocks that take at most 256 tokens
+LONGEST = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "vocab_size": 128256,
+           "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+LONGEST_SMALL = {**LONGEST, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+                 "num_key_value_heads": 1, "vocab_size": 512, "max_position_embeddings": 256}
+
+
+def longest_tokens(config: dict[str, Any], limit: int, quantize: bool, folder: str) -> dict[str, Any]:
+    """``autotune report --hf-config --tokens max --json`` for ``config`` with LoRA (rank 32, every linear layer; nf4
+    base with ``quantize``), bf16, no headroom, estimate-only for CUDA under ``limit``: the report as JSON."""
+    import io
+
+    from autotune.cli.main import main as cli
+
+    path = os.path.join(folder, "config.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    argv = ["report", "--hf-config", path, "--tokens", "max", "--device", "cuda", "--memory-limit", str(limit), "--headroom", "0",
+            "--precision", "bf16", "--lora", "32", "--lora-modules", "all-linear", "--target-batch", "1", "--json", "--no-cache",
+            *(["--quantize", "nf4"] if quantize else [])]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli(argv)
+    if code != 0:
+        raise RuntimeError(f"autotune report --tokens max exited {code}: {err.getvalue().strip().splitlines()[-1:]}")
+    return json.loads(out.getvalue())
+
+
+def longest_model(config: dict[str, Any], device: torch.device, quantize: bool) -> nn.Module:
+    """The model the report estimated, with random weights on ``device``: bf16 weights (quantized to nf4 with
+    ``quantize``, as ``--quantize nf4``), SDPA attention, PEFT's LoRA of rank 32 on every linear layer."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autotune.memory.quantized import Quantization, quantize as to_nf4
+
+    llama_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    llama_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with default_dtype(torch.bfloat16), torch.device(device):  # built in bf16 on the device: seconds, not minutes
+        net = LlamaForCausalLM(llama_config)
+    if quantize:
+        to_nf4(net, Quantization.named("nf4", compute_dtype=torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.get_peft_model(net, peft.LoraConfig(r=32, target_modules="all-linear"))
+
+
+def longest_context(ctx: Context, res: Result) -> None:
+    """``--tokens max``'s answer run for real: the length found fits at micro-batch 1 under the plan's budget (the
+    allocator's cap), 1.1x that length runs out of memory."""
+    import tempfile
+
+    from autotune.memory.optimizers import DEFAULT, make_optimizer
+
+    small = ctx.scale < 1
+    config = LONGEST_SMALL if small else LONGEST
+    for setting, quantize in (("qlora", True), ("lora", False)):
+        if quantize and importlib.util.find_spec("bitsandbytes") is None:
+            res.figures[setting] = "skipped: bitsandbytes is not installed"
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            began = time.perf_counter()
+            report = longest_tokens(config, ctx.limit, quantize, folder)
+            search_s = time.perf_counter() - began
+        plan = report["plan"]
+        longest, budget = int(report["tokens"]["per_sample"]), int(plan["budget"])
+        net = longest_model(config, ctx.device, quantize)
+        opt = make_optimizer(DEFAULT, [p for p in net.parameters() if p.requires_grad], 1e-3)
+        model = Model(lambda *_: net, lambda n, length, scale: longest_batch(n, length, config["vocab_size"]), hf_loss, "bf16", longest)
+        runs, over_n = {}, -(-longest * 11 // 10)  # 1.1x, rounded up, in integers
+        for n in (longest, over_n):
+            runs[n] = measured_step(model, net, opt, model.batch(1, n, 1.0), ctx.device, budget)
+            clean(ctx.device)
+        del net, opt
+        clean(ctx.device)
+        at, over = runs[longest], runs[over_n]
+        res.figures[setting] = {"tokens_max": longest, "budget": budget, "estimated_peak": plan["peak_memory"], "search_s": search_s,
+                                "notes": [note for note in plan["notes"] if note.startswith("--tokens max")], "at_tokens_max": at,
+                                "at_1.1x": {"tokens": over_n, **over}}
+        if ctx.device.type == "cuda":
+            res.checks[f"{setting}: {longest} tokens fit at micro-batch 1"] = not at["oom"]
+            res.checks[f"{setting}: 1.1x ({over_n} tokens) runs out of memory"] = bool(over["oom"])
+        else:  # the control flow only: the CPU has no allocator cap to run out of
+            res.checks[f"{setting}: ran at the length found and at 1.1x"] = longest >= 1 and not at["oom"]
+
+
+def longest_batch(n: int, length: int, vocab: int) -> dict[str, torch.Tensor]:
+    """The report's batch for a causal LM: token ids, an all-ones mask, the ids as labels."""
+    ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
 # Each case with its time limit in seconds; the sum stays under 10 minutes with the plans' estimates.
 CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
     "published: lit-gpt": (published_steps, 240),
@@ -655,6 +756,7 @@ CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
     "fit": (fit, 90),
     "fit speed": (fit_speed, 90),
     "plan time": (plan_time, 120),
+    "longest context": (longest_context, 150),
 }
 
 
@@ -711,8 +813,8 @@ def table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", help="comma-separated case names or their first words (default: all)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="cases: " + "; ".join(CASES))
+    parser.add_argument("--cases", help="comma-separated case names or their first words (default: all; the list below)")
     parser.add_argument("--json", help="write every figure here as JSON")
     parser.add_argument("--limit", default="40GiB", help="the memory limit the plans and steps run under")
     parser.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)  # tests shrink the models on the CPU

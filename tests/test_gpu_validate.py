@@ -118,3 +118,19 @@ def test_a_check_that_fails_fails_the_case(fake_cuda):
     res = gpu_validate.run_case("estimate-only: cnn", ctx)
     assert res.error is None and not res.passed
     assert res.checks["estimate / max_memory_allocated in [0.95, 1.05]"] is False
+
+
+def test_the_longest_context_case_runs_the_length_tokens_max_found(fake_cuda):
+    """On the CPU: the report's search runs (a CUDA target, estimate-only), the model it estimated is built with random
+    weights and stepped at the length found and at 1.1x; the out-of-memory checks are the card's."""
+    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 912 * 2**20)
+    res = gpu_validate.run_case("longest context", ctx)
+    assert res.error is None and res.passed, res
+    settings = ["lora"] + (["qlora"] if "qlora" in res.figures and isinstance(res.figures["qlora"], dict) else [])
+    for setting in settings:
+        found = res.figures[setting]
+        assert 16 <= found["tokens_max"] <= gpu_validate.LONGEST_SMALL["max_position_embeddings"]
+        assert found["estimated_peak"] <= found["budget"]
+        assert found["at_1.1x"]["tokens"] == -(-found["tokens_max"] * 11 // 10)
+        assert any(n.startswith(f"--tokens max: {found['tokens_max']} tokens") for n in found["notes"])
+        assert set(res.checks) >= {f"{setting}: ran at the length found and at 1.1x"}
