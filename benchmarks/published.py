@@ -10,7 +10,10 @@ Sources (each case says which, what its figure is, and how it was taken):
   LoRA r=8, alpha 16, dropout 0.05 on the query and value projections, AdamW (bitsandbytes' paged AdamW with a
   quantized base), the lm head's logits in chunks of 128 tokens and cross-entropy per chunk, the longest
   Alpaca sample first (phi-1.5 1044 tokens, StableLM-alpha 1034, Llama 2 1304) and every sample of a
-  micro-batch padded to it.
+  micro-batch padded to it. The run's procedure is reproduced with it (:func:`fabric_module`, :class:`Loop`): the
+  model goes through Lightning Fabric's ``setup_module``, whose wrapper converts every floating output to the
+  default dtype (the bf16 logits come back as fp32 copies), and the loop's ``logits`` holds them through the
+  backward until the next iteration's forward has returned.
 - ``hf-perf``: Transformers' single-GPU training page (``docs/source/en/perf_train_gpu_one.mdx`` at 0016acf7):
   BERT-large sequence classification at 512 tokens on a V100-16GB, the Trainer's settings of the time; the figure
   is NVML's used memory after training, so the estimate's reserved bytes and the 1343 MiB the page measured for
@@ -27,6 +30,7 @@ estimated beside it, with the same LoRA and the same chunked loss.
     python benchmarks/published.py                        # Transformers' models; a few minutes on 2 cores
     python benchmarks/published.py --litgpt ../litgpt     # lit-gpt's code too
     python benchmarks/published.py --cases llama-2-7b     # some cases (their ids' first words)
+    python benchmarks/published.py --later                # LitGPT's cases at a later iteration (see Loop)
 
 ``measure()`` runs a case's first training step on a CUDA device with random weights (``gpu_validate.py``
 calls it), so that a lent GPU checks the estimate against the same code's real step.
@@ -193,9 +197,32 @@ def litgpt_config(shape: Shape) -> Any:
     return Config.from_name(shape.litgpt, r=LORA["r"], alpha=LORA["alpha"], dropout=LORA["dropout"], to_query=True, to_value=True, **fewer)
 
 
+def fabric_module(model: nn.Module, device: str, quantization: str | None = None) -> nn.Module:
+    """``model`` as ``finetune/lora.py``'s ``fabric.setup_module`` returns it: Lightning Fabric's module wrapper with
+    the run's precision plugin, left on its device (the meta device for an estimate).
+
+    Under ``bf16-true`` the wrapper runs the forward with bf16 as the default dtype and converts every floating
+    output to the default dtype after it (``HalfPrecision.convert_output``, the same function in the Lightning of
+    lit-gpt 8641822 and in Lightning 2.6): lit-gpt's list of bf16 logit chunks comes back as fp32 copies. With
+    ``--quantize bnb.nf4[-dq]`` the run's plugin is ``BitsandbytesPrecision``, whose input and output conversions and
+    forward context are the same functions; Lightning sets it up on CUDA only, so off CUDA the wrapper takes
+    ``bf16-true``'s plugin (the layers are quantized already, by :func:`bnb_quantization`'s settings).
+    """
+    import lightning as L
+
+    if quantization and device.startswith("cuda"):
+        from lightning.fabric.plugins import BitsandbytesPrecision
+
+        fabric = L.Fabric(accelerator="cuda", devices=1, plugins=BitsandbytesPrecision(quantization, torch.bfloat16))
+    else:
+        fabric = L.Fabric(accelerator="cuda" if device.startswith("cuda") else "cpu", devices=1, precision="bf16-true")
+    return fabric.setup_module(model, move_to_device=False)
+
+
 def litgpt_model(shape: Shape, device: str, quantization: str | None = None) -> nn.Module:
-    """lit-gpt's GPT with its LoRA (query and value) as ``finetune/lora.py`` makes it under ``bf16-true``; the
-    rope cache rebuilt at the longest sample's length outside the bf16 default, as its ``train()`` does."""
+    """lit-gpt's GPT with its LoRA (query and value) as ``finetune/lora.py`` makes it under ``bf16-true``, set up by
+    Fabric (:func:`fabric_module`); the rope cache rebuilt at the longest sample's length outside the bf16 default,
+    as its ``train()`` does."""
     from lit_gpt.lora import GPT, mark_only_lora_as_trainable
 
     config = litgpt_config(shape)
@@ -207,16 +234,46 @@ def litgpt_model(shape: Shape, device: str, quantization: str | None = None) -> 
 
         quantize(model, bnb_quantization(quantization))
     model.max_seq_length = shape.tokens
-    return model
+    return fabric_module(model, device, quantization)
 
 
-def litgpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``finetune/lora.py``'s training loss: logits in chunks of 128 tokens, shifted, cross-entropy per chunk."""
+def litgpt_cross_entropy(logits: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """lit-gpt's ``chunked_cross_entropy``: cross-entropy per chunk of logits."""
     from lit_gpt.utils import chunked_cross_entropy
 
-    logits = model(batch["input_ids"], lm_head_chunk_size=CHUNK)
-    logits[-1] = logits[-1][..., :-1, :]
-    return chunked_cross_entropy(logits, batch["labels"][..., 1:])
+    return chunked_cross_entropy(logits, targets)
+
+
+class Loop:
+    """``finetune/lora.py``'s loop body at 8641822 as a loss function, with its reference to the logits.
+
+    Each call is an iteration: ``logits = model(input_ids, lm_head_chunk_size=128)``, the last chunk shifted, and
+    ``loss(logits, targets)``. The loop's local ``logits`` outlives the loss: it holds the chunks (fp32 copies under
+    Fabric) through ``fabric.backward`` and the optimizer step, until the next iteration's forward has returned and
+    ``logits`` is rebound. :attr:`logits` is that reference, released the same way: an estimate sees the chunks
+    live through the backward of the step it traces.
+
+    The published run's peak is its first iteration, where the longest sample is put (``get_batch`` forces it there
+    only): nothing is held from before it. A later iteration of the same length would also hold the previous
+    iteration's logits through its forward; ``previous=True`` runs that previous iteration (forward, loss, backward, on
+    the same batch) inside each call, so that one traced step holds both.
+    """
+
+    def __init__(self, loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor], *, previous: bool = False) -> None:
+        self.loss = loss
+        self.previous = previous
+        self.logits: list[torch.Tensor] | None = None
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.previous:
+            self._iteration(model, batch).backward()
+        return self._iteration(model, batch)
+
+    def _iteration(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(batch["input_ids"], lm_head_chunk_size=CHUNK)
+        self.logits = logits  # the previous iteration's chunks are freed here, as rebinding the loop's name frees them
+        logits[-1] = logits[-1][..., :-1, :]  # shift the targets: output n predicts token n + 1
+        return self.loss(logits, batch["labels"][..., 1:])
 
 
 TRANSFORMERS = {"llama": ("LlamaConfig", "LlamaForCausalLM", ["q_proj", "v_proj"]),
@@ -225,8 +282,31 @@ TRANSFORMERS = {"llama": ("LlamaConfig", "LlamaForCausalLM", ["q_proj", "v_proj"
                 "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", ["query_key_value"])}
 
 
+class ChunkedHead(nn.Module):
+    """A Transformers causal language model called as lit-gpt's GPT is (``model(idx, lm_head_chunk_size=128)``): its
+    backbone, then the head in chunks of tokens, a list of logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, lm_head_chunk_size: int = CHUNK) -> list[torch.Tensor]:
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        hidden = base.base_model(input_ids=idx).last_hidden_state
+        head = base.get_output_embeddings()
+        return [head(h) for h in hidden.split(lm_head_chunk_size, dim=1)]
+
+
+def chunked_cross_entropy(logits: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per chunk of logits, as lit-gpt's ``chunked_cross_entropy`` computes it (label -1 ignored)."""
+    chunks = [F.cross_entropy(lg.reshape(-1, lg.size(-1)), t.reshape(-1), ignore_index=-1, reduction="none")
+              for lg, t in zip(logits, targets.split(logits[0].size(1), dim=1))]
+    return torch.cat(chunks).mean()
+
+
 def transformers_model(shape: Shape, device: str, quantization: str | None = None) -> nn.Module:
-    """Transformers' model of the shape, bf16, with PEFT's LoRA of lit-gpt's rank, alpha and dropout."""
+    """Transformers' model of the shape, bf16, with PEFT's LoRA of lit-gpt's rank, alpha and dropout, called as
+    lit-gpt's GPT is (:class:`ChunkedHead`) and set up by Fabric as lit-gpt's (:func:`fabric_module`)."""
     import warnings
 
     import peft
@@ -243,26 +323,15 @@ def transformers_model(shape: Shape, device: str, quantization: str | None = Non
         quantize(model, bnb_quantization(quantization))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return peft.get_peft_model(model, peft.LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+        lora = peft.get_peft_model(model, peft.LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
                                                           target_modules=modules))
+    return fabric_module(ChunkedHead(lora), device, quantization)
 
 
-def transformers_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """lit-gpt's loss on a Transformers model: its backbone, then the head in chunks of 128 tokens."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = base.base_model(input_ids=batch["input_ids"]).last_hidden_state
-    head = base.get_output_embeddings()
-    logits = [head(h) for h in hidden.split(CHUNK, dim=1)]
-    logits[-1] = logits[-1][..., :-1, :]
-    targets = batch["labels"][..., 1:]
-    chunks = [F.cross_entropy(lg.reshape(-1, lg.size(-1)), t.reshape(-1), ignore_index=-1, reduction="none")
-              for lg, t in zip(logits, targets.split(CHUNK, dim=1))]
-    return torch.cat(chunks).mean()
-
-
-CODES: dict[str, tuple[Callable[..., nn.Module], Callable[[nn.Module, Any], torch.Tensor]]] = {
-    "lit-gpt": (litgpt_model, litgpt_loss),
-    "transformers": (transformers_model, transformers_loss),
+# Each code's model builder and its cross-entropy over a list of logit chunks (the loop: :class:`Loop`).
+CODES: dict[str, tuple[Callable[..., nn.Module], Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]]] = {
+    "lit-gpt": (litgpt_model, litgpt_cross_entropy),
+    "transformers": (transformers_model, chunked_cross_entropy),
 }
 
 
@@ -361,30 +430,31 @@ CASES += [
 # --- estimating and measuring --------------------------------------------------------------------------
 
 
-def built(case: Case, code: str, device: str, shape: Shape | None = None) -> Setup:
-    """``case`` on ``device``: its own setup, or its shape in ``code`` (lit-gpt's or Transformers') with
-    finetune/lora.py's AdamW, one sample of the longest length, bf16 weights without autocast."""
+def built(case: Case, code: str, device: str, shape: Shape | None = None, *, later: bool = False) -> Setup:
+    """``case`` on ``device``: its own setup, or its shape in ``code`` (lit-gpt's or Transformers') set up by Fabric,
+    with finetune/lora.py's AdamW and loop (:class:`Loop`; ``later``: a later iteration's, which holds the previous
+    one's logits through its forward), one sample of the longest length, bf16 weights without autocast."""
     if case.make is not None:
         return case.make(device)
     shape = shape or SHAPES[case.shape]
     build, loss = CODES[code]
     model = build(shape, device, case.quantization)
-    return Setup(model, adamw(model), loss, tokens(1, shape.tokens))
+    return Setup(model, adamw(model), Loop(loss, previous=later), tokens(1, shape.tokens))
 
 
-def estimate(case: Case, code: str) -> float:
+def estimate(case: Case, code: str, *, later: bool = False) -> float:
     """The estimate of what ``case``'s source measured, in GB: the steady state's allocated peak as the caching
     allocator replays it; for hf-perf, its reserved bytes and the CUDA context the page measured."""
-    allocated, reserved = estimated_peaks(case, code)
+    allocated, reserved = estimated_peaks(case, code, later=later)
     return reserved + CONTEXT_ON_THE_PAGE / GB if case.source == "hf-perf" else allocated
 
 
-def estimated_peaks(case: Case, code: str, shape: Shape | None = None) -> tuple[float, float]:
+def estimated_peaks(case: Case, code: str, shape: Shape | None = None, *, later: bool = False) -> tuple[float, float]:
     """The steady state's allocated and reserved peaks (GB) as the estimate replays CUDA's caching allocator."""
     from autotune.probe.estimate import Estimator
     from autotune.probe.trial import Workload
 
-    setup = built(case, code, "meta", shape)
+    setup = built(case, code, "meta", shape, later=later)
     work = Workload(model=setup.model, optimizer=setup.optimizer, loss_fn=setup.loss, batch=setup.sample, device=torch.device("cuda"),
                     precision=setup.precision, checkpointing=setup.checkpointing)  # type: ignore[arg-type]
     peaks = Estimator(work).allocator(case.micro_batch)
@@ -403,11 +473,13 @@ class Measured:
     saved: list[tuple[str, str, int]] = field(default_factory=list)  # the second block's saved tensors: shape, dtype, bytes
 
 
-def measure(case: Case, code: str, device: torch.device, shape: Shape | None = None) -> Measured:
+def measure(case: Case, code: str, device: torch.device, shape: Shape | None = None, *, later: bool = False) -> Measured:
     """``case``'s first step (the longest sample, no optimizer state yet) and a second after an optimizer step with
-    the gradients kept (accumulation's steady state), on ``device`` with random weights: the peak over both."""
+    the gradients kept (accumulation's steady state), on ``device`` with random weights: the peak over both. The
+    second step of a LitGPT case holds nothing of the first (as the published run's first iteration holds nothing
+    from before it), or with ``later`` the first's logits through its forward, as :class:`Loop` says."""
     torch.manual_seed(0)
-    setup = built(case, code, str(device), shape)
+    setup = built(case, code, str(device), shape, later=later)
     model, opt, loss = setup.model, setup.optimizer, setup.loss
     model.train()
     if setup.checkpointing:
@@ -448,6 +520,8 @@ def measure(case: Case, code: str, device: torch.device, shape: Shape | None = N
     scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=False)  # accumulation's steady state, which the estimate models: the gradients stay
+    if isinstance(loss, Loop) and not later:
+        loss.logits = None  # a step with nothing held from before, as the published run's first
     with half:
         value = loss(model, batch)
     scaler.scale(value).backward()
@@ -498,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--litgpt", help="a checkout of lit-gpt at commit 8641822 (else LITGPT_DIR; else Transformers' models only)")
     parser.add_argument("--cases", help="comma-separated case ids or their first words (default: all)")
+    parser.add_argument("--later", action="store_true",
+                        help="LitGPT's cases at a later iteration of the longest length: the previous one's logits held through its forward")
     args = parser.parse_args(argv)
     codes = (["lit-gpt"] if litgpt_path(args.litgpt) else []) + ["transformers"]
     print("| case | source | published GB | " + " | ".join(f"{c} estimate GB | ratio" for c in codes) + " |")
@@ -510,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             if case.make is not None and code != "transformers":  # the other sources' models are Transformers'
                 cells.append("- | -")
                 continue
-            got = estimate(case, code)
+            got = estimate(case, code, later=args.later)
             ratios.setdefault(f"{case.source}, {code}", []).append(got / published)
             cells.append(f"{got:.2f} | {got / published:.3f}")
         print(f"| {case.id} | {case.source} | {published:.2f} | " + " | ".join(cells) + " |", flush=True)
