@@ -60,7 +60,7 @@ ADDRESSED = {"alloc", "free_requested", "free_completed", "segment_alloc", "segm
 @dataclass(frozen=True)
 class Case:
     """One captured step: which model (``gpt2``, ``llama``, ``cnn``, ``lora``, ``qlora``), its micro-batch, and the
-    sequence length of each steady-state step (``(0,)`` for images: the CNN's side is fixed)."""
+    sequence length of each steady-state step (0 for images: the CNN's side is fixed)."""
 
     model: str
     micro_batch: int
@@ -91,8 +91,8 @@ CASES: dict[str, Case] = {
 def build(case: Case, device: torch.device, scale: float = 1.0) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The case's model on ``device`` and its AdamW (lr 1e-5, torch's default implementation for the device), built
     from a fixed seed: the same on a GPU and, for the estimate, on the CPU. LoRA: the Llama shape in bf16 with
-    PEFT's adapters of rank 16 on every linear layer; QLoRA: its linear layers in bitsandbytes nf4 first
-    (quantized as the weights reach the device)."""
+    PEFT's adapters of rank 16 on every linear layer; QLoRA: its linear layers quantized on the device first
+    (bitsandbytes nf4, bf16 compute)."""
     if case.model not in ("lora", "qlora"):
         return gpu_validate.fresh(case.base, scale, device)
     import warnings

@@ -756,7 +756,7 @@ CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
     "fit": (fit, 90),
     "fit speed": (fit_speed, 90),
     "plan time": (plan_time, 120),
-    "longest context": (longest_context, 150),
+    "longest context": (longest_context, 180),
 }
 
 
