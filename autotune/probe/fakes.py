@@ -28,6 +28,7 @@ from autotune.memory.ledger import TensorLedger
 from autotune.memory.quantized import copy_memo, fake_quantized, quantized_layer_types
 from autotune.memory.work import WorkCounter
 from autotune.probe.attention import fused_attention
+from autotune.probe.compiled import run_eager
 from autotune.probe.experts import routed_experts
 
 __all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fake_state", "weak_function", "fingerprint", "forget_copies", "is_value", "keep_recent", "optimizer_for_device", "optimizer_signature",
@@ -245,6 +246,7 @@ class FakeCopy:
             for b in model.buffers():
                 memo[id(b)] = fake_like(b)
         self.model = copy.deepcopy(model, memo)
+        run_eager(self.model)  # a compiled part of the copy run by Dynamo under the estimate's modes would stop the model's compiled code
         if quantized:
             with self.mode:
                 for name, original in quantized:

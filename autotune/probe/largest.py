@@ -37,6 +37,8 @@ from autotune.parallel.ranks import (
     gather_numbers,
 )
 from autotune.parallel.stops import failure_watch, stop_every_rank
+from autotune.probe.compiled import compiled_parts, measured
+from autotune.probe.compiled import note as compiled_note
 from autotune.probe.estimate import estimator_for
 from autotune.probe.priced import OperationCount, applies, by_real_steps, note, price
 from autotune.probe.search import Measurement, SearchResult, Trial, largest_fitting
@@ -134,7 +136,8 @@ def probe(
     found: tuple[int, Callable[[int], int]] | None = None
     reason = "estimate=False"
     priced = None
-    if estimate and verify and applies(work) and upper > lower:  # the estimate or real steps: whichever costs less here
+    # the estimate or real steps: whichever costs less here (a compiled model never runs under the counting mode)
+    if estimate and verify and applies(work) and upper > lower and not _compiled(work):
         counter = OperationCount()
         with counter:
             first = measure(lower)
@@ -162,6 +165,7 @@ def probe(
                 "(autotune.plan with verify=True, or autotune report on a machine that has the device)"
             )
         size, peak = found
+        _note_compiled(work, verified=False)
         return SearchResult(size, peak(size or lower), None, size)
 
     real: Callable[[int], Measurement] = measure
@@ -182,7 +186,25 @@ def probe(
     result = largest_fitting(real, upper=upper, budget=search_budget, estimate=peak, lower=lower, max_real=max_real, start=size)
     if priced is not None:
         work.notes.append(note(priced, work.trials, result.batch_size))
+    _note_compiled(work, verified=True, at=result.batch_size, measured=result.peak, estimated=peak)
     return result
+
+
+def _compiled(work: Workload) -> tuple[str, ...]:
+    """The compiled parts of the workload's model (:func:`autotune.probe.compiled.compiled_parts`); an eager model,
+    told apart here, is not passed on."""
+    if not any(type(m).__name__ == "OptimizedModule" or m.__dict__.get("_compiled_call_impl") is not None for m in work.model.modules()):
+        return ()
+    return compiled_parts(work.model)
+
+
+def _note_compiled(work: Workload, *, verified: bool, at: int = 0, measured: int = 0, estimated: Callable[[int], int] | None = None) -> None:
+    """A compiled model's plan says what was planned (:func:`autotune.probe.compiled.note`), with the compiled
+    step measured and the eager estimate at the micro-batch found."""
+    parts = _compiled(work)
+    if parts:
+        work.notes.append(compiled_note(parts, verified=verified, size=at or None, measured=measured or None,
+                                        estimated=estimated(at) if estimated is not None and at else None))
 
 
 def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tuple[int, Callable[[int], int]]:
@@ -317,9 +339,18 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
         sharded_trial_step if work.fsdp else trial_step, work.model, work.optimizer, work.loss_fn, batch, device.type,
         work.precision, finite=snapshot.zero_lr, **({"accumulating": not whole} if work.fsdp else {}),
     )
+    compiled, count = bool(_compiled(work)), None
     try:
-        # Your optimizer's step hooks never see a trial's step (at learning rate 0, not a training step).
-        with planning(), without_step_hooks(work.optimizer), ledger, (resident if resident is not None else contextlib.nullcontext()):
+        if compiled:  # its first step at a size compiles it: run, put back, then measured (see autotune.probe.compiled)
+            with planning(), without_step_hooks(work.optimizer):
+                step()
+            snapshot.restore()
+            snapshot.prepare_trial()
+            start = time.perf_counter()
+        # Your optimizer's step hooks never see a trial's step (at learning rate 0, not a training step). A compiled
+        # step is counted by the device's allocator: under the ledger it would run eager (autotune.probe.compiled).
+        meter = measured(device) if compiled else ledger
+        with planning(), without_step_hooks(work.optimizer), meter as count, (resident if resident is not None else contextlib.nullcontext()):
             if work.fsdp:
                 outcome = in_lockstep(work.model, step, device=device)
                 oom, work.own_oom = outcome.anywhere, outcome.own
@@ -341,7 +372,7 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
         del batch, step
         snapshot.restore()
         release_cached(device, collect=device.type == "cuda" or oom)
-    peak = ledger.peak
+    peak = held + getattr(count, "growth", 0) if compiled else ledger.peak
     if resident is not None and resident.growth is not None:
         peak = max(peak, held + resident.growth)
     reserved, retries_after = allocator_peak(device)
