@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 pytest.importorskip("transformers")
@@ -43,3 +44,55 @@ def test_the_table_names_every_source_and_what_its_figure_is(capsys, monkeypatch
     assert "perf_train_gpu_one" in out and "1343 MiB" in out
     assert {c.source for c in published.CASES} == set(published.SOURCES)
     assert len(published.CASES) >= 12 and len(published.SOURCES) >= 3
+
+
+# A Llama shape small enough for a real CPU step, its vocabulary large beside its width: the logits dominate.
+TINY = published.Shape("tiny", "llama", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                          "intermediate_size": 128, "vocab_size": 8000, "max_position_embeddings": 256,
+                                          "rms_norm_eps": 1e-5}, tokens=200)
+TINY_CASE = published.Case("tiny lora mb1", "litgpt", "llama-2-7b", 1, 1.0)
+
+
+def test_litgpt_procedure_hands_the_loss_fp32_logits_from_fabric_and_holds_them_through_the_backward():
+    # finetune/lora.py under Fabric's bf16-true: the wrapper converts the bf16 logit chunks to fp32, the loop keeps them
+    pytest.importorskip("lightning")
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    setup = published.built(TINY_CASE, "transformers", "cpu", TINY)
+    model, loop = setup.model, setup.loss
+    model.eval()  # LoRA's dropout off: the reference below is the same function
+    batch = published.tokens(1, TINY.tokens, vocab=8000)
+    loss = loop(model, batch)
+    loss.backward()
+    assert [tuple(c.shape) for c in loop.logits] == [(1, 128, 8000), (1, 71, 8000)]  # 200 tokens in chunks of 128, shifted
+    assert all(c.dtype == torch.float32 for c in loop.logits)
+    # reference: Transformers' own forward of the whole sequence, its logits to fp32, cross-entropy in float64
+    peft_model = model.module.model
+    with torch.no_grad():
+        logits = peft_model(input_ids=batch["input_ids"]).logits.double()
+    expected = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_the_estimate_sees_fabrics_fp32_copies_of_the_logits_and_the_loop_holding_them(monkeypatch):
+    # Through Fabric the cross-entropy runs on fp32 copies of the logits (4 bytes a logit, and 4 for the log-softmax saved
+    # for the backward, where the model's own were 2 and 2), and the loop holds the copies through the backward: the
+    # estimate rises by at least the copies' bytes over the same step on the bare model, its logits dropped before
+    # the backward.
+    pytest.importorskip("lightning")
+    pytest.importorskip("peft")
+    through_fabric, _ = published.estimated_peaks(TINY_CASE, "transformers", TINY)
+
+    def bare_step(loss, previous=False):
+        def step(model, batch):
+            logits = model(batch["input_ids"], lm_head_chunk_size=published.CHUNK)
+            logits[-1] = logits[-1][..., :-1, :]
+            return loss(logits, batch["labels"][..., 1:])
+
+        return step
+
+    monkeypatch.setattr(published, "fabric_module", lambda model, device, quantization=None: model)
+    monkeypatch.setattr(published, "Loop", bare_step)
+    bare, _ = published.estimated_peaks(TINY_CASE, "transformers", TINY)
+    copies = 200 * 8000 * 4  # 200 tokens of 8000 logits in fp32
+    assert copies <= (through_fabric - bare) * published.GB <= 3 * copies
