@@ -14,11 +14,11 @@ WINGS = {
     # base: what everything may use
     "base": ["units", "errors", "batches", "checks", "rng", "step", "losses", "items", "packed"],
     # what a step holds and would hold
-    "memory": ["memory", "memory.work", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.quantized", "memory.optimizers", "memory.ledger", "memory.device", "memory.gpus", "memory.checkpointing"],
+    "memory": ["memory", "memory.work", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.quantized", "memory.optimizers", "memory.ledger", "memory.device", "memory.gpus", "memory.timing", "memory.checkpointing"],
     # ranks: agreements for planning, the exchange of training
     "parallel": ["parallel", "parallel.ranks", "parallel.stops", "parallel.exchange", "parallel.lockstep"],
     # trials that change nothing, real and on fake tensors, and the search
-    "probe": ["probe", "probe.search", "probe.trial", "probe.compiled", "probe.cuda", "probe.experts", "probe.attention", "probe.fakes", "probe.traces", "probe.depth", "probe.estimate", "probe.priced", "probe.largest"],
+    "probe": ["probe", "probe.search", "probe.trial", "probe.compiled", "probe.cuda", "probe.experts", "probe.attention", "probe.fakes", "probe.traces", "probe.depth", "probe.estimate", "probe.priced", "probe.largest", "probe.partial"],
     # the plan (pure) and the verbs that make plans
     "planning": ["planning", "planning.scaling", "planning.options", "planning.setting", "planning.recipe", "planning.plans", "planning.report", "planning.cache",
                  "planning.whatif", "planning.sharding", "planning.advice", "planning.lengths", "planning.planner"],

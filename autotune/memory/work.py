@@ -21,7 +21,9 @@ Each operation's work is kept under its phase (``"forward"``; ``"backward"``, wh
 recomputed forward, as it runs inside the backward, up to the block's last saved tensor as torch's checkpoint stops
 early; ``"step"``, the optimizer's), its dtype (of its first tensor input, else its first output; a dequantization's,
 of what it produces: ``"bfloat16"``, ``"float32"``, ``"int8"``...) and its kind (``"matmul"``, ``"attention"``,
-``"dequantize"``, or ``"memory"`` for the rest). :class:`Work` is the record of those totals.
+``"dequantize"``, or ``"memory"`` for the rest). :class:`Work` is the record of those totals, with the number of
+operations that run a kernel in each phase (``launches``: every operation but views and metadata reads), which bounds a
+step from below where the host's dispatch of its kernels, not the kernels, is what takes the time.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Work:
     Attributes:
         parts: ``(phase, dtype, kind, flops, bytes)``, one for each combination the step met (see the module
             docstring for what each names).
+        launches: ``(phase, operations)``: the operations that run a kernel, by phase.
 
     Example:
         >>> w = Work((("forward", "float32", "matmul", 8, 48), ("backward", "float32", "matmul", 16, 96)))
@@ -53,6 +56,7 @@ class Work:
     """
 
     parts: tuple[tuple[str, str, str, int, int], ...] = ()
+    launches: tuple[tuple[str, int], ...] = ()
 
     @property
     def flops(self) -> int:
@@ -68,7 +72,14 @@ class Work:
            kind: str | tuple[str, ...] | None = None) -> Work:
         """The part of this work in that phase, dtype and kind (each a name or several; any, where not given)."""
         wanted = [(i, (v,) if isinstance(v, str) else v) for i, v in enumerate((phase, dtype, kind)) if v is not None]
-        return Work(tuple(p for p in self.parts if all(p[i] in names for i, names in wanted)))
+        phases = None if phase is None else ((phase,) if isinstance(phase, str) else phase)
+        launches = tuple(x for x in self.launches if phases is None or x[0] in phases) if dtype is None and kind is None else ()
+        return Work(tuple(p for p in self.parts if all(p[i] in names for i, names in wanted)), launches)
+
+    def launched(self, phase: str | tuple[str, ...] | None = None) -> int:
+        """The operations that run a kernel (in that phase or phases; all, where not given)."""
+        phases = None if phase is None else ((phase,) if isinstance(phase, str) else phase)
+        return sum(n for p, n in self.launches if phases is None or p in phases)
 
     def by(self, axis: Axis) -> dict[str, tuple[int, int]]:
         """``{name: (flops, bytes)}`` along one axis: ``"phase"``, ``"dtype"`` or ``"kind"``."""
@@ -80,7 +91,7 @@ class Work:
         return out
 
     def __add__(self, other: Work) -> Work:
-        return _merged([*self.parts, *other.parts])
+        return combined([(1, self), (1, other)])
 
     def to_dict(self) -> dict[str, Any]:
         """The totals and each axis's breakdown, as plain values (for ``--json``)."""
@@ -100,21 +111,16 @@ def combined(terms: Iterable[tuple[int, Work]]) -> Work:
     """``n x work`` summed over ``terms`` of ``(n, work)``, part by part (``n`` may be negative: a model's work
     extended in depth from copies with fewer blocks, see :class:`autotune.probe.depth.DepthEstimator`)."""
     totals: dict[tuple[str, str, str], list[int]] = {}
+    launches: dict[str, int] = {}
     for n, work in terms:
         for phase, dtype, kind, flops, nbytes in work.parts:
             found = totals.setdefault((phase, dtype, kind), [0, 0])
             found[0] += n * flops
             found[1] += n * nbytes
-    return Work(tuple((*key, f, b) for key, (f, b) in totals.items() if f or b))
-
-
-def _merged(parts: list[tuple[str, str, str, int, int]]) -> Work:
-    totals: dict[tuple[str, str, str], list[int]] = {}
-    for phase, dtype, kind, flops, nbytes in parts:
-        found = totals.setdefault((phase, dtype, kind), [0, 0])
-        found[0] += flops
-        found[1] += nbytes
-    return Work(tuple((*key, f, n) for key, (f, n) in totals.items()))
+        for phase, count in work.launches:
+            launches[phase] = launches.get(phase, 0) + n * count
+    return Work(tuple((*key, f, b) for key, (f, b) in totals.items() if f or b),
+                tuple((phase, count) for phase, count in launches.items() if count))
 
 
 # --- counting, operation by operation ---------------------------------------------------------------------
@@ -233,6 +239,7 @@ class WorkCounter:
         self.phase: str | None = None
         self.ops: list[tuple[int, int]] | None = [] if each else None
         self._totals: dict[str, dict[torch.dtype, dict[str, list[int]]]] = {}
+        self._launches: dict[str, int] = {}
         self.uncounted: set[str] = set()
 
     def count(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -263,6 +270,7 @@ class WorkCounter:
         if dtype is None:
             return  # no tensor in or out: nothing read, nothing written
         phase = self.phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        self._launches[phase] = self._launches.get(phase, 0) + 1
         if formula is _gemm_4bit:  # its dequantization apart from its matmul, in the dtype it computes in
             self._add(phase, dtype, "dequantize", _dequantized_in_gemm(args, kwargs), 0)
         elif kind == "dequantize":
@@ -286,10 +294,12 @@ class WorkCounter:
     def clear(self) -> None:
         """Forget what was counted."""
         self._totals.clear()
+        self._launches.clear()
         if self.ops is not None:
             self.ops.clear()
 
     def work(self) -> Work:
         """What was counted."""
         return Work(tuple((phase, _dtype_name(dtype), kind, f, n) for phase, by_dtype in self._totals.items()
-                          for dtype, by_kind in by_dtype.items() for kind, (f, n) in by_kind.items()))
+                          for dtype, by_kind in by_dtype.items() for kind, (f, n) in by_kind.items()),
+                    tuple(self._launches.items()))
