@@ -43,9 +43,33 @@ _tokens = _count_or("max", "the tokens of a sample (e.g. 2048)")
 _shard_count = _count_or("auto", "a number of devices (e.g. 8)")
 
 
+def _checkpointing(value: str) -> bool | int | str:
+    """An argparse type: ``--checkpointing`` alone (every block; see :class:`_ReportParser`), ``auto`` or a count of blocks."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give auto, a number of blocks (e.g. 12), or nothing for every block") from None
+
+
+class _ReportParser(argparse.ArgumentParser):
+    """The report's parser: ``--checkpointing`` takes an optional value, so argparse would hand it the word after it
+    even when that word is MODEL (``report --checkpointing model.py:make``); such a word is put back before the flag."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        args = list(sys.argv[1:] if args is None else args)
+        for i, word in enumerate(args[:-1]):
+            after = args[i + 1]
+            if word == "--checkpointing" and not after.startswith("-") and after != "auto" and not after.isdigit():
+                args[i], args[i + 1] = after, word
+                break
+        return super().parse_known_args(args, namespace)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotune", description="Find the largest micro-batch that fits and plan gradient accumulation.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ReportParser)
     r = sub.add_parser(
         "report",
         help="probe a model and print the recommended settings",
@@ -101,7 +125,9 @@ def make_parser() -> argparse.ArgumentParser:
     out.add_argument("--format", choices=("lightning", "accelerate", "hf", "deepspeed", "keras"), help="print only that framework's config")
     r.add_argument("--plot", metavar="PNG", type=Path, help="plot peak memory against batch size (needs matplotlib)")
     r.add_argument("--epochs", type=int, metavar="N", help="the run's length, to cap the recommended warm-up at 10%% of it")
-    r.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing on the model's blocks")
+    r.add_argument("--checkpointing", type=_checkpointing, nargs="?", const=True, default=False, metavar="auto|N",
+                   help="plan with activation checkpointing on the model's blocks: alone, every block; N: the first N blocks; "
+                   "auto: the fewest blocks with which the micro-batch found with every block fits")
     r.add_argument("--follow-batch", action="store_true", help="Adam family: move betas, eps and weight decay to the target batch too (Malladi et al. 2022)")
     r.add_argument("--noise-scale", action="store_true", help="also measure the gradient noise scale on the --loader batches, and say whether the target is far from it")
     r.add_argument("--what-if", action="store_true", help="also print the largest micro-batch with bf16, activation checkpointing and an optimizer with less state (estimates)")

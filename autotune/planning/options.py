@@ -18,6 +18,7 @@ from typing import Any
 
 from autotune.checks import check_callable, check_flag, check_progress
 from autotune.errors import NotACount
+from autotune.memory.checkpointing import check_setting
 from autotune.memory.gpus import Gpu, gpu_named
 from autotune.planning.scaling import LR_RULES
 from autotune.probe.search import Trial
@@ -40,7 +41,8 @@ class Options:
         base_batch: the batch the learning rate was tuned at, or None for the entry point's default.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``, or None when not given.
         epochs: the run's length in epochs, or None when unknown.
-        checkpointing: activation checkpointing on the model's blocks.
+        checkpointing: activation checkpointing on the model's blocks: ``True``, ``False``, a count of blocks or
+            ``"auto"`` (see :mod:`autotune.memory.checkpointing`).
         progress: say on stderr what the probe does (a number: after how many seconds).
         gpu: the catalogue's card to plan for (:mod:`autotune.memory.gpus`), or None.
     """
@@ -52,7 +54,7 @@ class Options:
     base_batch: int | None = None
     precision: Precision | None = None
     epochs: int | None = None
-    checkpointing: bool = False
+    checkpointing: bool | int | str = False
     progress: bool | float = True
     gpu: Gpu | None = None
 
@@ -96,7 +98,7 @@ def options(
         base_batch: an int >= 1, or None.
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or a common spelling of them), or None.
         epochs: an int >= 1, or (with ``epochs_optional``) None.
-        checkpointing: a bool.
+        checkpointing: a bool, a count of blocks (an int >= 0) or ``"auto"``.
         progress: a bool; with ``progress_seconds``, also a number of seconds >= 0.
         progress_seconds: whether ``progress`` may be a number of seconds.
         epochs_optional: whether ``epochs`` may be None (the run's length unknown).
@@ -121,7 +123,7 @@ def options(
     name = normalize_precision(precision) if precision is not None else None
     if (epochs is not None or not epochs_optional) and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
         raise ValueError(f"Invalid epochs {epochs!r}: give the run's length in epochs, a whole number >= 1")
-    check_flag("checkpointing", checkpointing)
+    checkpointing = check_setting(checkpointing)
     check_progress(progress, seconds=progress_seconds)
     card = gpu_named(gpu) if gpu is not None else None
     return Options(

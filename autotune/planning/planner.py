@@ -40,6 +40,7 @@ from autotune.memory.device import (
     device_memory,
     outside_allocator,
 )
+from autotune.memory.checkpointing import settled
 from autotune.memory.gpus import target_for
 from autotune.memory.ledger import storage_bytes
 from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
@@ -61,6 +62,7 @@ from autotune.planning.scaling import follow_batch as follow_batch_settings
 from autotune.planning.setting import describe as describe_setting
 from autotune.planning.whatif import WhatIf, estimate_rows
 from autotune.probe.largest import Progress, probe
+from autotune.probe.partial import settle_auto
 from autotune.probe.search import Trial
 from autotune.probe.trial import Workload, sample_batch
 from autotune.rng import RNGState
@@ -157,7 +159,7 @@ def plan(
     epochs: int | None = None,
     by_shape: bool = True,
     lengths: Sequence[int] | None = None,
-    checkpointing: bool = False,
+    checkpointing: bool | int | str = False,
     follow_batch: bool = False,
     progress: bool | float = True,
     on_trial: Callable[[Trial], Any] | None = None,
@@ -211,7 +213,9 @@ def plan(
             shape model must cover besides the shapes seen, up to what the model's position
             embeddings take (a longer one is left out, with a note).
         checkpointing: plan for activation checkpointing on the model's blocks (see
-            :mod:`autotune.memory.checkpointing`; ``fit(checkpointing=True)`` trains that way).
+            :mod:`autotune.memory.checkpointing`; ``fit(checkpointing=True)`` trains that way): ``True`` for every
+            block, a count for the first ones, or ``"auto"``: the micro-batch found with every block checkpointed,
+            then the fewest blocks with which it fits (``plan.checkpointing`` says the count).
         follow_batch: for Adam-family optimizers, move betas, epsilon and (decoupled) weight decay
             to the target batch too, by the square-root SDE rule of Malladi et al. 2022 (see
             :class:`autotune.planning.scaling.OptimizerSettings`); ``fit`` applies them around each step.
@@ -297,6 +301,8 @@ def plan_with(
     """
     assert shared.target_batch is not None
     setup = _set_up(model, shared, probing, optimizer, device)  # refused here: nothing has changed yet
+    if not isinstance(shared.checkpointing, bool):  # a count or "auto": checked against the model's blocks
+        shared = dataclasses.replace(shared, checkpointing=settled(setup.model, shared.checkpointing))
     probed = _probe_every_rank(setup, loader, shared, probing, loss_fn)
     return _assemble(setup, probed, loader, shared, probing)
 
@@ -394,7 +400,8 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
     work = Workload(
         model=setup.model, optimizer=setup.optimizer, loss_fn=loss_fn or default_loss, batch=looked.batch, device=setup.device,
         precision=setup.precision, on_trial=_both(probing.on_trial, shown.done), on_start=shown.starting,
-        resident=setup.device.type == "cpu" and setup.limit is None and not setup.fsdp, checkpointing=shared.checkpointing,
+        resident=setup.device.type == "cpu" and setup.limit is None and not setup.fsdp,
+        checkpointing=True if shared.checkpointing == "auto" else shared.checkpointing,  # type: ignore[arg-type]
         fsdp=setup.fsdp,
     )
     if probing.items and items.note:
@@ -424,6 +431,8 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
             size = found.batch_size or min(t.batch_size for t in work.trials if not t.estimate)
             own_peak = [t.peak_memory for t in work.trials if not t.estimate and t.batch_size == size]
             found = dataclasses.replace(found, peak=own_peak[-1] if own_peak else found.peak)
+        if shared.checkpointing == "auto" and found.batch_size:  # that micro-batch, with the fewest blocks checkpointed
+            found = settle_auto(work, found, budget=budget, snapshot=snapshot, verify=probing.verify)
         if found.batch_size == 0:
             raise _nothing_fits_here(work, found, budget=budget, limit=limit, headroom=setup.headroom, set_aside=set_aside,
                                      upper=upper, shared=shared, setup=setup)
@@ -519,9 +528,9 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
         verified=probing.verify, optimizer=type(optimizer).__name__, bn_mode="adjust" if batchnorms(model) else None,
         rank_micro_batches=tuple(probed.maxima) if setup.world_size > 1 else (), min_micro_batch=min_micro_batch(model),
         base_batch_source=source, set_aside=tuple(probed.set_aside), shape_model=probed.shape_model,
-        checkpointing=shared.checkpointing, optimizer_settings=settings, probed_size=B.per_sample_numel(work.batch),
+        checkpointing=work.checkpointing, optimizer_settings=settings, probed_size=B.per_sample_numel(work.batch),
         by_shape=probing.by_shape, memory_curve=work.curve, trials=tuple(work.trials), notes=tuple(notes),
-        setting=describe_setting(model, optimizer, device=setup.device, precision=setup.precision, checkpointing=shared.checkpointing,
+        setting=describe_setting(model, optimizer, device=setup.device, precision=setup.precision, checkpointing=work.checkpointing,
                                  batch=work.batch, loss_fn=work.loss_fn),
         items=probed.items,
         recipe=recipe_of(model, optimizer),

@@ -53,8 +53,8 @@ class Plan:
             or ``"the first batch's size"``.
         set_aside: bytes taken out of the limit before the headroom, by reason (e.g. the CUDA
             context of an estimate-only plan, DDP's gradient buckets).
-        checkpointing: whether the plan was made with activation checkpointing on the model's
-            blocks (``fit`` then trains that way).
+        checkpointing: the activation checkpointing the plan was made with (``fit`` trains with it): True
+            on every block, a count on the first ones (what ``"auto"`` settled to), False for none.
         optimizer_settings: Adam-family betas, epsilon and weight decay moved to the target batch
             (``plan(..., follow_batch=True)``; see :class:`autotune.planning.scaling.OptimizerSettings`),
             applied by ``fit`` around every optimizer step; None otherwise.
@@ -115,7 +115,7 @@ class Plan:
     base_batch_source: str = "given"
     set_aside: tuple[tuple[str, int], ...] = ()
     shape_model: ShapeModel | None = None
-    checkpointing: bool = False
+    checkpointing: bool | int = False
     optimizer_settings: OptimizerSettings | None = None
     probed_size: int = 0
     by_shape: bool = True
@@ -192,7 +192,7 @@ class Plan:
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"Invalid plan data: {exc}") from None
-        plan = cls(**values)
+        plan = cls(**{**values, "checkpointing": _checkpointing(values.get("checkpointing", False))})
         plan.check()
         return plan
 
@@ -275,6 +275,13 @@ class Plan:
             lines.append("estimate, not verified on a device")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _checkpointing(value: Any) -> bool | int:
+    """A plan's ``checkpointing`` read back: a bool, or a count of blocks (at least 1)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value > 0):
+        return value
+    raise ValueError(f"Invalid plan data: checkpointing {value!r} is neither a bool nor a count of blocks")
 
 
 def peak_at(plan: Plan, size: int) -> int:

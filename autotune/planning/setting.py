@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.memory.checkpointing import blocks, in_words
 from autotune.memory.ledger import storage_bytes
 from autotune.memory.optimizers import describe as describe_optimizer
 from autotune.memory.quantized import is_quantized, is_quantized_weight, logical_numel, quantization_of, quantized_layer_types
@@ -73,7 +74,7 @@ def has_quantized_layers(model: nn.Module) -> bool:
     return bool(types) and any(isinstance(m, types) for m in model.modules())
 
 
-def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, precision: str, checkpointing: bool,
+def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, precision: str, checkpointing: bool | int | str,
              batch: Any = None, loss_fn: Any = None) -> tuple[tuple[str, str], ...]:
     """What a plan of ``model`` assumes, as ``(what, value)`` pairs in the order a reader asks them."""
     params = list(model.parameters())
@@ -104,7 +105,7 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     loss = getattr(loss_fn, "setting", None)
     if loss:
         out.append(("loss", str(loss)))
-    out.append(("checkpointing", "activation checkpointing on the model's blocks" if checkpointing else "off"))
+    out.append(("checkpointing", in_words(checkpointing, None if isinstance(checkpointing, bool) else len(blocks(model)))))
     out.append(("optimizer", describe_optimizer(optimizer, device.type)))
     out.append(("device", str(device)))
     return tuple(out)

@@ -167,10 +167,12 @@ def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
     return stacks, why
 
 
-def stacks_to_extend(work: Workload, checkpointing: bool, given: list[Stack] | None = None) -> tuple[list[Stack], str | None]:
+def stacks_to_extend(work: Workload, checkpointing: bool | int, given: list[Stack] | None = None) -> tuple[list[Stack], str | None]:
     """The stacks an estimate of ``work`` extends (``given``: those of a model whose stack was cut short, at their full
     depth; else :func:`repeated_stacks`), and why none are where a stack was found but cannot be extended."""
     stacks, why = (list(given), None) if given is not None else repeated_stacks(work)
+    if checkpointing is not True and checkpointing and stacks:  # a count: its blocks differ, the first checkpointed, the rest not
+        return [], f"checkpointing {checkpointing} of the blocks, which copies with few blocks do not stand for"
     if len(stacks) > 1 and work.device.type == "cuda":  # the caching allocator's events are made for one stack
         why = f"its {len(stacks)} stacks of blocks ({', '.join(s.path for s in stacks)}) are extended for the CPU only, not for CUDA's allocator"
         stacks = []

@@ -121,7 +121,7 @@ def estimator_for(
     work: Workload,
     *,
     precision: str | None = None,
-    checkpointing: bool | None = None,
+    checkpointing: bool | int | None = None,
     optimizer: tuple[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] | None = None,
     stands_for: tuple[list[Any], Callable[[], Workload]] | None = None,
 ) -> Estimator:
@@ -131,9 +131,9 @@ def estimator_for(
     model whose stack was cut short (a what-if's copy), ``(its stacks at full depth, what makes the full workload)``."""
     structure = fingerprint(work.model)
     precision = precision or work.precision
-    ckpt = bool(work.checkpointing if checkpointing is None else checkpointing)
+    ckpt = (work.checkpointing if checkpointing is None else checkpointing) or False  # True, False or a count of blocks
     variant = optimizer[0] if optimizer is not None else optimizer_signature(work.optimizer)
-    key = (structure, variant, id(work.loss_fn), work.device.type, precision, ckpt, stands_for and tuple(map(repr, stands_for[0])))
+    key = (structure, variant, id(work.loss_fn), work.device.type, precision, repr(ckpt), stands_for and tuple(map(repr, stands_for[0])))
     found = _ESTIMATORS.get(key)
     if found is not None and found.loss_fn is work.loss_fn:
         _ESTIMATORS.move_to_end(key)
@@ -165,7 +165,7 @@ class Estimator:
     Args:
         work: the workload (model, optimizer, loss, worst-case batch, device, precision).
         precision: estimate under this precision instead of the workload's (a what-if).
-        checkpointing: estimate with activation checkpointing on the copy's blocks.
+        checkpointing: estimate with activation checkpointing on the copy's blocks (True: all; a count: the first ones).
         optimizer: ``optimizer(param_groups) -> Optimizer``, another optimizer for the copy (a
             what-if), instead of the workload's own class and settings; its initial state is empty.
         source: the estimator of the same copy and settings with the workload's own optimizer, whose
@@ -183,7 +183,7 @@ class Estimator:
         work: Workload,
         *,
         precision: str | None = None,
-        checkpointing: bool | None = None,
+        checkpointing: bool | int | None = None,
         optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
         copy: FakeCopy | None = None,
         source: Estimator | None = None,
@@ -195,7 +195,7 @@ class Estimator:
         self.params = self.copy.params
         self.precision = precision or work.precision
         self.target = work.device.type
-        self.checkpointing = bool(work.checkpointing if checkpointing is None else checkpointing)
+        self.checkpointing = (work.checkpointing if checkpointing is None else checkpointing) or False
         self._loss = weak_function(work.loss_fn)
         self.batch = work.batch
         self.lower = min_micro_batch(work.model)
@@ -278,7 +278,7 @@ class Estimator:
                 # The backward's recomputations run outside this stack's modes: they get CUDA's kernels
                 # again, each its own autocast region (as torch's checkpoint opens one).
                 again = (lambda: recomputing(autocast)) if cuda else None
-                stack.enter_context(activation_checkpointing(self.model, recompute=again))
+                stack.enter_context(activation_checkpointing(self.model, self.checkpointing, recompute=again))
             if autocast is not None:
                 stack.enter_context(autocast)
                 self._autocast = autocast

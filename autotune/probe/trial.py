@@ -140,8 +140,8 @@ class Workload:
     estimator: Any = None
     # The estimated memory curve the probe's answer came from (None: real trials or traces alone).
     curve: Any = None
-    # Activation checkpointing on the model's blocks during trials (and on the estimate's copy).
-    checkpointing: bool = False
+    # Activation checkpointing on the model's blocks (True: all; a count: the first ones) during trials (and on the estimate's copy).
+    checkpointing: bool | int = False
     # Sharded with FSDP2: trials in lockstep with the other ranks (see autotune.train.sharded).
     fsdp: bool = False
     # Under FSDP2: this rank's own out-of-memory error in the last trial (None: none, or another rank's),

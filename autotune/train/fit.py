@@ -138,7 +138,7 @@ def fit(
     scaler: torch.amp.GradScaler | None = None,
     bn: Any = "adjust",
     router_loss: str = "per_micro_batch",
-    checkpointing: bool = False,
+    checkpointing: bool | int | str = False,
     noise_scale: bool | int = True,
     progress: bool = True,
     plan: Plan | None = None,
@@ -204,8 +204,9 @@ def fit(
             window, at one extra forward without gradients per window (the model's own loss, one process).
         checkpointing: activation checkpointing on the model's blocks for the run (see
             :mod:`autotune.memory.checkpointing`), counted by the plan: fewer activations kept, about a
-            third more compute; taken away when ``fit`` returns. A plan made with
-            ``checkpointing=True`` trains that way too.
+            third more compute; taken away when ``fit`` returns. ``True`` for every block, a count for the
+            first ones, or ``"auto"``: the fewest blocks with which the planned micro-batch fits. A plan
+            made with checkpointing trains with the count it was made with.
         noise_scale: measure the gradient noise scale while training, from the first micro-batch
             of a window against the whole window (two gradient norms; see :mod:`autotune.train.noise`):
             per step in the history and over the run in the result, whose ``advice()`` says when
@@ -328,6 +329,10 @@ class _Request:
         check_within_an_epoch(loader, None if ramp is not None else (plan.effective_batch if plan is not None else target),
                                world(par.group)[1])
         check_trainable(par.inner)
+        if not isinstance(shared.checkpointing, bool):  # a count or "auto": checked against the model's blocks
+            from autotune.memory.checkpointing import settled
+
+            shared = dataclasses.replace(shared, checkpointing=settled(par.inner, shared.checkpointing))
         if rest["optimizer"] is not None:
             check_optimizer(par.inner, rest["optimizer"])
         check_scheduler(rest["scheduler"], rest["optimizer"] if rest["optimizer"] is not None else object())  # type: ignore[arg-type]
@@ -458,7 +463,8 @@ def _set_up(r: _Request) -> Run:
         plan_for_target(plan, ramp.target, micro_batch=plan.micro_batch, rank=rank, ramp=ramp) if ramp else plan,
         device, r.precision, r.scaler, r.clip_grad_norm, r.shared.memory_limit, r.mode, bns,
         _total_steps(r.loader, plan, r.epochs, r.max_steps), bool(r.shared.progress),
-        checkpointing=r.shared.checkpointing or plan.checkpointing, noise_scale=r.noise_scale,
+        checkpointing=plan.checkpointing if r.shared.checkpointing in (False, "auto") else r.shared.checkpointing,  # type: ignore[arg-type]
+        noise_scale=r.noise_scale,
     )
     if ramp is not None:
         run.ramp = ramp

@@ -71,7 +71,7 @@ class Run:
         total_steps: int | None,
         progress: bool,
         *,
-        checkpointing: bool = False,
+        checkpointing: bool | int = False,
         noise_scale: bool | int = False,
     ) -> None:
         self.checkpointing = checkpointing
@@ -156,7 +156,7 @@ class Run:
         if self.checkpointing:
             from autotune.memory.checkpointing import activation_checkpointing
 
-            stack.enter_context(activation_checkpointing(self.model))
+            stack.enter_context(activation_checkpointing(self.model, self.checkpointing))
         self.bar = tqdm(total=self.total_steps, unit="step", disable=not self.progress or self.rank != 0, delay=2.0, dynamic_ncols=True)
         stack.callback(self.bar.close)
         stack.callback(self.model.train, self.model.training)

@@ -1,0 +1,212 @@
+"""Activation checkpointing on a count of blocks, and ``checkpointing="auto"``: the fewest blocks that let the planned
+micro-batch fit.
+
+References, never the code's answer checked against itself: the estimate's peaks with one block fewer, a float64 step on
+one big batch computed by hand, the number of times each block runs in the real step, and torch's ``FlopCounterMode``
+on a real forward for the work a recomputed block adds.
+"""
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import flop_counter
+from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
+
+import autotune
+from autotune.cli.main import main
+from autotune.cli.parser import make_parser
+from autotune.memory.checkpointing import activation_checkpointing, blocks
+from autotune.probe.estimate import Estimator
+from autotune.probe.trial import Workload
+
+transformers = pytest.importorskip("transformers")
+import hf_models  # noqa: E402
+
+aten = torch.ops.aten
+# torch's counter counts the CPU's fused attention kernel as nothing: CUDA's flash kernel's formulas (same arguments).
+CPU_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__,
+}
+
+
+def tokens(b, length, vocab, seed=0):
+    ids = torch.randint(0, vocab, (b, length), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def own_loss(model, batch):
+    return model(**batch).loss
+
+
+def peak(model, batch, b, checkpointing):
+    """The estimate's peak of the step at micro-batch ``b`` (a fresh estimator: nothing kept from a plan)."""
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                    device=torch.device("cpu"), checkpointing=checkpointing)
+    return Estimator(work)(b)
+
+
+# --- "auto": the fewest blocks with which the micro-batch fits ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deep_llama():
+    """A 16-layer Llama shape with wide MLPs and 256 tokens: its activations dominate, so that with no block
+    checkpointed one sample needs more than eight do with every block checkpointed. The limit lies between the two,
+    from the estimate's own peaks."""
+    model = hf_models.llama(layers=16, dim=32, mlp=512, vocab=32)
+    batch = tokens(8, 256, 32)
+    none_1, all_8 = peak(model, batch, 1, False), peak(model, batch, 8, True)
+    assert none_1 > all_8  # the shape the test needs
+    limit = (none_1 + all_8) // 2
+    plan = autotune.plan(model, [batch], target_batch=8, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                         loss_fn=own_loss, memory_limit=limit, headroom=0.0, checkpointing="auto", verify=False, progress=False)
+    return model, batch, limit, plan
+
+
+def test_auto_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits(deep_llama):
+    model, batch, limit, plan = deep_llama
+    total = len(blocks(model))
+    assert peak(model, batch, 1, False) > plan.budget  # without checkpointing not even one sample fits
+    assert plan.micro_batch == 8  # as with every block checkpointed
+    k = plan.checkpointing
+    assert type(k) is int and 0 < k < total
+    assert peak(model, batch, 8, k) <= plan.budget < peak(model, batch, 8, k - 1 or False)
+    assert peak(model, batch, 8, k) == plan.peak_memory
+    assert dict(plan.setting)["checkpointing"] == f"activation checkpointing on {k} of {total} blocks (the first)"
+    assert any(f"the first {k} of {total} blocks checkpointed" in n and f"{k - 1} do not" in n for n in plan.notes)
+    again = autotune.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.checkpointing == k and type(again.checkpointing) is int
+
+
+def test_the_first_blocks_are_checkpointed_because_that_peak_is_lowest(monkeypatch):
+    """The rule the module docstring gives: for the same count, the first blocks peak below the last ones, or every
+    other one."""
+    from autotune.memory import checkpointing
+
+    model = hf_models.llama(layers=8, dim=32, mlp=256, vocab=32)
+    batch = tokens(4, 128, 32)
+    first = peak(model, batch, 4, 4)
+    for other in (lambda found, k: found[len(found) - k:], lambda found, k: found[1::2][:k]):
+        monkeypatch.setattr(checkpointing, "chosen", other)
+        assert first < peak(model, batch, 4, 4)
+
+
+# --- fit trains with exactly the count, and equals one big batch ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.usefixtures("float64")
+def test_fit_with_a_count_equals_one_big_batch_and_checkpoints_exactly_those_blocks(name):
+    model = getattr(hf_models, name)(layers=4).double()
+    reference = copy.deepcopy(model)
+    loader = [tokens(8, 32, 500, seed=s) for s in range(2)]
+    plan = autotune.plan(model, loader[:1], target_batch=8, loss_fn=own_loss, memory_limit="1GiB", lr_rule="none",
+                         checkpointing=2, verify=False, progress=False)
+    assert plan.checkpointing == 2
+    plan = dataclasses.replace(plan, micro_batch=4, micro_batches=(4, 4), accumulation_steps=2)  # two micro-steps a window
+    runs = [0] * 4
+    for i, block in enumerate(blocks(model)):  # a block's first module runs once more in a recomputation
+        next(block.children()).register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + torch.is_grad_enabled()))
+
+    autotune.fit(model, loader[:1], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=own_loss, plan=plan,
+                 progress=False, noise_scale=False)
+
+    # the first two blocks, and only they, run once more in each of the two micro-steps' backwards
+    assert runs[0] == runs[1] == runs[2] + 2 == runs[3] + 2 and runs[3] >= 2
+    assert all("forward" not in block.__dict__ for block in blocks(model)) and model.config.use_cache  # put back
+    own_loss(reference, loader[0]).backward()  # one big batch, by hand
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())) <= 1e-12
+
+
+# --- the estimate's work: one more forward for each checkpointed block ----------------------------------------------
+
+
+def test_the_estimated_work_counts_one_more_forward_of_each_checkpointed_block():
+    """With torch's early stop off a checkpointed block's backward runs its whole forward again: the backward's FLOPs
+    grow by the first k blocks' forward FLOPs, as torch counts them on a real forward, from none to all."""
+    model = hf_models.llama(layers=4)
+    batch = tokens(2, 32, 500)
+    with set_checkpoint_early_stop(False):
+        work = [peakless_work(model, batch, k or False) for k in range(4)] + [peakless_work(model, batch, True)]
+    real = copy.deepcopy(model)
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter, torch.no_grad():
+        own_loss(real, batch)
+    per_block = [sum(counter.get_flop_counts()[f"LlamaForCausalLM.model.layers.{i}"].values()) for i in range(4)]
+    assert min(per_block) > 0
+    forward = {w.of(phase="forward").flops for w in work}
+    assert len(forward) == 1  # the forward is the same whatever is checkpointed
+    backward = [w.of(phase="backward").flops for w in work]
+    assert [b - backward[0] for b in backward] == [sum(per_block[:k]) for k in range(5)]
+
+
+def peakless_work(model, batch, checkpointing):
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                    device=torch.device("cpu"), checkpointing=checkpointing)
+    return Estimator(work).work(2)
+
+
+# --- bad values ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (-1, ValueError, r"Invalid checkpointing=-1: a count of blocks is at least 0"),
+    (5, ValueError, r"Invalid checkpointing=5 for LlamaForCausalLM: it has 4 blocks; pass a count from 0 to 4"),
+    ("some", ValueError, r"Invalid checkpointing='some': pass True, False, 'auto'"),
+    (2.5, TypeError, r"Invalid checkpointing=2.5: pass True, False, 'auto' or a count of blocks"),
+], ids=["negative", "above the blocks", "another word", "a float"])
+@pytest.mark.parametrize("verb", ["plan", "fit"])
+def test_bad_values_are_refused_before_anything_changes(value, error, match, verb):
+    model = hf_models.llama(layers=4)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=match):
+        getattr(autotune, verb)(model, [tokens(4, 16, 500)], target_batch=4, loss_fn=own_loss, checkpointing=value,
+                                progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not any("forward" in block.__dict__ for block in blocks(model))
+
+
+@pytest.mark.parametrize("value", [1, "auto"])
+def test_a_count_for_a_model_without_blocks_is_refused(value):
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=rf"Invalid checkpointing={value!r} for Linear: it has no nn.ModuleList of blocks"):
+        autotune.plan(model, [(torch.randn(4, 4), torch.randn(4, 2))], target_batch=4, checkpointing=value, progress=False)
+    with pytest.raises(ValueError, match="Invalid checkpointing=1 for Linear"), activation_checkpointing(model, 1):
+        pass
+
+
+def test_a_plan_with_a_word_for_its_count_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    plan = autotune.plan(model, [(torch.randn(4, 4), torch.randn(4, 2))], target_batch=4, progress=False)
+    with pytest.raises(ValueError, match=r"Invalid plan data: checkpointing .auto. is neither a bool nor a count of blocks"):
+        autotune.Plan.from_dict({**plan.to_dict(), "checkpointing": "auto"})
+
+
+# --- the command line -----------------------------------------------------------------------------------------------
+
+
+def test_the_command_line_takes_auto_a_count_or_the_flag_alone(capsys):
+    code = main(["report", "--demo", "--checkpointing", "3", "--json", "--no-cache"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert plan["checkpointing"] == 3 and plan["setting"]["checkpointing"] == "activation checkpointing on 3 of 12 blocks (the first)"
+    code = main(["report", "--demo", "--checkpointing", "auto", "--json", "--no-cache"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert any(n.startswith("checkpointing='auto'") for n in plan["notes"])
+    assert main(["report", "--demo", "--checkpointing", "13", "--no-cache"]) == 2
+    assert "Invalid checkpointing=13 for Sequential: it has 12 blocks; pass a count from 0 to 12" in capsys.readouterr().err
+    parse = make_parser().parse_args
+    assert parse(["report", "--checkpointing", "model.py:make"]).checkpointing is True  # MODEL after the flag stays MODEL
+    assert parse(["report", "--checkpointing", "model.py:make"]).model == "model.py:make"
+    assert parse(["report", "model.py:make", "--checkpointing", "auto"]).checkpointing == "auto"
