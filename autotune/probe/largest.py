@@ -130,7 +130,7 @@ def probe(
             return _real_trial(work, b, budget, snapshot, whole=whole)
         from autotune.memory.checkpointing import activation_checkpointing
 
-        with activation_checkpointing(work.model):
+        with activation_checkpointing(work.model, work.checkpointing):
             return _real_trial(work, b, budget, snapshot, whole=whole)
 
     found: tuple[int, Callable[[int], int]] | None = None
