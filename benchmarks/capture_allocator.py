@@ -153,14 +153,15 @@ def trimmed(snapshot: dict[str, Any], device: int) -> dict[str, Any]:
     return {"actions": actions, "streams": streams, "base": base, "events": events, "segments": ends}
 
 
-def capture_one(name: str, out: Path) -> dict[str, Any]:
-    """Capture one case in this process, under the allocator setting it started with, and write its file."""
+def capture_one(name: str, out: Path, *, device: torch.device | None = None, scale: float = 1.0) -> dict[str, Any]:
+    """Capture one case in this process, under the allocator setting it started with, and write its file (``device``
+    and ``scale``: the test's, which runs this on the CPU with the CUDA functions faked)."""
     case = CASES[name]
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, max_entries=MAX_ENTRIES)
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
     began = time.perf_counter()
-    net, opt = build(case, device)
-    run_steps(case, net, opt, device, 1.0)
+    net, opt = build(case, device, scale)
+    run_steps(case, net, opt, device, scale)
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - began
     snapshot = torch.cuda.memory._snapshot()
@@ -170,7 +171,7 @@ def capture_one(name: str, out: Path) -> dict[str, Any]:
     data = {
         "format": 1,
         "case": name,
-        "settings": {**asdict(case), "precision": case.base.precision, "scale": 1.0, "optimizer": "AdamW(lr=1e-5)",
+        "settings": {**asdict(case), "precision": case.base.precision, "scale": scale, "optimizer": "AdamW(lr=1e-5)",
                      "dropout": 0.1 if case.model == "gpt2" else 0.0, "lora_rank": LORA_RANK if case.model in ("lora", "qlora") else None,
                      "quantization": "nf4" if case.model == "qlora" else None, "cap": None},
         "expandable": "expandable_segments:true" in conf.replace(" ", "").lower(),

@@ -287,3 +287,31 @@ def test_the_capture_runs_every_case_under_both_settings_and_reports_them(capsys
         capture_allocator.main(["--cases", "bert"], runner=runner)
     with pytest.raises(SystemExit, match="Invalid --settings 'roomy'"):
         capture_allocator.main(["--settings", "roomy"], runner=runner)
+
+
+def test_a_case_captured_writes_a_file_the_harness_reads(monkeypatch, tmp_path):
+    """``capture_one`` on the CPU, the CNN made small, with the CUDA allocator's history functions faked to hand back
+    the sequence worked out by hand: the file it writes holds the settings, the measured peaks and the events, and
+    the harness replays it to the same answer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import capture_allocator
+
+    base = 0x7F0000000000
+    history = [{"action": a, "addr": base + addr, "size": n, "stream": 0, "time_us": 1, "frames": []} for a, addr, n in BY_HAND]
+    recorded = []
+    fakes = {"synchronize": lambda d=None: None, "get_device_name": lambda d=None: "Fake GPU", "get_device_capability": lambda d=None: (9, 0),
+             "memory_stats": lambda d=None: {"num_alloc_retries": 0}, "max_memory_allocated": lambda d=None: ALLOCATED_BY_HAND,
+             "max_memory_reserved": lambda d=None: RESERVED_BY_HAND}
+    for name, fn in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda enabled="all", **kw: recorded.append(enabled))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [history]})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    summary = capture_allocator.capture_one("cnn-fixed", tmp_path, device=torch.device("cpu"), scale=0.06)
+    assert recorded == ["all", None]  # recording on for the case, off after it
+    trace = load(tmp_path / "cnn-fixed-default.json.gz")
+    assert summary["events"] == len(BY_HAND) - 4 and summary["max_memory_reserved"] == RESERVED_BY_HAND
+    assert trace["settings"]["model"] == "cnn" and trace["settings"]["micro_batch"] == 64 and trace["device"] == "Fake GPU"
+    assert not trace["expandable"] and trace["capability"] == [9, 0] and trace["torch"] == torch.__version__
+    got = compare(trace)
+    assert got.problems() == [] and max(got.replay_reserved) == RESERVED_BY_HAND
