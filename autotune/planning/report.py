@@ -195,11 +195,12 @@ def _model_lines(plan: Plan, r: Recipe, *, checkpointing: bool) -> list[str]:
     if r.lora:
         lines.append(f"model = peft.get_peft_model(model, peft.LoraConfig({_keywords(r.lora)}))")
     if checkpointing and plan.checkpointing:
-        if r.model_class is not None:
+        if r.model_class is not None and plan.checkpointing is True:
             name = "activation_checkpointing" if _transformers_5() else "gradient_checkpointing"
             lines.append(f'model.{name}_enable({name}_kwargs={{"use_reentrant": False}})')
-        else:
-            lines.append("# activation checkpointing on the model's blocks, as planned: each block of its largest nn.ModuleList run "
+        else:  # a count of blocks: the model's own switch is all or nothing
+            which = "each block" if plan.checkpointing is True else f"each of the first {plan.checkpointing} blocks"
+            lines.append(f"# activation checkpointing on the model's blocks, as planned: {which} of its largest nn.ModuleList run "
                          "through torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)")
     return lines
 
@@ -370,8 +371,11 @@ def _configs(plan: Plan, lr_given: bool) -> tuple[dict[str, str], str]:
     hf_args, trainer_optimizer = _trainer_lines(r, hyper, optimizer_line, follow=o is not None)
     if plan.precision in _MIXED:
         hf_args.append(f"    {_MIXED[plan.precision][1]}=True,")
-    if plan.checkpointing:
+    if plan.checkpointing is True:
         hf_args.append(f"    {'activation_checkpointing' if _transformers_5() else 'gradient_checkpointing'}=True,")
+    elif plan.checkpointing:  # the Trainer's switch is all or nothing
+        hf_args.append(f"    # checkpointing on the first {plan.checkpointing} of the model's blocks, as planned: not a Trainer setting (it "
+                       "checkpoints all); wrap those blocks with torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
     precision, precision_note = _lightning_precision(plan, r)
     mixed = _MIXED[plan.precision][1] if plan.precision in _MIXED else "no"
     comments, deepspeed = _deepspeed(plan, r, m=m, k=k, head=head, lr_note=lr_note, hyper=hyper, lr_given=lr_given)
