@@ -284,8 +284,8 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
     if args.noise_scale and not args.loader:
         raise UsageError("--noise-scale measures gradients on real data: give --loader module:callable too")
     lengths = parse_lengths(args.lengths) if args.lengths else []
-    if args.samples is not None and (args.ramp is None or args.samples < 1):
-        raise UsageError(f"Invalid --samples {args.samples}: give the run's samples (>= 1) with --ramp")
+    if args.samples is not None and args.samples < 1:
+        raise UsageError(f"Invalid --samples {args.samples}: give the run's samples (>= 1)")
     ramp = parse_ramp(args.ramp, args.target_batch) if args.ramp else None
     try:
         device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -409,6 +409,7 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
     from autotune.memory.ledger import held_outside_parameters
     from autotune.planning import cache
     from autotune.planning.report import MemoryBreakdown, render_json
+    from autotune.planning.times import timed_for
     from autotune.probe.estimate import estimator_for
     from autotune.probe.trial import Workload
 
@@ -430,6 +431,7 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
         estimator = estimator_for(work)
         held = dict(parameters=estimator.parameter_bytes(), buffers=estimator.buffer_bytes(), gradients=estimator.gradient_bytes(),
                     optimizer_state=estimator.optimizer_state_bytes())
+        plan = timed_for(plan, dataclasses.replace(work, estimator=estimator), args.card)
     except Exception:  # a step that cannot be estimated: counted from the model, the optimizer state unknown
         held = dict(parameters=storage_bytes([*model.parameters(), *held_outside_parameters(model)]), buffers=storage_bytes(model.buffers()),
                     gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad), optimizer_state=None)
@@ -475,6 +477,9 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
             data["noise_scale"] = None if noise is None else {**dataclasses.asdict(noise), "advice": advice(noise, args.target_batch)}
         if ramp is not None:
             data["ramp"] = {"spec": repr(ramp), "stages": _ramp_lines(ramp, plan, args.samples)}
+        if args.samples and plan.step_time is not None:
+            steps = -(-args.samples // plan.effective_batch)
+            data["run"] = {"samples": args.samples, "optimizer_steps": steps, "seconds": plan.step_time.run(steps)}
         print(json.dumps(data, indent=2))
         return
     if args.format:
@@ -483,7 +488,8 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
             print(deepspeed_comments(plan, lr_given=args.lr is not None), file=sys.stderr)
         print(config)
         return
-    print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length, lr_given=args.lr is not None))
+    print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length, lr_given=args.lr is not None,
+                      run_samples=args.samples))
     if table is not None:
         print()
         print("What if (estimates; the verified row ran for real)")

@@ -136,8 +136,8 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--ramp", metavar="SPEC", help="also say what a growing target would do, up to --target-batch: fixed stages "
                    "TARGET,TARGET@FROM,... (samples seen; the first from 0), e.g. 256,512@2e6,2048@4e6; or "
                    "adaptive:START[,factor=2][,margin=3][,windows=10][,lr=peak]")
-    r.add_argument("--samples", type=_count_arg, metavar="N", help="with --ramp: the run's samples (e.g. 2e7), to count each stage's "
-                   "optimizer steps")
+    r.add_argument("--samples", type=_count_arg, metavar="N", help="the run's samples (e.g. 2e7): the run's time in the "
+                   "Time section; with --ramp, each stage's optimizer steps")
     r.add_argument("--no-cache", action="store_true", help="probe again instead of answering from the cache")
     r.add_argument("--debug", action="store_true", help="show the traceback of an error in your model or loader")
     return parser

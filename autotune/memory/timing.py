@@ -33,11 +33,12 @@ all-reduces), host-device copies of the batch, the data loader, and CUDA graphs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
-from autotune.memory.gpus import Gpu
-from autotune.memory.work import Work
+if TYPE_CHECKING:
+    from autotune.memory.gpus import Gpu
+    from autotune.memory.work import Work
 
 __all__ = ["CALIBRATED", "Efficiency", "StepTime", "measured", "predict"]
 
@@ -137,11 +138,14 @@ class StepTime:
         return f"{seconds(self.step)} per optimizer step ({rate}), {self.basis}"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values for ``--json``."""
-        return {"micro_step_s": self.micro_step, "optimizer_s": self.optimizer, "step_s": self.step,
-                "accumulation": self.accumulation, "samples_per_s": self.samples_per_second,
-                "tokens_per_s": self.tokens_per_second, "flops_per_step": self.flops, "utilisation": self.utilisation,
-                "basis": self.basis, "bound": self.bound}
+        """Plain values for ``--json``: the fields, and the optimizer step's seconds, the throughput and the utilisation."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "step": self.step, "samples_per_second": self.samples_per_second,
+                "tokens_per_second": self.tokens_per_second, "utilisation": self.utilisation}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepTime:
+        """Back from :meth:`to_dict` (the derived values are left out)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
 
 def seconds(s: float) -> str:

@@ -60,6 +60,7 @@ from autotune.planning.scaling import (
 )
 from autotune.planning.scaling import follow_batch as follow_batch_settings
 from autotune.planning.setting import describe as describe_setting
+from autotune.planning.times import plan_step_time
 from autotune.planning.whatif import WhatIf, estimate_rows
 from autotune.probe.largest import Progress, probe
 from autotune.probe.partial import settle_auto
@@ -520,6 +521,8 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
             "pass base_batch= if it was tuned at another batch"
         )
     work, found = probed.work, probed.found
+    timed = plan_step_time(work, card=shared.gpu, device=setup.device, micro_batch=probed.maxima[setup.rank],
+                           micro_batches=micro_batches, verified=probing.verify, trials=work.trials)
     return Plan(
         micro_batch=probed.maxima[setup.rank], accumulation_steps=len(micro_batches), effective_batch=sum(map(sum, layout)),
         world_size=setup.world_size, micro_batches=micro_batches, lr=base_lr * scale, base_lr=base_lr, lr_scale=scale,
@@ -533,7 +536,7 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
         setting=describe_setting(model, optimizer, device=setup.device, precision=setup.precision, checkpointing=work.checkpointing,
                                  batch=work.batch, loss_fn=work.loss_fn),
         items=probed.items,
-        recipe=recipe_of(model, optimizer),
+        recipe=recipe_of(model, optimizer), step_time=timed,
     )
 
 

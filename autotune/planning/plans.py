@@ -16,6 +16,7 @@ from typing import Any
 
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.shapes import ShapeModel
+from autotune.memory.timing import StepTime
 from autotune.planning.recipe import Recipe
 from autotune.planning.scaling import OptimizerSettings
 from autotune.probe.search import Trial
@@ -88,6 +89,9 @@ class Plan:
             adapters: :class:`autotune.planning.recipe.Recipe`); None for a plan made without them.
         items: what the loss averages over, what ``fit`` and ``accumulate`` weight micro-batches by
             without ``count``: ``"samples"``, ``"labels"`` or ``"shifted labels"`` (:mod:`autotune.items`).
+        step_time: seconds per micro-step and per optimizer step on this device, the throughput and what they
+            rest on, measured or predicted for a card (:class:`autotune.memory.timing.StepTime`, see
+            :mod:`autotune.planning.times`); None where neither can be had.
     """
 
     micro_batch: int
@@ -125,6 +129,7 @@ class Plan:
     setting: tuple[tuple[str, str], ...] = ()
     recipe: Recipe | None = None
     items: str = "samples"
+    step_time: StepTime | None = None
 
     @property
     def budget(self) -> int:
@@ -171,27 +176,7 @@ class Plan:
         missing = [name for name, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in data]
         if missing:
             raise ValueError(f"Invalid plan data: missing {', '.join(missing)}; expected the dict Plan.to_dict() returns")
-        values = {k: v for k, v in data.items() if k in fields}
-        try:
-            values["micro_batches"] = tuple(int(v) for v in values["micro_batches"])
-            values["trials"] = tuple(Trial(**t) for t in values.get("trials", ()))
-            values["notes"] = tuple(str(n) for n in values.get("notes", ()))
-            setting = values.get("setting") or {}
-            values["setting"] = tuple((str(k), str(v)) for k, v in (setting.items() if isinstance(setting, dict) else setting))
-            values["set_aside"] = tuple((str(name), int(b)) for name, b in values.get("set_aside", ()))
-            values["rank_micro_batches"] = tuple(int(v) for v in values.get("rank_micro_batches", ()))
-            model = values.get("shape_model")
-            values["shape_model"] = ShapeModel.from_dict(model) if model else None
-            curve = values.get("memory_curve")
-            values["memory_curve"] = MemoryCurve.from_dict(curve) if curve else None
-            values["recipe"] = Recipe.from_dict(values["recipe"]) if values.get("recipe") else None
-            settings = values.get("optimizer_settings")
-            values["optimizer_settings"] = (
-                OptimizerSettings(**{**settings, "betas": tuple(settings["betas"]), "notes": tuple(settings.get("notes", ()))})
-                if settings else None
-            )
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"Invalid plan data: {exc}") from None
+        values = _parsed({k: v for k, v in data.items() if k in fields})
         plan = cls(**{**values, "checkpointing": _checkpointing(values.get("checkpointing", False))})
         plan.check()
         return plan
@@ -238,6 +223,7 @@ class Plan:
             data["optimizer_settings"] = {**dataclasses.asdict(self.optimizer_settings), "betas": list(self.optimizer_settings.betas),
                                           "notes": list(self.optimizer_settings.notes)}
         data["recipe"] = self.recipe.to_dict() if self.recipe is not None else None
+        data["step_time"] = self.step_time.to_dict() if self.step_time is not None else None
         data["budget"] = self.budget
         return data
 
@@ -271,10 +257,38 @@ class Plan:
             )
         if self.shape_model is not None:
             lines.append(f"micro-batch by shape: per-sample sizes {', '.join(map(str, self.shape_model.sizes))} estimated; plan.micro_batch_for(batch)")
+        if self.step_time is not None:
+            lines.append(f"time: {self.step_time.describe()}")
         if not self.verified:
             lines.append("estimate, not verified on a device")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _parsed(values: dict[str, Any]) -> dict[str, Any]:
+    """A plan dict's values as the Plan's fields hold them (tuples, nested records)."""
+    try:
+        values["micro_batches"] = tuple(int(v) for v in values["micro_batches"])
+        values["trials"] = tuple(Trial(**t) for t in values.get("trials", ()))
+        values["notes"] = tuple(str(n) for n in values.get("notes", ()))
+        setting = values.get("setting") or {}
+        values["setting"] = tuple((str(k), str(v)) for k, v in (setting.items() if isinstance(setting, dict) else setting))
+        values["set_aside"] = tuple((str(name), int(b)) for name, b in values.get("set_aside", ()))
+        values["rank_micro_batches"] = tuple(int(v) for v in values.get("rank_micro_batches", ()))
+        model = values.get("shape_model")
+        values["shape_model"] = ShapeModel.from_dict(model) if model else None
+        curve = values.get("memory_curve")
+        values["memory_curve"] = MemoryCurve.from_dict(curve) if curve else None
+        values["recipe"] = Recipe.from_dict(values["recipe"]) if values.get("recipe") else None
+        values["step_time"] = StepTime.from_dict(values["step_time"]) if values.get("step_time") else None
+        settings = values.get("optimizer_settings")
+        values["optimizer_settings"] = (
+            OptimizerSettings(**{**settings, "betas": tuple(settings["betas"]), "notes": tuple(settings.get("notes", ()))})
+            if settings else None
+        )
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"Invalid plan data: {exc}") from None
+    return values
 
 
 def _checkpointing(value: Any) -> bool | int:

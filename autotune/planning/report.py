@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from autotune.memory.timing import seconds
 from autotune.planning.plans import Plan
 from autotune.planning.recipe import Recipe
 from autotune.units import format_bytes
@@ -455,9 +456,11 @@ def render_text(
     cached: bool = False,
     by_length: Sequence[tuple[int, int]] = (),
     lr_given: bool = True,
+    run_samples: int | None = None,
 ) -> str:
-    """The full report: the setting, device, plan, memory breakdown, micro-batch by length (when asked),
-    trials and framework configs. ``lr_given=False``: the learning rate as a rule (see :func:`framework_configs`)."""
+    """The full report: the setting, device, plan, memory breakdown, the step's time, micro-batch by length (when
+    asked), trials and framework configs. ``lr_given=False``: the learning rate as a rule (see
+    :func:`framework_configs`). ``run_samples``: the run's samples, for its time."""
     lines: list[str] = []
     if cached:
         lines.append("(answered from the cache; run with --no-cache to probe again)")
@@ -496,6 +499,7 @@ def render_text(
         lines.append(_row("activations + temp.", "unknown" if breakdown.activations is None else format_bytes(breakdown.activations)))
         if breakdown.per_sample is not None:
             lines.append(_row("per sample", format_bytes(breakdown.per_sample)))
+    lines.extend(time_lines(plan, run_samples))
     if by_length:
         lines.append("")
         lines.append("Micro-batch by length" + ("" if plan.shape_model is not None else " (no shape model: fixed-shape data)"))
@@ -521,6 +525,28 @@ def render_text(
         lines.append(f"{titles[name]} (--format {name})")
         lines.extend("  " + line for line in configs[name].splitlines())
     return "\n".join(lines)
+
+
+def time_lines(plan: Plan, run_samples: int | None = None) -> list[str]:
+    """The report's Time section: per micro-step, per optimizer step, the throughput, the FLOP utilisation and, with
+    ``run_samples``, the run's time; or why there is none."""
+    t = plan.step_time
+    if t is None:
+        return [] if plan.verified else ["", "Time", "  not predicted: the estimate is for a device the catalogue of GPUs does not hold (give --gpu NAME)"]
+    lines = ["", f"Time ({t.basis})"]
+    bound = {"compute": "bound by compute", "memory": "bound by memory bandwidth", "host": "bound by the host's dispatch of kernels"}.get(t.bound)
+    lines.append(_row("per micro-step", f"{seconds(t.micro_step)} (micro-batch {max(plan.micro_batches)}" + (f"; {bound})" if bound else ")")))
+    lines.append(_row("per optimizer step", f"{seconds(t.step)} ({t.accumulation} micro-step{'s' if t.accumulation > 1 else ''}"
+                      + (f" and the optimizer's {seconds(t.optimizer)})" if t.optimizer else ")")))
+    rate = f"{t.samples_per_second:,.4g} samples/s" + ("" if t.tokens_per_second is None else f", {t.tokens_per_second:,.0f} tokens/s")
+    lines.append(_row("throughput", rate + (f" per device ({plan.world_size} devices)" if plan.world_size > 1 else "")))
+    if t.utilisation is not None and t.peak:
+        lines.append(_row("FLOP utilisation", f"{t.utilisation:.0%} of {t.peak / 1e12:,.0f} TFLOP/s"
+                          + (" (recomputed forwards included)" if plan.checkpointing else "")))
+    if run_samples:
+        steps = -(-run_samples // plan.effective_batch)
+        lines.append(_row("run", f"{seconds(t.run(steps))} for {run_samples:,} samples ({steps:,} optimizer steps)"))
+    return lines
 
 
 def render_json(

@@ -1,0 +1,86 @@
+"""A plan's step time: measured where the plan ran real steps, else predicted for its card.
+
+- A plan **verified on its device** ran real trial steps (forward, backward and an optimizer step at learning rate 0):
+  the time of those at the chosen micro-batch is the plan's, said to be measured (the first steps include the
+  device's warm-up: cuDNN's autotuning, the allocator's first segments; an upper bound).
+- An **estimate for a card of the catalogue** (``gpu=``, ``--gpu``; or a CUDA device the catalogue knows by the
+  name its driver reports) is predicted from the estimate's trace of the step (:func:`autotune.memory.timing.predict`).
+- Otherwise there is no time (the report says why: an estimate for a device the catalogue does not hold).
+
+A window's micro-batches are timed at the largest of them each (the plan's micro-batch, or less where the target
+splits evenly below it): exact where they are equal, an upper bound by a smaller last one's share otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autotune import batches as B
+from autotune.memory.gpus import Gpu, gpu_for
+from autotune.memory.timing import StepTime, measured, predict
+
+__all__ = ["card_here", "plan_step_time", "timed_for", "tokens_per_sample"]
+
+
+def tokens_per_sample(batch: Any) -> int | None:
+    """Tokens in one sample of ``batch``: its ``input_ids``' length (a dict or an object holding them), or a 2-D
+    integer tensor's; None where the batch has no tokens."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else getattr(batch, "input_ids", None)
+    if ids is None:
+        leaves = B.tensors(batch)
+        ids = next((t for t in leaves if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool), None)
+    if ids is None or ids.dim() < 2:
+        return None
+    return int(ids[0].numel())
+
+
+def card_here(device: Any) -> Gpu | None:
+    """The catalogue's entry for a CUDA ``device`` of this machine, by the name its driver reports; None elsewhere."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return gpu_for(torch.cuda.get_device_name(device))
+
+
+def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, micro_batches: tuple[int, ...], verified: bool,
+                   trials: Any) -> StepTime | None:
+    """The plan's step time, or None where it can be neither measured nor predicted.
+
+    Args:
+        work: the planning workload (its batch, and its estimator where the step was traced).
+        card: the card planned for (``gpu=``), or None (then the catalogue's entry of a CUDA ``device``, if any).
+        device: the device planned for.
+        micro_batch, micro_batches: the plan's micro-batch and one window's micro-batches on this device.
+        verified: whether the plan ran real steps.
+        trials: the plan's trials.
+    """
+    samples = sum(micro_batches)
+    per_sample = tokens_per_sample(work.batch)
+    tokens = None if per_sample is None else per_sample * samples
+    k = len(micro_batches)
+    real = [t.seconds for t in trials if not t.estimate and t.fits and t.batch_size == micro_batch]
+    estimator = getattr(work, "estimator", None)
+    if verified and real:
+        traced = estimator.work(micro_batch).flops if estimator is not None else 0.0
+        where = str(device) if card is None else f"{device}, {card.title}"
+        return measured(min(real), len(real), accumulation=k, samples=samples, tokens=tokens, flops=float(k * traced), where=where)
+    card = card or card_here(device)
+    if estimator is None or card is None:
+        return None
+    return predict(estimator.work(max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
+
+
+def timed_for(plan: Any, work: Any, card: Gpu | None) -> Any:
+    """``plan`` with its step time predicted for ``card`` where it has none (an estimate planned for the card's memory
+    on a CUDA device this machine lacks, as ``autotune report --gpu NAME`` plans); ``work``: a workload with the
+    plan's estimator."""
+    import dataclasses
+
+    if card is None or plan.step_time is not None or plan.verified:
+        return plan
+    timed = plan_step_time(work, card=card, device=plan.device, micro_batch=plan.micro_batch, micro_batches=plan.micro_batches,
+                           verified=False, trials=plan.trials)
+    return dataclasses.replace(plan, step_time=timed)
