@@ -206,8 +206,7 @@ def fabric_module(model: nn.Module, device: str, quantization: str | None = None
     lit-gpt 8641822 and in Lightning 2.6): lit-gpt's list of bf16 logit chunks comes back as fp32 copies. With
     ``--quantize bnb.nf4[-dq]`` the run's plugin is ``BitsandbytesPrecision``, whose input and output conversions and
     forward context are the same functions; Lightning sets it up on CUDA only, so off CUDA the wrapper takes
-    ``bf16-true``'s plugin (the layers are quantized already, by :func:`bnb_quantization`'s settings).
-    """
+    ``bf16-true``'s plugin (the layers are quantized already, by :func:`bnb_quantization`'s settings)."""
     import lightning as L
 
     if quantization and device.startswith("cuda"):
@@ -248,15 +247,13 @@ class Loop:
     """``finetune/lora.py``'s loop body at 8641822 as a loss function, with its reference to the logits.
 
     Each call is an iteration: ``logits = model(input_ids, lm_head_chunk_size=128)``, the last chunk shifted, and
-    ``loss(logits, targets)``. The loop's local ``logits`` outlives the loss: it holds the chunks (fp32 copies under
-    Fabric) through ``fabric.backward`` and the optimizer step, until the next iteration's forward has returned and
-    ``logits`` is rebound. :attr:`logits` is that reference, released the same way: an estimate sees the chunks
-    live through the backward of the step it traces.
+    ``loss(logits, targets)``. The loop's ``logits`` outlives the loss: it holds the chunks (fp32 copies under Fabric)
+    through ``fabric.backward`` until the next iteration's forward has returned and the name is rebound. :attr:`logits`
+    is that reference, released the same way; an estimate sees the chunks live through the backward it traces.
 
-    The published run's peak is its first iteration, where the longest sample is put (``get_batch`` forces it there
-    only): nothing is held from before it. A later iteration of the same length would also hold the previous
-    iteration's logits through its forward; ``previous=True`` runs that previous iteration (forward, loss, backward, on
-    the same batch) inside each call, so that one traced step holds both.
+    The published run peaks at its first iteration (``get_batch`` puts the longest sample there only), where nothing
+    is held from before. A later iteration of that length would hold the previous one's logits through its forward:
+    ``previous=True`` runs that iteration (forward, loss, backward, same batch) first in each call, one traced step.
     """
 
     def __init__(self, loss: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor], *, previous: bool = False) -> None:
