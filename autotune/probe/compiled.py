@@ -34,7 +34,7 @@ from torch import nn
 
 from autotune.units import format_bytes
 
-__all__ = ["CpuAllocations", "compiled_parts", "note", "run_eager"]
+__all__ = ["CpuAllocations", "backend_of", "compiled_parts", "measured", "note", "run_eager"]
 
 
 def compiled_parts(model: nn.Module) -> tuple[str, ...]:
@@ -126,16 +126,35 @@ def measured(device: torch.device) -> Iterator[CpuAllocations | None]:
         yield count
 
 
-def note(parts: tuple[str, ...], *, verified: bool, estimated: int | None = None, measured: int | None = None, size: int | None = None) -> str:
-    """What a plan of a compiled model says: what was verified, what was estimated and the direction of the
-    estimate's error; with the figures at ``size`` where a real trial measured the compiled step."""
+def backend_of(model: nn.Module) -> str | None:
+    """The name of the backend ``model``'s compiled parts were compiled with (``"inductor"``, ``"aot_eager"``, a
+    callable's name), or None where it cannot be read (a module compiled in place) or the parts differ."""
+    from torch._dynamo.eval_frame import innermost_backend
+
+    names = set()
+    for module in model.modules():
+        if _is_wrapper(module):
+            names.add(getattr(innermost_backend(module.dynamo_ctx.callback), "compiler_name", None))
+        elif module.__dict__.get("_compiled_call_impl") is not None:
+            names.add(None)
+    return names.pop() if len(names) == 1 else None
+
+
+def note(parts: tuple[str, ...], *, backend: str | None, estimated: int | None = None, measured: int | None = None,
+         size: int | None = None) -> str:
+    """What a plan of a compiled model says: what was verified, what was estimated and the direction of the estimate's
+    error: measured where a real trial ran at ``size`` (``measured`` and ``estimated`` given), else expected from the
+    ``backend``."""
     what = "the model is compiled" if parts == ("",) else "compiled modules (" + ", ".join(parts[:3]) + (", ..." if len(parts) > 3 else "") + ")"
-    why = ("the eager step saves more for backward than the compiled one: the inductor recomputes cheap operations "
-           "and fuses element-wise temporaries away")
-    if not verified:
-        return f"{what}: planned as its eager step, whose estimate is above the compiled step's peak ({why}); the micro-batch errs on the small side"
-    said = f"{what}: real trials measured the compiled step; the estimate is of the eager step, above the compiled step's peak ({why})"
-    if estimated is not None and measured is not None and size is not None and measured > 0:
-        said += (f": at micro-batch {size} the compiled step measured {format_bytes(measured)}, the eager estimate "
-                 f"{format_bytes(estimated)} ({(estimated / measured - 1) * 100:+.1f}%)")
-    return said
+    what += f" with {backend}" if backend else ""
+    if estimated is None or measured is None or size is None or measured <= 0:
+        if backend == "inductor":
+            return (f"{what}: planned as its eager step, whose estimate is above the compiled step's peak (the inductor "
+                    "recomputes cheap operations in the backward and fuses element-wise temporaries away): the "
+                    "micro-batch errs on the small side; a real trial measures the compiled step")
+        return (f"{what}: planned as its eager step; the compiled step's peak may be above or below it (what the "
+                "backend saves for backward decides): a real trial measures the compiled step")
+    error = estimated / measured - 1
+    return (f"{what}: real trials measured the compiled step; the estimate is of the eager step, {abs(error) * 100:.1f}% "
+            f"{'above' if error >= 0 else 'below'} the compiled step's peak at micro-batch {size} ({format_bytes(estimated)} "
+            f"against {format_bytes(measured)} measured)")

@@ -37,7 +37,7 @@ from autotune.parallel.ranks import (
     gather_numbers,
 )
 from autotune.parallel.stops import failure_watch, stop_every_rank
-from autotune.probe.compiled import compiled_parts, measured
+from autotune.probe.compiled import backend_of, compiled_parts, measured
 from autotune.probe.compiled import note as compiled_note
 from autotune.probe.estimate import estimator_for
 from autotune.probe.priced import OperationCount, applies, by_real_steps, note, price
@@ -203,8 +203,8 @@ def _note_compiled(work: Workload, *, verified: bool, at: int = 0, measured: int
     step measured and the eager estimate at the micro-batch found."""
     parts = _compiled(work)
     if parts:
-        work.notes.append(compiled_note(parts, verified=verified, size=at or None, measured=measured or None,
-                                        estimated=estimated(at) if estimated is not None and at else None))
+        work.notes.append(compiled_note(parts, backend=backend_of(work.model), size=at or None, measured=measured or None,
+                                        estimated=estimated(at) if verified and estimated is not None and at else None))
 
 
 def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tuple[int, Callable[[int], int]]:
