@@ -62,17 +62,15 @@ def check_setting(checkpointing: Any) -> bool | int | str:
     (an int, at least 0) or ``"auto"``.
 
     Raises:
-        TypeError / ValueError: anything else, naming the value and what to pass instead.
+        TypeError / ValueError: anything else, naming the value and what to give instead.
     """
     if isinstance(checkpointing, bool) or checkpointing == "auto":
-        return checkpointing
-    if isinstance(checkpointing, str):
-        raise ValueError(f"Invalid checkpointing={checkpointing!r}: pass True, False, 'auto' (the fewest blocks that let the "
-                         "micro-batch fit) or a count of blocks")
+        return checkpointing  # type: ignore[no-any-return]
     if not isinstance(checkpointing, int) or hasattr(checkpointing, "dtype"):
-        raise TypeError(f"Invalid checkpointing={checkpointing!r}: pass True, False, 'auto' or a count of blocks (an int)")
+        raise TypeError(f"Invalid checkpointing {checkpointing!r} ({type(checkpointing).__name__}): give True or False, 'auto' "
+                        "(the fewest blocks that let the micro-batch fit) or a count of blocks (an int)")
     if checkpointing < 0:
-        raise ValueError(f"Invalid checkpointing={checkpointing!r}: a count of blocks is at least 0 (0: none); pass 0, "
+        raise ValueError(f"Invalid checkpointing {checkpointing!r}: a count of blocks is at least 0 (0: none); give 0, "
                          "a positive count, True or 'auto'")
     return int(checkpointing)
 
@@ -91,14 +89,14 @@ def settled(model: nn.Module, checkpointing: Any) -> bool | int | str:
     total = len(blocks(model))
     if total == 0:
         raise ValueError(
-            f"Invalid checkpointing={value!r} for {type(model).__name__}: it has no nn.ModuleList of blocks (or top-level "
-            "nn.Sequential) to count; pass True or False, or wrap your blocks with torch.utils.checkpoint.checkpoint"
+            f"Invalid checkpointing {value!r} for {type(model).__name__}: it has no nn.ModuleList of blocks (or top-level "
+            "nn.Sequential) to count; give True or False, or wrap your blocks with torch.utils.checkpoint.checkpoint"
         )
     if value == "auto":
         return value
     assert isinstance(value, int)
     if value > total:
-        raise ValueError(f"Invalid checkpointing={value!r} for {type(model).__name__}: it has {total} blocks; pass a count "
+        raise ValueError(f"Invalid checkpointing {value!r} for {type(model).__name__}: it has {total} blocks; give a count "
                          f"from 0 to {total}, True (all) or 'auto'")
     return True if value == total else value
 
