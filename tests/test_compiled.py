@@ -233,13 +233,16 @@ def test_fit_trains_the_compiled_module_as_one_big_batch_and_leaves_it_compiled(
     compiled = torch.compile(model, backend=backend)
     opt = torch.optim.SGD(compiled.parameters(), lr=0.5)
     data = loader(samples=16, per_batch=4)
-    plan = autotune.plan(compiled, data, target_batch=16, optimizer=opt, loss_fn=loss_fn, memory_limit="9MiB",
-                         headroom=0, progress=False, base_batch=16)
+    settings = dict(optimizer=opt, loss_fn=loss_fn, memory_limit="9MiB", headroom=0, progress=False, base_batch=16)
+    plan = autotune.plan(compiled, data, target_batch=16, **settings)
     assert plan.accumulation_steps > 1  # accumulation happens
     backend.forwards()
-    result = autotune.fit(compiled, data, plan=plan, optimizer=opt, loss_fn=loss_fn, max_steps=1, progress=False)
+    # With a limit on the CPU, fit counts a window of a new shape: never the compiled model's (it would run eager for good).
+    result = autotune.fit(compiled, data, plan=plan, max_steps=1, **settings)
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
     assert backend.forwards() >= sum(len(r.micro_batches) for r in result.history)  # every micro-batch's forward compiled
+    compiled(**data[0])
+    assert backend.forwards() == 1  # and the next forward too: the model is still compiled
     # One big batch of the 16 samples, by hand, in float64.
     big = {k: torch.cat([b[k] for b in data]) for k in data[0]}
     reference.train()

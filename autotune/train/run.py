@@ -231,8 +231,12 @@ class Run:
         return True
 
     def window_ledger(self, window: Window) -> Any:
-        """A tensor count for windows of new shapes on a CPU with a limit (else nothing)."""
+        """A tensor count for windows of new shapes on a CPU with a limit (else nothing). A compiled model's windows
+        are not counted: under the ledger Dynamo would run them eager and stop compiling the model for good (the
+        plan's trials measured its compiled step: :mod:`autotune.probe.compiled`)."""
         if self.limit is None or self.device.type == "cuda" or not self.first_of_shape(window):
+            return nullcontext()
+        if any(type(m).__name__ == "OptimizedModule" or m.__dict__.get("_compiled_call_impl") is not None for m in self.model.modules()):
             return nullcontext()
         ledger = TensorLedger(self.device.type, limit=self.limit)
         ledger.track(held_tensors(self.model, self.optimizer))
