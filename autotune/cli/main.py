@@ -319,7 +319,7 @@ def _card_flags(args: argparse.Namespace) -> None:
     from autotune.memory.gpus import estimate_limit, gpu_named, is_here
     from autotune.units import parse_bytes
 
-    args.card, args.card_note = None, None
+    args.card, args.card_note, args.limit_given = None, None, args.memory_limit
     if args.gpu is None:
         return
     try:
@@ -409,7 +409,6 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
     from autotune.memory.ledger import held_outside_parameters
     from autotune.planning import cache
     from autotune.planning.report import MemoryBreakdown, render_json
-    from autotune.planning.times import timed_for
     from autotune.probe.estimate import estimator_for
     from autotune.probe.trial import Workload
 
@@ -418,11 +417,13 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
         return (*cached_entry, True)
     plan = autotune.plan(
         model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn,
-        device=device, memory_limit=args.memory_limit, headroom=args.headroom, lr_rule=args.lr_rule,
+        device=device, memory_limit=args.limit_given if args.card else args.memory_limit, headroom=args.headroom, lr_rule=args.lr_rule,
         base_batch=base_batch, precision=args.precision, verify=on_device, progress=0.0,
         epochs=args.epochs, lengths=lengths or None, checkpointing=args.checkpointing,
-        follow_batch=args.follow_batch,
+        follow_batch=args.follow_batch, gpu=args.card.name if args.card else None,
     )
+    if args.card and plan.notes and plan.notes[0].startswith("planned for"):  # said below in the command's words (--memory-limit)
+        plan = dataclasses.replace(plan, notes=plan.notes[1:])
     if limit_note:
         plan = dataclasses.replace(plan, notes=(limit_note, *plan.notes))
     work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=next(iter(loader)),
@@ -431,7 +432,6 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
         estimator = estimator_for(work)
         held = dict(parameters=estimator.parameter_bytes(), buffers=estimator.buffer_bytes(), gradients=estimator.gradient_bytes(),
                     optimizer_state=estimator.optimizer_state_bytes())
-        plan = timed_for(plan, dataclasses.replace(work, estimator=estimator), args.card)
     except Exception:  # a step that cannot be estimated: counted from the model, the optimizer state unknown
         held = dict(parameters=storage_bytes([*model.parameters(), *held_outside_parameters(model)]), buffers=storage_bytes(model.buffers()),
                     gradients=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad), optimizer_state=None)
@@ -453,7 +453,8 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
 
     table = None
     if args.what_if:
-        table = autotune.what_if(model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn, plan=plan)
+        table = autotune.what_if(model, loader, target_batch=args.target_batch, optimizer=optimizer, loss_fn=loss_fn, plan=plan,
+                                 gpu=args.card.name if args.card else None)
     noise = None
     if args.noise_scale:
         from autotune import batches as B

@@ -117,10 +117,14 @@ def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
             shorter = f", or shorter samples than {tokens} tokens (--tokens max: the longest that fits at micro-batch 1)" if tokens else stays
             return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model{shorter}"
         return text + ": try --precision bf16, --checkpointing, a larger --memory-limit, or shorter inputs (--input-shape)"
-    lines = [text + ": what would fit, estimated, the cheapest change first:"]
+    from autotune.memory.timing import seconds
+
+    timed = any(r.step_time is not None for r in fits)
+    lines = [text + f": what would fit, estimated, {'the fastest first (an optimizer step at the target batch, predicted)' if timed else 'the cheapest change first'}:"]
     for row in fits:
         flags = " ".join(_flags(row, own))
-        lines.append(f"  {flags:<68} micro-batch {row.micro_batch}")
+        step = f", {seconds(row.step_time)} a step" if row.step_time is not None else ""
+        lines.append(f"  {flags:<68} micro-batch {row.micro_batch}{step}")
     if shard is not None:
         lines.append(f"  {f'--shard {shard.ranks}':<68} micro-batch {shard.micro_batch} per device: FSDP2 over {shard.ranks} devices, "
                      f"{format_bytes(shard.peak)} a device (the fewest that fit)")

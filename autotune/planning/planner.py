@@ -41,7 +41,7 @@ from autotune.memory.device import (
     outside_allocator,
 )
 from autotune.memory.checkpointing import settled
-from autotune.memory.gpus import target_for
+from autotune.memory.gpus import gpu_named, target_for
 from autotune.memory.ledger import storage_bytes
 from autotune.parallel.exchange import BUCKET_BYTES, bucket_bytes_needed
 from autotune.parallel.ranks import bypass_nested, gather, group_broken, parallel, world
@@ -60,7 +60,7 @@ from autotune.planning.scaling import (
 )
 from autotune.planning.scaling import follow_batch as follow_batch_settings
 from autotune.planning.setting import describe as describe_setting
-from autotune.planning.times import plan_step_time
+from autotune.planning.times import card_here, plan_step_time
 from autotune.planning.whatif import WhatIf, estimate_rows
 from autotune.probe.largest import Progress, probe
 from autotune.probe.partial import settle_auto
@@ -479,7 +479,7 @@ def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, h
     table, held, shards, alone, reserved = None, None, [], False, None
     if work.estimator is not None:  # say where the bytes go, and what would fit instead
         lower = min_micro_batch(work.model)
-        table = estimate_rows(work, budget=budget, upper=upper, lower=lower)
+        table = estimate_rows(work, budget=budget, upper=upper, lower=lower, card=shared.gpu or card_here(setup.device), target=upper)
         held = where_the_bytes_go(work.estimator, lower)
         if setup.world_size == 1 and not setup.fsdp:
             shards, alone = shards_that_fit(work, budget, shared.target_batch)  # type: ignore[arg-type]
@@ -636,8 +636,9 @@ def what_if(
     inner = parallel(model).inner
     work = Workload(model=inner, optimizer=optimizer, loss_fn=loss_fn or default_loss, batch=looked.batch,
                     device=torch.device(p.device), precision=normalize_precision(p.precision), checkpointing=p.checkpointing)
-    return estimate_rows(work, budget=p.budget, upper=largest_share(target_batch, p.world_size), lower=min_micro_batch(inner),
-                         own_micro_batch=p.micro_batch, verified=p.verified, own_curve=p.memory_curve)
+    share = largest_share(target_batch, p.world_size)
+    return estimate_rows(work, budget=p.budget, upper=share, lower=min_micro_batch(inner), own_micro_batch=p.micro_batch, verified=p.verified,
+                         own_curve=p.memory_curve, card=gpu_named(gpu) if gpu else card_here(p.device), target=share)
 
 
 def _both(first: Callable[[Trial], Any] | None, second: Callable[[Trial], Any]) -> Callable[[Trial], Any]:

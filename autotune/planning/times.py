@@ -21,7 +21,7 @@ from autotune import batches as B
 from autotune.memory.gpus import Gpu, gpu_for
 from autotune.memory.timing import StepTime, measured, predict
 
-__all__ = ["card_here", "plan_step_time", "timed_for", "tokens_per_sample"]
+__all__ = ["card_here", "plan_step_time", "tokens_per_sample"]
 
 
 def tokens_per_sample(batch: Any) -> int | None:
@@ -38,7 +38,8 @@ def tokens_per_sample(batch: Any) -> int | None:
 
 def card_here(device: Any) -> Gpu | None:
     """The catalogue's entry for a CUDA ``device`` of this machine, by the name its driver reports; None elsewhere."""
-    if getattr(device, "type", None) != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return None
     if not torch.cuda.is_available():
         return None
@@ -72,15 +73,3 @@ def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int
         return None
     return predict(estimator.work(max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
 
-
-def timed_for(plan: Any, work: Any, card: Gpu | None) -> Any:
-    """``plan`` with its step time predicted for ``card`` where it has none (an estimate planned for the card's memory
-    on a CUDA device this machine lacks, as ``autotune report --gpu NAME`` plans); ``work``: a workload with the
-    plan's estimator."""
-    import dataclasses
-
-    if card is None or plan.step_time is not None or plan.verified:
-        return plan
-    timed = plan_step_time(work, card=card, device=plan.device, micro_batch=plan.micro_batch, micro_batches=plan.micro_batches,
-                           verified=False, trials=plan.trials)
-    return dataclasses.replace(plan, step_time=timed)

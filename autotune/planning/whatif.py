@@ -25,6 +25,11 @@ target within the allocator's rounding of each tensor to 512 bytes); a row that 
 from the traces of the row with the given one, which an optimizer does not change; the row of your own settings
 the plan's, verified by a real step. :func:`autotune.what_if` makes the table for a model;
 ``NothingFits`` carries it.
+
+Where the plan is for a card of the catalogue (``gpu=``, ``--gpu``, or a CUDA device the catalogue knows), each
+row also gives the time of an optimizer step at the target batch with its largest micro-batch (split evenly), as
+:func:`autotune.memory.timing.predict` gives it from the row's traces (read off the line through its two, as its
+micro-batch is), and the changes that fit are ordered by it: the fastest first.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from autotune.memory.optimizers import make_optimizer, rebuilt
 from autotune.memory.quantized import bitsandbytes, quantize
 from autotune.probe.depth import Stack, deepest_copy, repeated_stacks, truncated
 from autotune.probe.estimate import estimator_for
+from autotune.memory.timing import predict, seconds
+from autotune.memory.work import Work, combined
 from autotune.units import format_bytes
 
 __all__ = ["WhatIf", "WhatIfRow", "estimate_rows"]
@@ -65,6 +72,8 @@ class WhatIfRow:
         changes: how many settings differ from yours (0: your own row).
         verified: whether ``micro_batch`` ran for real (your own row, when the plan verified it).
         adapters: what the row trains instead of every weight (``"LoRA r=16, all linear"``), or None.
+        step_time: seconds of an optimizer step at the target batch with the row's micro-batch on the card planned
+            for (predicted; None where no card is known or nothing fits).
     """
 
     precision: str
@@ -76,6 +85,7 @@ class WhatIfRow:
     changes: int
     verified: bool = False
     adapters: str | None = None
+    step_time: float | None = None
 
     def describe(self) -> str:
         """The row's settings in words, e.g. ``"bf16 autocast, activation checkpointing, AdamW (given)"`` (``"no autocast"``
@@ -128,10 +138,11 @@ class WhatIf:
         return other is not None and row.micro_batch < other.micro_batch
 
     def changes_that_fit(self) -> list[WhatIfRow]:
-        """The rows of some change that fit, the cheapest first (:attr:`WhatIfRow.cost`, then the largest
-        micro-batch), never one whose checkpointing fits fewer samples than the same row without it."""
+        """The rows of some change that fit, the fastest first where the rows are timed (else the cheapest first:
+        :attr:`WhatIfRow.cost`, then the largest micro-batch), never one whose checkpointing fits fewer samples than
+        the same row without it."""
         fits = [r for r in self.fitting() if r.changes > 0 and not self.checkpointing_hurts(r)]
-        return sorted(fits, key=lambda r: (r.cost, -r.micro_batch))
+        return sorted(fits, key=lambda r: (r.step_time is None, r.step_time or 0.0, r.cost, -r.micro_batch))
 
     def smallest_change(self) -> WhatIfRow | None:
         """The cheapest change that fits (the first of :meth:`changes_that_fit`), or None."""
@@ -141,8 +152,10 @@ class WhatIf:
         adapters = any(r.adapters for r in self.rows)
         width = max([len("every weight"), *(len(r.adapters) for r in self.rows if r.adapters)])
         trains = f" {'trains':<{width}}" if adapters else ""
+        timed = any(r.step_time is not None for r in self.rows)
         lines = [  # "autocast": fp32 is no autocast, the weights' own dtype (bf16 for a model in bf16)
-            f"{'autocast':<10} {'checkpointing':<14} {'optimizer':<28}{trains} {'micro-batch':>11} {'per sample':>12} {'fixed':>12}  ",
+            f"{'autocast':<10} {'checkpointing':<14} {'optimizer':<28}{trains} {'micro-batch':>11} {'per sample':>12} {'fixed':>12}"
+            + (f" {'step':>10}" if timed else "") + "  ",
         ]
         for r in self.rows:
             per = "-" if r.per_sample is None else format_bytes(r.per_sample)
@@ -151,8 +164,9 @@ class WhatIf:
             if self.checkpointing_hurts(r):
                 tag += ", fewer than without checkpointing"
             what = f" {r.adapters or 'every weight':<{width}}" if adapters else ""
+            step = (f" {'-' if r.step_time is None else seconds(r.step_time):>10}" if timed else "")
             lines.append(f"{'off' if r.precision == 'fp32' else r.precision:<10} {'on' if r.checkpointing else 'off':<14} {r.optimizer:<28}{what} {r.micro_batch:>11} {per:>12} "
-                         f"{fixed:>12}  {tag}")
+                         f"{fixed:>12}{step}  {tag}")
         hurt = [r for r in self.rows if self.checkpointing_hurts(r)]
         if hurt:
             r = hurt[0]
@@ -162,6 +176,9 @@ class WhatIf:
                 f"{r.precision}, {r.optimizer}): it keeps each block's input, which for these blocks is what the step keeps "
                 "anyway, and recomputing adds temporaries; it helps models of deep blocks (transformer layers)"
             )
+        if timed:
+            lines.append("step: an optimizer step at the target batch, predicted; a row that changes the optimizer or trains "
+                         "adapters changes the training too")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -258,11 +275,14 @@ def estimate_rows(
     own_micro_batch: int | None = None,
     verified: bool = False,
     own_curve: Any = None,
+    card: Any = None,
+    target: int | None = None,
 ) -> WhatIf:
     """The table for a workload: every combination's largest micro-batch, estimated
     (:meth:`autotune.probe.estimate.Estimator.largest` on the curve of two traces, see the module docstring).
 
-    ``own_micro_batch`` and ``own_curve`` are the plan's answer for your own settings, reused.
+    ``own_micro_batch`` and ``own_curve`` are the plan's answer for your own settings, reused. ``card`` and ``target``:
+    the card each row's optimizer step at the target batch is timed on, and the target (samples on this device).
     """
     precisions = _precisions(work)
     given = f"{type(work.optimizer).__name__} (given)"
@@ -275,6 +295,7 @@ def estimate_rows(
     for precision, ckpt, (name, factory) in itertools.product(precisions, checkpointings, optimizers):
         changes = int(precision != work.precision) + int(ckpt != bool(work.checkpointing)) + int(factory is not None)
         own = changes == 0 and own_micro_batch is not None
+        estimator = None
         if own and own_curve is not None:  # the plan's own answer and curve: nothing to estimate again
             size, peak = own_micro_batch, own_curve
         else:
@@ -288,13 +309,17 @@ def estimate_rows(
             if own:
                 size = own_micro_batch
         per, fixed = _line(peak, size, lower)  # type: ignore[arg-type]
-        rows.append(WhatIfRow(precision, ckpt, name, size, per, fixed, changes, verified and own))  # type: ignore[arg-type]
-    rows.extend(_adapter_rows(work, budget=budget, upper=upper, lower=lower, given=given))
-    rows.sort(key=lambda r: (r.changes > 0, r.cost, r.precision != work.precision, r.checkpointing != bool(work.checkpointing)))
+        if estimator is None and card is not None:
+            estimator = estimator_for(work, precision=precision, checkpointing=ckpt)
+        timed = _timed(estimator if size and size >= lower else None, size, card, target)
+        rows.append(WhatIfRow(precision, ckpt, name, size, per, fixed, changes, verified and own, step_time=timed))  # type: ignore[arg-type]
+    rows.extend(_adapter_rows(work, budget=budget, upper=upper, lower=lower, given=given, card=card, target=target))
+    rows.sort(key=lambda r: (r.changes > 0, r.micro_batch < lower, r.step_time is None, r.step_time or 0.0, r.cost,
+                             r.precision != work.precision, r.checkpointing != bool(work.checkpointing)))
     return WhatIf(tuple(rows), budget, lower)
 
 
-def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str) -> list[WhatIfRow]:
+def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str, card: Any = None, target: int | None = None) -> list[WhatIfRow]:
     """LoRA with your checkpointing, and QLoRA as it is run, with checkpointing (see the module docstring): two rows,
     each a new model to trace (their combinations with the other changes are left to the reader: each change
     lowers the peak on its own)."""
@@ -314,8 +339,25 @@ def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str)
         except Exception:  # a loss that does not take the adapted model, no blocks to checkpoint: no such row
             continue
         per, fixed = _line(peak, size, lower)
-        rows.append(WhatIfRow(work.precision, ckpt, given, size, per, fixed, 1 + int(ckpt != bool(work.checkpointing)), adapters=name))
+        rows.append(WhatIfRow(work.precision, ckpt, given, size, per, fixed, 1 + int(ckpt != bool(work.checkpointing)), adapters=name,
+                              step_time=_timed(estimator if size and size >= lower else None, size, card, target)))
     return rows
+
+
+def _timed(estimator: Any, size: int, card: Any, target: int | None) -> float | None:
+    """Seconds of an optimizer step of ``target`` samples in even micro-batches of at most ``size``, on ``card``: the
+    work read off the line through the estimator's two traces (exact where the step is linear in the micro-batch, as
+    its matmuls and element-wise work are)."""
+    if estimator is None or card is None or not target:
+        return None
+    k = -(-target // size)
+    micro = -(-target // k)
+    b1, b2 = estimator.sizes
+    w1, w2 = estimator.work(b1), estimator.work(b2)
+    span = b2 - b1
+    mixed = combined([(b2 - micro, w1), (micro - b1, w2)])  # span x the work at micro, as integer-weighted terms
+    at = Work(tuple((*p[:3], p[3] // span, p[4] // span) for p in mixed.parts), tuple((phase, n // span) for phase, n in mixed.launches))
+    return predict(at, card, accumulation=k, samples=target).step
 
 
 def _tensors_curve(estimator: Any, work: Any, upper: int, peak: Callable[[int], int]) -> Callable[[int], int]:
