@@ -1,0 +1,148 @@
+"""The step time: predicted from the trace for a card of the catalogue, measured where the plan ran real steps, in the
+plan, the report, its JSON and the what-if rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autotune
+from autotune.cli.main import main
+from autotune.memory.gpus import GPUS, gpu_named
+from autotune.memory.timing import CALIBRATED, predict
+from autotune.memory.work import Work
+from autotune.probe.estimate import Estimator, estimator_for
+from autotune.probe.trial import Workload
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2(layers: int = 2, width: int = 256) -> torch.nn.Module:
+    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=1000, n_positions=256)
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(config)
+
+
+def lm_loader(length: int = 256, n: int = 4) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 1000, (n, length), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": ids, "labels": ids}] * 2
+
+
+def own_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def estimator(model: torch.nn.Module, checkpointing: bool = False) -> Estimator:
+    batch = lm_loader()[0]
+    return estimator_for(Workload(model=model, optimizer=torch.optim.AdamW(model.parameters()), loss_fn=own_loss,
+                                  batch={k: v[:1] for k, v in batch.items()}, device=torch.device("cuda"), precision="bf16",
+                                  checkpointing=checkpointing))
+
+
+def test_a_compute_bound_models_step_per_sample_falls_as_the_micro_batch_grows():
+    est, card = estimator(gpt2(layers=2, width=2048)), gpu_named("a100-80gb-sxm")
+    per_sample = [predict(est.work(b), card, samples=b).micro_step / b for b in (1, 2, 4, 8, 16, 32)]
+    assert all(a > b for a, b in zip(per_sample, per_sample[1:])), per_sample
+    # at 32 samples of 256 tokens the matmuls' FLOPs are most of the time, not the host's dispatch
+    assert predict(est.work(32), card, samples=32).bound == "compute"
+
+
+def test_checkpointing_costs_time_and_a_faster_card_takes_less():
+    plain, ckpt = estimator(gpt2()).work(8), estimator(gpt2(), checkpointing=True).work(8)
+    a100, h100 = gpu_named("a100-80gb-sxm"), gpu_named("h100-sxm")
+    assert predict(ckpt, a100, samples=8).micro_step > predict(plain, a100, samples=8).micro_step
+    assert predict(plain, h100, samples=8).micro_step < predict(plain, a100, samples=8).micro_step
+
+
+def test_the_prediction_follows_the_cards_datasheet_figures():
+    # 1e15 bf16 matmul FLOPs and 1e11 bytes of element-wise work, no kernel launches counted: by hand from the datasheet
+    w = Work((("forward", "bfloat16", "matmul", 10**15, 0), ("forward", "bfloat16", "memory", 0, 10**11),
+              ("step", "float32", "memory", 0, 4 * 10**10)))
+    card = gpu_named("h100-sxm")
+    t = predict(w, card, accumulation=3, samples=24, tokens=24 * 512)
+    assert (card.bf16, card.bandwidth) == pytest.approx((989e12, 3.35e12), rel=0.01)  # the datasheet's, dense
+    micro = 1e15 / (card.bf16 * CALIBRATED.matmul) + 1e11 / (card.bandwidth * CALIBRATED.memory)
+    assert t.micro_step == pytest.approx(micro, rel=1e-9)
+    assert t.step == pytest.approx(3 * micro + 4e10 / (card.bandwidth * CALIBRATED.memory), rel=1e-9)
+    assert t.tokens_per_second == pytest.approx(24 * 512 / t.step)
+    with pytest.raises(ValueError, match="accumulation=0"):
+        predict(w, card, accumulation=0, samples=1)
+
+
+def test_a_plan_for_a_card_carries_its_predicted_time_and_keeps_it_in_its_dict():
+    model = gpt2()
+    plan = autotune.plan(model, lm_loader(), target_batch=16, optimizer=torch.optim.AdamW(model.parameters()), gpu="l4",
+                         precision="bf16", progress=False)
+    t = plan.step_time
+    assert t is not None and t.basis.startswith("predicted for an L4")
+    assert t.accumulation == plan.accumulation_steps and t.samples == plan.effective_batch
+    assert t.tokens == 256 * plan.effective_batch
+    again = autotune.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.step_time == t
+    assert "time: " in str(plan)
+
+
+def test_a_verified_plan_says_its_time_was_measured():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    loader = [(torch.randn(8, 32), torch.randint(0, 4, (8,)))] * 2
+    plan = autotune.plan(model, loader, target_batch=16, memory_limit="1GiB", progress=False)
+    assert plan.step_time is not None and plan.step_time.basis.startswith("measured on this device (cpu) over")
+    real = [t.seconds for t in plan.trials if not t.estimate and t.batch_size == plan.micro_batch]
+    assert plan.step_time.micro_step == min(real)
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+                                "torch_dtype": "bfloat16"}))
+    return str(path)
+
+
+def test_the_report_and_its_json_give_the_time_and_its_basis(capsys, config_file):
+    code, out, err = run(capsys, "report", "--hf-config", config_file, "--tokens", "256", "--gpu", "h100", "--target-batch", "64",
+                         "--samples", "6400", "--no-cache")
+    assert code == 0, err
+    section = out.split("\nTime (", 1)[1].split("\n\n", 1)[0]
+    assert section.startswith("predicted for an H100 SXM")
+    for row in ("per micro-step", "per optimizer step", "throughput", "FLOP utilisation", "run"):
+        assert row in section
+    assert "for 6,400 samples (100 optimizer steps)" in section
+    code, out, err = run(capsys, "report", "--hf-config", config_file, "--tokens", "256", "--gpu", "h100", "--target-batch", "64",
+                         "--samples", "6400", "--json", "--no-cache")
+    data = json.loads(out)
+    t = data["plan"]["step_time"]
+    assert t["basis"].startswith("predicted for an H100 SXM") and t["tokens_per_second"] == pytest.approx(64 * 256 / t["step"])
+    assert data["run"] == {"samples": 6400, "optimizer_steps": 100, "seconds": pytest.approx(100 * t["step"])}
+
+
+@pytest.mark.parametrize("name", sorted(GPUS))
+def test_every_card_of_the_catalogue_plans_with_a_time(capsys, config_file, name):
+    code, out, err = run(capsys, "report", "--hf-config", config_file, "--tokens", "128", "--gpu", name, "--target-batch", "8",
+                         "--json", "--no-cache")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["step_time"]["basis"].startswith(f"predicted for {'an' if GPUS[name].title[0] in 'AEFHILMNORSX' else 'a'} {GPUS[name].title}")
+
+
+def test_an_unknown_card_is_refused_with_the_list(capsys, config_file):
+    code, _, err = run(capsys, "report", "--hf-config", config_file, "--gpu", "b300")
+    assert code == 2 and "h100-sxm" in err and "rtx4090" in err
+
+
+def test_the_what_if_rows_are_timed_and_the_fastest_change_comes_first(capsys, config_file):
+    model = gpt2(layers=2, width=256)
+    table = autotune.what_if(model, lm_loader(), target_batch=32, optimizer=torch.optim.AdamW(model.parameters()), gpu="a10g",
+                             memory_limit="20GiB", precision="bf16", progress=False)
+    assert all(r.step_time is not None for r in table.fitting())
+    changes = table.changes_that_fit()
+    assert [r.step_time for r in changes] == sorted(r.step_time for r in changes)
+    assert " step" in str(table).splitlines()[0]
