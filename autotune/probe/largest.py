@@ -346,6 +346,8 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
                 step()
             snapshot.restore()
             snapshot.prepare_trial()
+            release_cached(device)
+            retries = reset_peak(device)  # on CUDA the measured step's peak, not the compiling one's
             start = time.perf_counter()
         # Your optimizer's step hooks never see a trial's step (at learning rate 0, not a training step). A compiled
         # step is counted by the device's allocator: under the ledger it would run eager (autotune.probe.compiled).
