@@ -84,6 +84,22 @@ def test_auto_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits(deep
     assert again.checkpointing == k and type(again.checkpointing) is int
 
 
+def test_autos_predicted_step_is_shorter_than_full_checkpointings(deep_llama):
+    from autotune.memory.gpus import gpu_named
+    from autotune.memory.timing import predict
+
+    model, batch, _, plan = deep_llama
+
+    def step(checkpointing):
+        work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                        device=torch.device("cpu"), checkpointing=checkpointing)
+        return predict(Estimator(work).work(8), gpu_named("a100-80gb-sxm"), samples=8)
+
+    partial, full = step(plan.checkpointing), step(True)
+    assert partial.flops < full.flops  # fewer blocks run their forward again
+    assert partial.micro_step < full.micro_step
+
+
 def test_the_first_blocks_are_checkpointed_because_that_peak_is_lowest(monkeypatch):
     """The rule the module docstring gives: for the same count, the first blocks peak below the last ones, or every
     other one."""
