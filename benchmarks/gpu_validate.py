@@ -108,12 +108,12 @@ def gpt2(scale: float, dropout: float = 0.1, layers: int | None = None) -> nn.Mo
     return GPT2LMHeadModel(config)
 
 
-def llama(scale: float, dropout: float = 0.0) -> nn.Module:
+def llama(scale: float, dropout: float = 0.0, layers: int | None = None) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     heads = 16 if scale >= 1 else 4
-    config = LlamaConfig(num_hidden_layers=max(1, int(8 * scale)), hidden_size=_dim(1024, scale), num_attention_heads=heads,
+    config = LlamaConfig(num_hidden_layers=layers or max(1, int(8 * scale)), hidden_size=_dim(1024, scale), num_attention_heads=heads,
                          num_key_value_heads=heads // 4, intermediate_size=_dim(2816, scale), vocab_size=_dim(32000, scale),
                          max_position_embeddings=2048)
     return LlamaForCausalLM(config)
@@ -614,15 +614,22 @@ def context_bytes(ctx: Context, res: Result) -> None:
     res.checks["measured in both loadings"] = all(isinstance(res.figures[k], dict) for k in ("lazy", "eager"))
 
 
+def bert_config(small: bool) -> Any:
+    """BERT-large's config (two narrow layers for the CPU test)."""
+    from transformers import BertConfig
+
+    return BertConfig(hidden_size=64 if small else 1024, num_hidden_layers=2 if small else 24, num_attention_heads=4 if small else 16,
+                      intermediate_size=256 if small else 4096, vocab_size=30522, max_position_embeddings=512)
+
+
 def bert_large(ctx: Context, res: Result) -> None:
     """BERT-large sequence classification at 512 tokens (Transformers' single-GPU performance page's model), batch 1
     and 4, fp32 and fp16 mixed precision, eager attention (as Transformers ran it then) and SDPA: the step's
     allocated and reserved peaks here and the estimate's."""
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     small = ctx.scale < 1
-    config = BertConfig(hidden_size=64 if small else 1024, num_hidden_layers=2 if small else 24, num_attention_heads=4 if small else 16,
-                        intermediate_size=256 if small else 4096, vocab_size=30522, max_position_embeddings=512)
+    config = bert_config(small)
     length = 32 if small else 512
     for attention in ("eager", "sdpa"):
         config._attn_implementation = attention
@@ -741,6 +748,197 @@ def longest_batch(n: int, length: int, vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
+# --- the step time: predicted for the card against measured on it ----------------------------------
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A setting to time: its model and optimizer built on a device, its batch of ``n`` samples (on the CPU), its loss,
+    precision, micro-batch, accumulation and tokens per sample."""
+
+    build: Callable[[torch.device], tuple[nn.Module, torch.optim.Optimizer]]
+    batch: Callable[[int], Any]
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+    precision: str
+    micro_batch: int
+    accumulation: int
+    length: int
+
+
+def built_on(device: torch.device, make: Callable[[], nn.Module], optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+             ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``make()``'s model created on ``device`` (the meta device for the prediction's trace: no weights), and its optimizer
+    (AdamW at 1e-5 unless given)."""
+    with torch.device(device):
+        net = make()
+    return net, (optimizer or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-5)))(net)
+
+
+def timed_settings(scale: float) -> dict[str, Timed]:
+    """The step-time settings: GPT-2 small, the Llama shape and BERT-large as the other cases build them, bf16 mixed,
+    2 micro-batches a step; LoRA and QLoRA (rank 32, every linear layer) on 4 blocks of Llama-3-8B's width in bf16
+    (``longest_model``), 2 samples of 1024 tokens. ``scale`` < 1: the CPU test's tiny shapes."""
+    from transformers import BertForSequenceClassification
+
+    from autotune.memory.optimizers import DEFAULT, make_optimizer
+
+    small = scale < 1
+    length, m = (32, 2) if small else (1024, 8)
+    bert_length = 32 if small else 512
+    lora = {**(LONGEST_SMALL if small else LONGEST), "num_hidden_layers": 2 if small else 4}
+
+    def bert() -> nn.Module:
+        config = bert_config(small)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        return BertForSequenceClassification(config)
+
+    def bert_batch(n: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(n)
+        return {"input_ids": torch.randint(0, 30522, (n, bert_length), generator=g), "labels": torch.randint(0, 2, (n,), generator=g)}
+
+    def adapted(quantize: bool) -> Callable[[torch.device], tuple[nn.Module, torch.optim.Optimizer]]:
+        def build(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+            net = longest_model(lora, device, quantize)
+            return net, make_optimizer(DEFAULT, [p for p in net.parameters() if p.requires_grad], 1e-4)
+
+        return build
+
+    hf_tokens = lambda n: tokens(n, length, scale)  # noqa: E731
+    lora_tokens = lambda n: longest_batch(n, length, lora["vocab_size"])  # noqa: E731
+    return {
+        "gpt2": Timed(lambda d: built_on(d, lambda: gpt2(scale)), hf_tokens, hf_loss, "bf16", m, 2, length),
+        "llama": Timed(lambda d: built_on(d, lambda: llama(scale)), hf_tokens, hf_loss, "bf16", m, 2, length),
+        "bert-large": Timed(lambda d: built_on(d, bert), bert_batch, hf_loss, "bf16", m, 2, bert_length),
+        "lora": Timed(adapted(False), lora_tokens, hf_loss, "bf16", 2, 2, length),
+        "qlora": Timed(adapted(True), lora_tokens, hf_loss, "bf16", 2, 2, length),
+    }
+
+
+def predicted_step(setting: Timed, card: Any, checkpointing: bool | int = False) -> tuple[Any, float]:
+    """The optimizer step's time predicted for ``card``: the step traced on the meta device for a CUDA target, as the
+    estimate traces it (:meth:`Estimator.work`), then :func:`autotune.memory.timing.predict`; and the trace's seconds."""
+    from autotune.memory.timing import predict
+
+    began = time.perf_counter()
+    net, opt = setting.build(torch.device("meta"))
+    work = Workload(model=net, optimizer=opt, loss_fn=setting.loss, batch=setting.batch(setting.micro_batch), device=torch.device("cuda"),
+                    precision=setting.precision, checkpointing=checkpointing)  # type: ignore[arg-type]
+    traced = Estimator(work).work(setting.micro_batch)
+    samples = setting.micro_batch * setting.accumulation
+    t = predict(traced, card, accumulation=setting.accumulation, samples=samples, tokens=samples * setting.length)
+    return t, time.perf_counter() - began
+
+
+def measured_step_time(setting: Timed, device: torch.device, *, warm: int, steps: int, checkpointing: bool | int = False) -> float:
+    """Seconds per optimizer step on ``device``: ``warm`` steps, then ``steps`` timed (CUDA events on a GPU, the wall
+    clock on the CPU), each ``accumulation`` forwards and ``(loss / k).backward()``s and one optimizer step."""
+    from autotune.memory.checkpointing import activation_checkpointing
+    from autotune.step import autocast
+
+    net, opt = setting.build(device)
+    batch = to(setting.batch(setting.micro_batch), device)
+    k = setting.accumulation
+    net.train()
+
+    def step() -> None:
+        for _ in range(k):
+            with autocast(device.type, setting.precision):  # type: ignore[arg-type]
+                loss = setting.loss(net, batch)
+            (loss / k).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with activation_checkpointing(net, checkpointing) if checkpointing else contextlib.nullcontext():
+        for _ in range(warm):
+            step()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                step()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3 / steps
+        else:
+            began = time.perf_counter()
+            for _ in range(steps):
+                step()
+            seconds = (time.perf_counter() - began) / steps
+    del net, opt, batch
+    clean(device)
+    return seconds
+
+
+def card_of(device: torch.device) -> Any:
+    """The catalogue's entry for the card here (by the name its driver reports); on the CPU, where the control flow is
+    what is tested, the H100 SXM's."""
+    from autotune.memory.gpus import GPUS, gpu_for, gpu_named
+
+    if device.type != "cuda":
+        return gpu_named("h100-sxm")
+    name = torch.cuda.get_device_name(device)
+    card = gpu_for(name)
+    if card is None:
+        raise ValueError(f"the catalogue has no entry for {name!r} (autotune/memory/gpus.py holds {', '.join(GPUS)}); add its figures there")
+    return card
+
+
+def step_time(ctx: Context, res: Result) -> None:
+    """Predicted against measured optimizer-step time for each setting of :func:`timed_settings` on the card (within
+    [0.9, 1.1] on a GPU), and the Llama shape at one micro-batch with its first half of blocks checkpointed against
+    all of them: measured and predicted, the half is faster."""
+    cuda = ctx.device.type == "cuda"
+    warm, steps = (3, 10) if cuda else (1, 2)
+    card = card_of(ctx.device)
+    res.figures["card"] = card.describe()
+    for name, setting in timed_settings(ctx.scale).items():
+        if name == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+            res.figures[name] = "skipped: bitsandbytes is not installed"
+            continue
+        try:
+            t, trace_s = predicted_step(setting, card)
+            seconds = measured_step_time(setting, ctx.device, warm=warm, steps=steps)
+        except Exception as exc:  # one setting that breaks is reported; the others run
+            res.figures[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            res.checks[f"{name}: ran"] = False
+            clean(ctx.device)
+            continue
+        ratio = t.step / seconds
+        res.figures[name] = {"micro_batch": setting.micro_batch, "accumulation": setting.accumulation, "length": setting.length,
+                             "predicted_s": t.step, "measured_s": seconds, "predicted/measured": ratio, "bound": t.bound,
+                             "predicted_micro_step_s": t.micro_step, "predicted_optimizer_s": t.optimizer, "flops": t.flops,
+                             "measured_utilisation": t.flops / seconds / t.peak if t.peak else None, "steps": steps, "trace_s": trace_s}
+        if cuda:
+            res.checks[f"{name}: predicted / measured in [0.9, 1.1]"] = within(ratio, 0.9, 1.1)
+        else:  # the CPU is no card: the control flow only
+            res.checks[f"{name}: ran"] = t.step > 0 and seconds > 0
+    partial_checkpointing(ctx, res, card, warm=warm, steps=steps)
+
+
+def partial_checkpointing(ctx: Context, res: Result, card: Any, *, warm: int, steps: int) -> None:
+    """The Llama shape at one micro-batch, its first half of blocks checkpointed and all of them: each predicted and
+    measured."""
+    small = ctx.scale < 1
+    n = 2 if small else 8
+    setting = Timed(lambda d: built_on(d, lambda: llama(ctx.scale, layers=n)), lambda b: tokens(b, 32 if small else 1024, ctx.scale),
+                    hf_loss, "bf16", 2 if small else 8, 1, 32 if small else 1024)
+    figures: dict[str, Any] = {"blocks": n, "micro_batch": setting.micro_batch, "length": setting.length}
+    for label, setting_k in ((f"first {n // 2}", n // 2), (f"all {n}", True)):
+        t, _ = predicted_step(setting, card, checkpointing=setting_k)
+        figures[label] = {"predicted_s": t.step, "measured_s": measured_step_time(setting, ctx.device, warm=warm, steps=steps,
+                                                                                 checkpointing=setting_k)}
+    half, every = figures[f"first {n // 2}"], figures[f"all {n}"]
+    half["predicted/measured"] = half["predicted_s"] / half["measured_s"]
+    every["predicted/measured"] = every["predicted_s"] / every["measured_s"]
+    figures["measured half/all"] = half["measured_s"] / every["measured_s"]
+    figures["predicted half/all"] = half["predicted_s"] / every["predicted_s"]
+    res.figures["partial checkpointing"] = figures
+    res.checks[f"checkpointing {n // 2} of {n} blocks: predicted faster than all"] = half["predicted_s"] < every["predicted_s"]
+    if ctx.device.type == "cuda":
+        res.checks[f"checkpointing {n // 2} of {n} blocks: measured faster than all"] = half["measured_s"] < every["measured_s"]
+
+
 # Each case with its time limit in seconds; the sum stays under 10 minutes with the plans' estimates.
 CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
     "published: lit-gpt": (published_steps, 240),
@@ -757,6 +955,7 @@ CASES: dict[str, tuple[Callable[[Context, Result], None], int]] = {
     "fit speed": (fit_speed, 90),
     "plan time": (plan_time, 120),
     "longest context": (longest_context, 180),
+    "step time": (step_time, 150),
 }
 
 

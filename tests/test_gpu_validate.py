@@ -134,3 +134,28 @@ def test_the_longest_context_case_runs_the_length_tokens_max_found(fake_cuda):
         assert found["at_1.1x"]["tokens"] == -(-found["tokens_max"] * 11 // 10)
         assert any(n.startswith(f"--tokens max: {found['tokens_max']} tokens") for n in found["notes"])
         assert set(res.checks) >= {f"{setting}: ran at the length found and at 1.1x"}
+
+
+def test_the_step_time_case_predicts_and_measures_every_setting(fake_cuda):
+    """On the CPU: every setting is traced for a card of the catalogue and timed for real, with its figures; the
+    prediction's FLOPs match the 6 x weights x tokens rule (plus attention's scores) for GPT-2, and checkpointing half
+    the blocks is predicted faster than all of them. The ratio's [0.9, 1.1] is the card's check."""
+    ctx = gpu_validate.Context(torch.device("cpu"), 0.06, 912 * 2**20)
+    res = gpu_validate.run_case("step time", ctx)
+    assert res.error is None and res.passed, res
+    assert "H100 SXM" in res.figures["card"]
+    settings = ["gpt2", "llama", "bert-large", "lora"] + (["qlora"] if isinstance(res.figures.get("qlora"), dict) else [])
+    for name in settings:
+        got = res.figures[name]
+        assert got["predicted_s"] > 0 and got["measured_s"] > 0 and got["accumulation"] == 2, name
+        assert got["predicted/measured"] == pytest.approx(got["predicted_s"] / got["measured_s"])
+        assert got["bound"] in ("compute", "memory", "host")
+    assert {f"{name}: ran" for name in settings} <= set(res.checks)
+    net, gpt2 = gpu_validate.gpt2(0.06), res.figures["gpt2"]
+    weights = sum(p.numel() for n, p in net.named_parameters() if p.dim() == 2 and "wpe" not in n)  # the head is tied to wte
+    tokens = gpt2["micro_batch"] * gpt2["accumulation"] * gpt2["length"]
+    scores = 12 * net.config.n_layer * gpt2["length"] * net.config.n_embd  # per token: QK^T and AV, forward and backward
+    assert gpt2["flops"] == pytest.approx(tokens * (6 * weights + scores), rel=0.02)
+    partial = res.figures["partial checkpointing"]
+    assert partial["first 1"]["predicted_s"] < partial["all 2"]["predicted_s"]
+    assert res.checks == {**{f"{name}: ran": True for name in settings}, "checkpointing 1 of 2 blocks: predicted faster than all": True}
