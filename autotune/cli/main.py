@@ -530,7 +530,7 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     def estimate(ranks: Any, checkpointing: bool) -> Any:
         (found,) = shard_plan(model, loader, target_batch=args.target_batch, ranks=ranks, optimizer=optimizer, loss_fn=loss_fn,
                               device=device, memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision,
-                              checkpointing=checkpointing)
+                              checkpointing=checkpointing, gpu=args.card.name if args.card else None)
         return found
 
     row = estimate(args.shard, bool(args.checkpointing))
@@ -558,6 +558,7 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     print(f"  peak per rank      {format_bytes(row.peak)} of a budget of {format_bytes(row.budget)}")
     for name, value in row.parts.items():
         print(f"    {name.replace('_', ' '):<17}{format_bytes(value)}")
+    print("".join(f"  {line}\n" for line in (row.time.lines() if row.time else ())), end="")  # with --gpu: the step's time
     if row.accumulation_steps > 1 or (not row.fits and -(-row.target_batch // row.ranks) > 1):
         print("  note: while a window accumulates, FSDP2 holds each rank's gradients unsharded (they are synced on its "
               "last micro-batch): counted above")
@@ -566,7 +567,7 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     if not row.fits:
         print("what would fit, estimated:" if would else "nothing else estimated fits: a larger --memory-limit or a smaller model")
         for flags, r in would:
-            print(f"  {flags:<28} micro-batch {r.micro_batch} per device over {r.ranks} devices, {format_bytes(r.peak)} a device")
+            print(f"  {flags:<28} micro-batch {r.micro_batch} per device over {r.ranks} devices, {format_bytes(r.peak)} a device{'' if r.time is None else f', {r.time.brief()}'}")
     return 0 if row.fits else 1
 
 

@@ -40,6 +40,7 @@ from autotune.memory.device import (
     default_limit,
 )
 from autotune.memory.ledger import storage_bytes
+from autotune.planning.collectives import ShardTime, card_and_limit, row_time, traffic
 from autotune.planning.options import check_target
 from autotune.planning.plans import budget_of, split_evenly
 from autotune.probe.estimate import estimator_for
@@ -66,6 +67,7 @@ class ShardParts:
         outside_units: parameters in no block (gathered by the root for the whole step).
         largest_unit_gradients: the gradients of the block with the most trainable parameters.
         step_temporaries: what the optimizer step allocates beyond the state, on one device.
+        units: each block's parameter and trainable gradient bytes, in order (what FSDP2's collectives move).
     """
 
     parameters: int
@@ -76,6 +78,7 @@ class ShardParts:
     outside_units: int
     largest_unit_gradients: int = 0
     step_temporaries: int = 0
+    units: tuple[tuple[int, int], ...] = ()
 
     @property
     def resident(self) -> int:
@@ -116,6 +119,7 @@ class ShardEstimate:
         parts: the per-rank breakdown of ``peak``: parameters, optimizer_state, gradients,
             reduce_scatter, gathered (parameters unsharded at once, and buffers), activations.
         notes: what such a run would meet that the figures do not show (:func:`sharding_notes`).
+        time: the optimizer step's time on the card planned for (``gpu=``), collectives included, or None.
     """
 
     ranks: int
@@ -126,6 +130,7 @@ class ShardEstimate:
     budget: int
     parts: dict[str, int]
     notes: tuple[str, ...] = ()
+    time: ShardTime | None = None
 
     @property
     def fits(self) -> bool:
@@ -139,13 +144,14 @@ class ShardEstimate:
         return (
             f"{self.ranks} ranks: micro_batch={self.micro_batch} x accumulation_steps={self.accumulation_steps} per rank, "
             f"{format_bytes(self.peak)} per rank of {format_bytes(self.budget)} ({parts})"
-        )
+        ) + (f"; {self.time.describe()}" if self.time else "")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
         return {"ranks": self.ranks, "micro_batch": self.micro_batch, "accumulation_steps": self.accumulation_steps,
                 "target_batch": self.target_batch, "peak": self.peak, "budget": self.budget, "fits": self.fits,
-                "parts": dict(self.parts), "notes": list(self.notes)}
+                "parts": dict(self.parts), "notes": list(self.notes),
+                "time": self.time.to_dict() if self.time else None}
 
 
 # What the estimate of a sharded bitsandbytes optimizer counts, and why it says so (measured with bitsandbytes 0.50.2 and
@@ -212,6 +218,7 @@ def shard_parts(model: nn.Module, optimizer_state: int, step_temporaries: int = 
         outside_units=parameters - sum(sizes) if units else 0,
         largest_unit_gradients=max((_trainable(u) for u in units), default=_trainable(model)),
         step_temporaries=step_temporaries,
+        units=tuple((size, _trainable(u)) for size, u in zip(sizes, units)),
     )
 
 
@@ -297,6 +304,7 @@ def shard_plan(
     headroom: float | None = None,
     precision: str | None = None,
     checkpointing: bool = False,
+    gpu: str | None = None,
 ) -> list[ShardEstimate]:
     """Estimate an FSDP2 run of the unsharded ``model`` over each number of ``ranks`` devices.
 
@@ -305,7 +313,9 @@ def shard_plan(
     (default: what ``device`` has, when this machine has it); the budget is taken from it as
     :func:`autotune.plan` takes it (less the CUDA context for CUDA, less the headroom).
 
-    ``ranks="auto"``: the fewest devices that fit (:func:`fewest_devices`).
+    ``ranks="auto"``: the fewest devices that fit (:func:`fewest_devices`). ``gpu``: a card of the catalogue
+    (:mod:`autotune.memory.gpus`): its memory is each device's (or ``memory_limit``, at most the card's), and each row
+    that fits gets the time of its step with FSDP2's collectives (:mod:`autotune.planning.collectives`).
 
     Returns:
         One :class:`ShardEstimate` per number of ranks, in the order given.
@@ -319,6 +329,7 @@ def shard_plan(
         raise ValueError(f"Invalid ranks {ranks!r}: give how many devices to shard over, e.g. 8 or (2, 4, 8), or 'auto'")
     check_target(target_batch)  # as plan and fit check it
     device = torch.device(device)
+    card, memory_limit = card_and_limit(gpu, device, memory_limit)
     if memory_limit is None:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("Cannot read the memory of a CUDA device on a machine without one: pass memory_limit= (e.g. '80GiB')")
@@ -342,7 +353,9 @@ def shard_plan(
         rows = [fewest_devices(parts, activations, budget=budget, target_batch=target_batch, lower=lower)]
     else:
         rows = shard_estimates(parts, activations, ranks=counts, budget=budget, target_batch=target_batch, lower=lower)
-    return [replace(row, notes=sharding_notes(optimizer, model, work.precision, row.parts["activations"])) for row in rows]
+    flows, work_at = traffic(parts.units, parameters=parts.parameters, gradients=parts.gradients), estimator_for(work).work
+    return [replace(row, notes=sharding_notes(optimizer, model, work.precision, row.parts["activations"]),
+                    time=row_time(row, card=card, work_at=work_at, flows=flows, batch=batch)) for row in rows]
 
 
 def fewest_devices(parts: ShardParts, activations: Callable[[int], int], *, budget: int, target_batch: int, lower: int = 1,
