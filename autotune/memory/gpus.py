@@ -14,7 +14,9 @@ Figures:
   matmuls use); ``fp32`` is the non-tensor rate (PyTorch's default for float32 matmuls, TF32 off). None: the card
   has no such units.
 - ``bandwidth``: memory bandwidth in bytes/s. ``link``: bytes/s per direction of the link between cards (NVLink on
-  SXM parts: the datasheet's total over both directions, halved) or to the host (PCIe x16).
+  SXM parts: the datasheet's total over both directions, halved) or to the host (PCIe x16). ``host_link``: bytes/s per
+  direction to the host where ``link`` is NVLink (an SXM part talks to its host over PCIe x16: the datasheet's PCIe
+  figure over both directions, halved); :meth:`Gpu.to_host` gives the host's link of any card.
 
 Names are forgiving (``H100 SXM``, ``h100``, ``rtx4090``, ``4090``, ``a100-80gb``): case, spaces, dashes and the
 words NVIDIA, GeForce and Tesla do not matter. Where only the form factor is left out, the SXM part is taken (same
@@ -53,6 +55,8 @@ class Gpu:
         source: the documents the figures come from.
         nvml_names: the names the driver reports for the card (NVML, ``torch.cuda.get_device_name``).
         aliases: other names it is asked for by.
+        host_link: bytes/s per direction of the link to the host where ``link`` is between cards (None: ``link`` is it).
+        host_link_kind: e.g. ``"PCIe 5.0 x16"``, where ``host_link`` is given.
     """
 
     name: str
@@ -72,6 +76,8 @@ class Gpu:
     source: str
     nvml_names: tuple[str, ...]
     aliases: tuple[str, ...] = ()
+    host_link: float | None = None
+    host_link_kind: str | None = None
 
     def peak(self, dtype: str) -> float | None:
         """Peak dense FLOP/s for ``dtype`` (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"int8"``).
@@ -82,6 +88,11 @@ class Gpu:
         if dtype not in _DTYPES:
             raise ValueError(f"Invalid dtype {dtype!r}: give one of {', '.join(_DTYPES)}")
         return getattr(self, dtype)  # type: ignore[no-any-return]
+
+    def to_host(self) -> tuple[float, str]:
+        """Bytes/s per direction of the card's link to the host, and its kind: ``host_link`` where the card has one apart
+        from ``link`` (SXM parts), else ``link`` (PCIe cards)."""
+        return (self.host_link, self.host_link_kind or "PCIe") if self.host_link is not None else (self.link, self.link_kind)
 
     def describe(self) -> str:
         """One line for a plan's notes, e.g. ``"an H100 SXM (80 GB HBM3; 989 TFLOP/s bf16 dense, 3.35 TB/s)"``."""
@@ -111,6 +122,13 @@ _AD102 = "NVIDIA Ada GPU Architecture whitepaper, appendix A (GeForce RTX 4090)"
 _T4 = "NVIDIA T4 Tensor Core GPU datasheet"
 _V100 = "NVIDIA V100 Tensor Core GPU datasheet (SXM2)"
 
+# An SXM part's link to its host, beside its NVLink: PCIe x16, per direction. The A100 datasheet gives "PCIe Gen4: 64GB/s"
+# for the SXM cards too, the H100 and H200 datasheets "PCIe Gen5: 128GB/s" (both directions); the V100 datasheet gives the
+# PCIe card's 32 GB/s (PCIe 3.0 x16, which the SXM2 card's host link is).
+_PCIE3_HOST: dict[str, Any] = {"host_link": 16e9, "host_link_kind": "PCIe 3.0 x16"}
+_PCIE4_HOST: dict[str, Any] = {"host_link": 32e9, "host_link_kind": "PCIe 4.0 x16"}
+_PCIE5_HOST: dict[str, Any] = {"host_link": 64e9, "host_link_kind": "PCIe 5.0 x16"}
+
 
 def _reported(mib: int, where: str) -> tuple[int, str]:
     return mib * _MiB, f"as PyTorch reports it ({mib} MiB, total_memory), {where}"
@@ -129,7 +147,7 @@ _CARDS = (
         *(42_298_834_944, "as the CUDA runtime reports it (40339 MiB, deviceQuery's totalGlobalMem)"),
         fp32=19.5e12, tf32=156e12, bf16=312e12, fp16=312e12, fp8=None, int8=624e12,
         bandwidth=1555e9, link=300e9, link_kind="NVLink 3", source=_A100,
-        nvml_names=("NVIDIA A100-SXM4-40GB",), aliases=("a100-40gb", "a100-sxm4-40gb")),
+        nvml_names=("NVIDIA A100-SXM4-40GB",), aliases=("a100-40gb", "a100-sxm4-40gb"), **_PCIE4_HOST),
     Gpu("a100-40gb-pcie", "A100 PCIe 40GB", "40 GB HBM2", *_reported(40326, "driver of 2021"),
         fp32=19.5e12, tf32=156e12, bf16=312e12, fp16=312e12, fp8=None, int8=624e12,
         bandwidth=1555e9, link=32e9, link_kind="PCIe 4.0 x16", source=_A100,
@@ -138,7 +156,7 @@ _CARDS = (
         *_datasheet(80, " (nvidia-smi shows 81920 MiB; the CUDA runtime reports 81049 MiB for the 80GB PCIe card)"),
         fp32=19.5e12, tf32=156e12, bf16=312e12, fp16=312e12, fp8=None, int8=624e12,
         bandwidth=2039e9, link=300e9, link_kind="NVLink 3", source=_A100,
-        nvml_names=("NVIDIA A100-SXM4-80GB",), aliases=("a100-80gb", "a100-sxm4-80gb")),
+        nvml_names=("NVIDIA A100-SXM4-80GB",), aliases=("a100-80gb", "a100-sxm4-80gb"), **_PCIE4_HOST),
     Gpu("a100-80gb-pcie", "A100 PCIe 80GB", "80 GB HBM2e",
         *(81049 * _MiB, "as the CUDA runtime reports it (81049 MiB, totalGlobalMem; driver of CUDA 12.3)"),
         fp32=19.5e12, tf32=156e12, bf16=312e12, fp16=312e12, fp8=None, int8=624e12,
@@ -147,7 +165,7 @@ _CARDS = (
     Gpu("h100-sxm", "H100 SXM", "80 GB HBM3", *_reported(81082, "driver of CUDA 11.8 (newer drivers: 81089 MiB)"),
         fp32=66.9e12, tf32=494.7e12, bf16=989.4e12, fp16=989.4e12, fp8=1978.9e12, int8=1978.9e12,
         bandwidth=3.35e12, link=450e9, link_kind="NVLink 4", source=_H100,
-        nvml_names=("NVIDIA H100 80GB HBM3",), aliases=("h100", "h100-sxm5", "h100-80gb", "h100-80gb-hbm3")),
+        nvml_names=("NVIDIA H100 80GB HBM3",), aliases=("h100", "h100-sxm5", "h100-80gb", "h100-80gb-hbm3"), **_PCIE5_HOST),
     Gpu("h100-pcie", "H100 PCIe", "80 GB HBM2e", *_reported(81008, "driver of 2023"),
         fp32=51.2e12, tf32=378e12, bf16=756e12, fp16=756e12, fp8=1513e12, int8=1513e12,
         bandwidth=2.0e12, link=64e9, link_kind="PCIe 5.0 x16", source=_H100,
@@ -155,7 +173,7 @@ _CARDS = (
     Gpu("h200", "H200 SXM", "141 GB HBM3e", *_reported(143771, "measured on an H200 with driver 580.159 (2026-12-04)"),
         fp32=67e12, tf32=989e12 / 2, bf16=1979e12 / 2, fp16=1979e12 / 2, fp8=3958e12 / 2, int8=3958e12 / 2,
         bandwidth=4.8e12, link=450e9, link_kind="NVLink 4", source=_H200,
-        nvml_names=("NVIDIA H200",), aliases=("h200-sxm", "h200-141gb")),
+        nvml_names=("NVIDIA H200",), aliases=("h200-sxm", "h200-141gb"), **_PCIE5_HOST),
     Gpu("l4", "L4", "24 GB GDDR6", *_smi(23034, "ECC on, drivers of 2023-2026"),
         fp32=30.3e12, tf32=120e12 / 2, bf16=242e12 / 2, fp16=242e12 / 2, fp8=485e12 / 2, int8=485e12 / 2,
         bandwidth=300e9, link=32e9, link_kind="PCIe 4.0 x16", source=_L4,
@@ -183,11 +201,11 @@ _CARDS = (
     Gpu("v100-16gb", "V100 SXM2 16GB", "16 GB HBM2", *_reported(16160, "drivers of 2020-2021"),
         fp32=15.7e12, tf32=None, bf16=None, fp16=125e12, fp8=None, int8=None,
         bandwidth=900e9, link=150e9, link_kind="NVLink 2", source=_V100,
-        nvml_names=("Tesla V100-SXM2-16GB",), aliases=("v100-sxm2-16gb",)),
+        nvml_names=("Tesla V100-SXM2-16GB",), aliases=("v100-sxm2-16gb",), **_PCIE3_HOST),
     Gpu("v100-32gb", "V100 SXM2 32GB", "32 GB HBM2", *_smi(32510, "as for the 16 GB card, where it equals PyTorch's total_memory"),
         fp32=15.7e12, tf32=None, bf16=None, fp16=125e12, fp8=None, int8=None,
         bandwidth=900e9, link=150e9, link_kind="NVLink 2", source=_V100,
-        nvml_names=("Tesla V100-SXM2-32GB",), aliases=("v100-sxm2-32gb",)),
+        nvml_names=("Tesla V100-SXM2-32GB",), aliases=("v100-sxm2-32gb",), **_PCIE3_HOST),
 )
 
 GPUS: dict[str, Gpu] = {card.name: card for card in _CARDS}
