@@ -84,6 +84,13 @@ def test_over_more_h100s_a_ranks_compute_falls_while_the_collectives_share_grows
     assert times[0].step > times[2].step  # 4x the devices: still faster, not 4x
 
 
+def test_over_more_than_a_node_the_time_says_it_is_a_lower_bound():
+    (row,) = autotune.shard_plan(llama(2), loader(128), target_batch=16, ranks=16, gpu="h100")
+    assert "spans nodes" in row.time.basis and "lower bound" in row.time.brief()
+    (row,) = autotune.shard_plan(llama(2), loader(128), target_batch=16, ranks=8, gpu="h100")
+    assert "spans nodes" not in row.time.basis and "lower bound" not in row.time.brief()
+
+
 def test_without_a_card_there_is_no_time_and_a_card_with_a_cpu_device_is_refused():
     (row,) = autotune.shard_plan(llama(2), loader(128), target_batch=8, ranks=2, device="cpu", memory_limit="8GiB")
     assert row.time is None and row.to_dict()["time"] is None

@@ -216,7 +216,8 @@ class ShardTime:
 
     def brief(self) -> str:
         """A few words for a row: the optimizer step's time and the collectives' part not hidden by compute."""
-        return f"{seconds(self.step)} a step ({seconds(self.exposed)} of it collectives not hidden by compute)"
+        spans = f"; over more than {NODE} devices, a lower bound (the network between nodes not modelled)" if self.ranks > NODE else ""
+        return f"{seconds(self.step)} a step ({seconds(self.exposed)} of it collectives not hidden by compute{spans})"
 
     def lines(self) -> list[str]:
         """The report's rows: the step, its compute and collectives, the throughput, the basis."""
