@@ -226,3 +226,38 @@ def test_the_command_line_takes_auto_a_count_or_the_flag_alone(capsys):
     assert parse(["report", "--checkpointing", "model.py:make"]).checkpointing is True  # MODEL after the flag stays MODEL
     assert parse(["report", "--checkpointing", "model.py:make"]).model == "model.py:make"
     assert parse(["report", "model.py:make", "--checkpointing", "auto"]).checkpointing == "auto"
+
+
+def test_auto_for_a_card_takes_the_fastest_micro_batch_and_count_it_weighs():
+    """The micro-batch and count ``fastest_setting`` takes are the fastest predicted among the largest micro-batch and
+    its halves, each with the fewest blocks that fit it, found here by the estimate's peaks (a fresh estimator)."""
+    from autotune.memory.gpus import gpu_named
+    from autotune.memory.timing import predict
+    from autotune.probe.partial import fastest_setting
+
+    model, batch = hf_models.llama(layers=6, dim=32, mlp=512, vocab=32), tokens(8, 128, 32)
+    total, card, share = len(blocks(model)), gpu_named("h100-sxm"), 8
+    budget = (peak(model, batch, 4, False) + peak(model, batch, 8, True)) // 2
+
+    def setting(k):
+        return True if k == total else (k or False)
+
+    def step(b, k):
+        w = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                     device=torch.device("cpu"), checkpointing=setting(k))
+        return predict(Estimator(w).work(b), card, accumulation=-(-share // b), samples=share).step
+
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                    device=torch.device("cpu"))
+    m, count, said = fastest_setting(work, 8, budget, card=card, share=share)
+    assert peak(model, batch, m, setting(count)) <= budget
+    assert count == 0 or peak(model, batch, m, setting(count - 1)) > budget
+    times = {}
+    for b in (8, 4, 2, 1):
+        k = next(k for k in range(total + 1) if peak(model, batch, b, setting(k)) <= budget)
+        times[b] = step(b, k)
+        if k == 0:
+            break
+    assert 0 < count and len(times) >= 2  # the shape the test needs: at 8 some blocks must be checkpointed
+    assert step(m, count) == pytest.approx(min(times.values()), rel=1e-9)
+    assert len(said) == len(times)

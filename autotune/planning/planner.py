@@ -433,7 +433,8 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
             own_peak = [t.peak_memory for t in work.trials if not t.estimate and t.batch_size == size]
             found = dataclasses.replace(found, peak=own_peak[-1] if own_peak else found.peak)
         if shared.checkpointing == "auto" and found.batch_size:  # that micro-batch, with the fewest blocks checkpointed
-            found = settle_auto(work, found, budget=budget, snapshot=snapshot, verify=probing.verify)
+            found = settle_auto(work, found, budget=budget, snapshot=snapshot, verify=probing.verify,
+                                card=shared.gpu or card_here(setup.device), share=upper)
         if found.batch_size == 0:
             raise _nothing_fits_here(work, found, budget=budget, limit=limit, headroom=setup.headroom, set_aside=set_aside,
                                      upper=upper, shared=shared, setup=setup)
@@ -535,8 +536,7 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
         by_shape=probing.by_shape, memory_curve=work.curve, trials=tuple(work.trials), notes=tuple(notes),
         setting=describe_setting(model, optimizer, device=setup.device, precision=setup.precision, checkpointing=work.checkpointing,
                                  batch=work.batch, loss_fn=work.loss_fn),
-        items=probed.items,
-        recipe=recipe_of(model, optimizer), step_time=timed,
+        items=probed.items, recipe=recipe_of(model, optimizer), step_time=timed,
     )
 
 
