@@ -27,8 +27,9 @@ LoRA and QLoRA, 256 to 8192 tokens, within 0.83-1.16 (``benchmarks/step_time.py`
 sources; ``docs/benchmarks.md`` holds the table). The attention efficiency is above 1: torch's formula counts every
 score of a causal attention, of which the kernels compute half. All the cases are of one card: other cards are
 predicted from their datasheets' peaks with the same efficiencies, checked by ``benchmarks/gpu_validate.py``'s
-``step time`` case on a lent card. Not modelled: collectives (a sharded or data-parallel step's all-gathers, reduce-scatters and
-all-reduces), host-device copies of the batch, the data loader, and CUDA graphs or compilation.
+``step time`` case on a lent card. A sharded step's all-gathers and reduce-scatters are added by
+:mod:`autotune.planning.collectives`. Not modelled: a data-parallel step's all-reduces, host-device copies of the
+batch, the data loader, and CUDA graphs or compilation.
 """
 
 from __future__ import annotations
