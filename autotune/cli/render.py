@@ -124,7 +124,8 @@ def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
     for row in fits:
         flags = " ".join(_flags(row, own))
         step = f", {seconds(row.step_time)} a step" if row.step_time is not None else ""
-        lines.append(f"  {flags:<68} micro-batch {row.micro_batch}{step}")
+        host = f", {format_bytes(row.host_bytes)} of host memory" if getattr(row, "host_bytes", None) else ""
+        lines.append(f"  {flags:<68} micro-batch {row.micro_batch}{step}{host}")
     if shard is not None:
         lines.append(f"  {f'--shard {shard.ranks}':<68} micro-batch {shard.micro_batch} per device: FSDP2 over {shard.ranks} devices, "
                      f"{format_bytes(shard.peak)} a device (the fewest that fit)")
@@ -150,7 +151,8 @@ def nothing_fits_json(err: Any, device: dict[str, Any], *, tokens: int | None = 
     answer begins), the figures and where the bytes go, what would fit as the flags that change it (the cheapest first, then
     the fewest FSDP2 devices, as the message lists them), the whole what-if table and the FSDP2 counts estimated."""
     fits, own, shard = _would_fit(err)
-    would = [{"flags": " ".join(_flags(r, own)), "micro_batch": r.micro_batch, "setting": r.describe()} for r in fits]
+    would = [{"flags": " ".join(_flags(r, own)), "micro_batch": r.micro_batch, "setting": r.describe(), "step_time": r.step_time,
+              **({"host_memory": r.host_bytes} if getattr(r, "host_bytes", None) else {})} for r in fits]
     if shard is not None:
         would.append({"flags": f"--shard {shard.ranks}", "micro_batch": shard.micro_batch, "per_device": shard.peak,
                       "setting": f"FSDP2 over {shard.ranks} devices"})
@@ -183,6 +185,8 @@ def _flags(row: Any, own: Any) -> list[str]:
         from autotune.planning.whatif import LORA_RANK
 
         flags.append(f"{'--quantize nf4 ' if row.adapters.startswith('QLoRA') else ''}--lora {LORA_RANK} --lora-modules all-linear")
+    if getattr(row, "offload", None):
+        flags.append("FSDP2 CPUOffloadPolicy (API)")
     return flags
 
 

@@ -157,6 +157,8 @@ def _smallest_change(table: Any) -> str | None:
         kwargs.append("checkpointing=True")
     if "(given)" not in best.optimizer:
         kwargs.append(f"an optimizer like {best.optimizer}")
+    if best.offload:
+        kwargs.append("fully_shard with CPUOffloadPolicy on one device")
     return (
         f"with {best.describe()} an estimated {best.micro_batch} samples per micro-batch fit ({', '.join(kwargs)}; "
         "err.what_if holds the table of what fits)"

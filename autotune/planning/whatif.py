@@ -30,6 +30,11 @@ Where the plan is for a card of the catalogue (``gpu=``, ``--gpu``, or a CUDA de
 row also gives the time of an optimizer step at the target batch with its largest micro-batch (split evenly), as
 :func:`autotune.memory.timing.predict` gives it from the row's traces (read off the line through its two, as its
 micro-batch is), and the changes that fit are ordered by it: the fastest first.
+
+Where your own settings fit no micro-batch on a CUDA device, two rows offload instead (your settings, with checkpointing
+off and on): FSDP2's ``CPUOffloadPolicy`` on one device, which keeps the parameters, gradients and optimizer state in
+host memory and copies each block's parameters to the device as it runs (:mod:`autotune.planning.offload`: what the
+device holds, the host memory the row needs, and its time, bounded by the host link). Offered, never applied.
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ from autotune.memory.optimizers import make_optimizer, rebuilt
 from autotune.memory.quantized import bitsandbytes, quantize
 from autotune.probe.depth import Stack, deepest_copy, repeated_stacks, truncated
 from autotune.probe.estimate import estimator_for
-from autotune.memory.timing import predict, seconds
+from autotune.memory.timing import StepTime, predict, seconds
 from autotune.memory.work import Work, combined
+from autotune.planning.offload import host_optimizer, offload_time, offloaded
 from autotune.units import format_bytes
 
 __all__ = ["WhatIf", "WhatIfRow", "estimate_rows"]
@@ -74,6 +80,9 @@ class WhatIfRow:
         adapters: what the row trains instead of every weight (``"LoRA r=16, all linear"``), or None.
         step_time: seconds of an optimizer step at the target batch with the row's micro-batch on the card planned
             for (predicted; None where no card is known or nothing fits).
+        offload: what offloading to host memory changes, in words (:meth:`autotune.planning.offload.Offload.describe`),
+            or None.
+        host_bytes: bytes of host memory an offloading row needs (parameters, gradients and optimizer state), or None.
     """
 
     precision: str
@@ -86,6 +95,8 @@ class WhatIfRow:
     verified: bool = False
     adapters: str | None = None
     step_time: float | None = None
+    offload: str | None = None
+    host_bytes: int | None = None
 
     def describe(self) -> str:
         """The row's settings in words, e.g. ``"bf16 autocast, activation checkpointing, AdamW (given)"`` (``"no autocast"``
@@ -96,16 +107,19 @@ class WhatIfRow:
         parts.append(self.optimizer)
         if self.adapters:
             parts.append(self.adapters)
+        if self.offload:
+            parts.append(self.offload)
         return ", ".join(parts)
 
     @property
     def cost(self) -> int:
         """What the row's changes cost a user, for ranking: a precision or checkpointing 1 each (time), another
-        optimizer 2 (its numerics), LoRA 3 and QLoRA 4 (another training: fewer weights learn)."""
+        optimizer 2 (its numerics), offloading 2 (its copies), LoRA 3 and QLoRA 4 (another training: fewer weights learn)."""
         optimizer = 0 if "(given)" in self.optimizer else 2
         adapters = (4 if self.adapters.startswith("QLoRA") else 3) if self.adapters else 0
-        others = self.changes - bool(optimizer) - bool(adapters)  # precision, checkpointing
-        return others + optimizer + adapters
+        offload = 2 if self.offload else 0
+        others = self.changes - bool(optimizer) - bool(adapters) - bool(offload)  # precision, checkpointing
+        return others + optimizer + adapters + offload
 
 
 @dataclass(frozen=True)
@@ -129,7 +143,7 @@ class WhatIf:
     def without_checkpointing(self, row: WhatIfRow) -> WhatIfRow | None:
         """The row with ``row``'s precision, optimizer and adapters and checkpointing off (None if absent)."""
         return next((r for r in self.rows if not r.checkpointing and r.precision == row.precision and r.optimizer == row.optimizer
-                     and r.adapters == row.adapters), None)
+                     and r.adapters == row.adapters and r.offload == row.offload), None)
 
     def checkpointing_hurts(self, row: WhatIfRow) -> bool:
         """Whether ``row`` turns checkpointing on and fits fewer samples than without it: every block's
@@ -163,6 +177,8 @@ class WhatIf:
             tag = "verified" if r.verified else ("yours, estimate" if r.changes == 0 else "estimate")
             if self.checkpointing_hurts(r):
                 tag += ", fewer than without checkpointing"
+            if r.offload:
+                tag += f", offloaded: {format_bytes(r.host_bytes or 0)} of host memory"
             what = f" {r.adapters or 'every weight':<{width}}" if adapters else ""
             step = (f" {'-' if r.step_time is None else seconds(r.step_time):>10}" if timed else "")
             lines.append(f"{'off' if r.precision == 'fp32' else r.precision:<10} {'on' if r.checkpointing else 'off':<14} {r.optimizer:<28}{what} {r.micro_batch:>11} {per:>12} "
@@ -176,6 +192,9 @@ class WhatIf:
                 f"{r.precision}, {r.optimizer}): it keeps each block's input, which for these blocks is what the step keeps "
                 "anyway, and recomputing adds temporaries; it helps models of deep blocks (transformer layers)"
             )
+        if any(r.offload for r in self.rows):
+            lines.append("offloaded: FSDP2 with CPUOffloadPolicy on one device, the parameters, gradients and optimizer state in "
+                         "host memory, each block's parameters copied in as it runs (offered, not applied; docs/concepts.md)")
         if timed:
             lines.append("step: an optimizer step at the target batch, predicted; a row that changes the optimizer or trains "
                          "adapters changes the training too")
@@ -314,6 +333,7 @@ def estimate_rows(
         timed = _timed(estimator if size and size >= lower else None, size, card, target)
         rows.append(WhatIfRow(precision, ckpt, name, size, per, fixed, changes, verified and own, step_time=timed))  # type: ignore[arg-type]
     rows.extend(_adapter_rows(work, budget=budget, upper=upper, lower=lower, given=given, card=card, target=target))
+    rows.extend(_offload_rows(work, rows, budget=budget, upper=upper, lower=lower, given=given, card=card, target=target))
     rows.sort(key=lambda r: (r.changes > 0, r.micro_batch < lower, r.step_time is None, r.step_time or 0.0, r.cost,
                              r.precision != work.precision, r.checkpointing != bool(work.checkpointing)))
     return WhatIf(tuple(rows), budget, lower)
@@ -344,8 +364,37 @@ def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str,
     return rows
 
 
+def _offload_rows(work: Any, rows: list[WhatIfRow], *, budget: int, upper: int, lower: int, given: str, card: Any = None,
+                  target: int | None = None) -> list[WhatIfRow]:
+    """FSDP2's CPUOffloadPolicy on one device (see the module docstring), with your checkpointing and with the other:
+    rows only where your own settings fit no micro-batch on a CUDA device and the optimizer can step on the CPU."""
+    own = next((r for r in rows if r.changes == 0), None)
+    if work.device.type != "cuda" or own is None or own.micro_batch >= lower or not host_optimizer(work.optimizer):
+        return []
+    made = []
+    for ckpt in (bool(work.checkpointing), not work.checkpointing):
+        try:
+            estimator = estimator_for(work, checkpointing=ckpt if ckpt != bool(work.checkpointing) else None)
+            found = offloaded(estimator, work.model, budget=budget, upper=upper, lower=lower)
+        except ValueError:  # no blocks to checkpoint
+            continue
+        size = found.micro_batch
+        compute = _predicted(estimator if size >= lower else None, size, card, target)
+        made.append(WhatIfRow(work.precision, ckpt, given, size, float(found.per_sample), found.device_peak - found.per_sample * (size or lower),
+                              1 + int(ckpt != bool(work.checkpointing)), step_time=None if compute is None else offload_time(found, compute, card).step,
+                              offload=found.describe(), host_bytes=found.host_bytes))
+    return made
+
+
 def _timed(estimator: Any, size: int, card: Any, target: int | None) -> float | None:
-    """Seconds of an optimizer step of ``target`` samples in even micro-batches of at most ``size``, on ``card``: the
+    """Seconds of an optimizer step of ``target`` samples in even micro-batches of at most ``size``, on ``card``
+    (:func:`_predicted`'s)."""
+    predicted = _predicted(estimator, size, card, target)
+    return None if predicted is None else predicted.step
+
+
+def _predicted(estimator: Any, size: int, card: Any, target: int | None) -> StepTime | None:
+    """The optimizer step of ``target`` samples in even micro-batches of at most ``size``, on ``card``: the
     work read off the line through the estimator's two traces (exact where the step is linear in the micro-batch, as
     its matmuls and element-wise work are)."""
     if estimator is None or card is None or not target:
@@ -357,7 +406,7 @@ def _timed(estimator: Any, size: int, card: Any, target: int | None) -> float | 
     span = b2 - b1
     mixed = combined([(b2 - micro, w1), (micro - b1, w2)])  # span x the work at micro, as integer-weighted terms
     at = Work(tuple((*p[:3], p[3] // span, p[4] // span) for p in mixed.parts), tuple((phase, n // span) for phase, n in mixed.launches))
-    return predict(at, card, accumulation=k, samples=target).step
+    return predict(at, card, accumulation=k, samples=target)
 
 
 def _tensors_curve(estimator: Any, work: Any, upper: int, peak: Callable[[int], int]) -> Callable[[int], int]:
