@@ -146,3 +146,27 @@ def test_the_what_if_rows_are_timed_and_the_fastest_change_comes_first(capsys, c
     changes = table.changes_that_fit()
     assert [r.step_time for r in changes] == sorted(r.step_time for r in changes)
     assert " step" in str(table).splitlines()[0]
+
+
+def test_the_runs_time_counts_epochs_of_a_sized_dataset():
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    from autotune.planning.report import time_lines
+    from autotune.planning.times import run_of, run_samples
+
+    data = TensorDataset(torch.randn(100, 32), torch.randint(0, 4, (100,)))
+    loader = DataLoader(data, batch_size=8)
+    assert run_samples(None, 3, loader) == 300 and run_samples(1000, 3, loader) == 1000
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from data
+
+    assert run_samples(None, 3, DataLoader(Stream(), batch_size=8)) is None and run_samples(None, None, loader) is None
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    plan = autotune.plan(model, loader, target_batch=16, memory_limit="1GiB", progress=False)
+    run = run_of(plan, 300)
+    assert run["optimizer_steps"] == -(-300 // plan.effective_batch)
+    assert run["seconds"] == pytest.approx(run["optimizer_steps"] * plan.step_time.step)
+    assert any(line.strip().startswith("run") and f"for 300 samples ({run['optimizer_steps']} optimizer steps)" in line
+               for line in time_lines(plan, 300))

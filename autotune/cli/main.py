@@ -449,6 +449,7 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
     ``--hf-config``'s batch, which the JSON also gives per micro-batch and per optimizer step."""
     import autotune
     from autotune.planning.report import deepspeed_comments, framework_configs, render_json, render_text
+    from autotune.planning.times import run_of, run_samples
     from autotune.train.noise import advice
 
     table = None
@@ -478,9 +479,8 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
             data["noise_scale"] = None if noise is None else {**dataclasses.asdict(noise), "advice": advice(noise, args.target_batch)}
         if ramp is not None:
             data["ramp"] = {"spec": repr(ramp), "stages": _ramp_lines(ramp, plan, args.samples)}
-        if args.samples and plan.step_time is not None:
-            steps = -(-args.samples // plan.effective_batch)
-            data["run"] = {"samples": args.samples, "optimizer_steps": steps, "seconds": plan.step_time.run(steps)}
+        if (run := run_of(plan, run_samples(args.samples, args.epochs, loader))) is not None:
+            data["run"] = run
         print(json.dumps(data, indent=2))
         return
     if args.format:
@@ -490,7 +490,7 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         print(config)
         return
     print(render_text(plan, device=facts, breakdown=breakdown, cached=cached, by_length=by_length, lr_given=args.lr is not None,
-                      run_samples=args.samples))
+                      run_samples=run_samples(args.samples, args.epochs, loader)))
     if table is not None:
         print()
         print("What if (estimates; the verified row ran for real)")

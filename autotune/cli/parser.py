@@ -124,7 +124,8 @@ def make_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print the plan, device facts and memory breakdown as JSON")
     out.add_argument("--format", choices=("lightning", "accelerate", "hf", "deepspeed", "keras"), help="print only that framework's config")
     r.add_argument("--plot", metavar="PNG", type=Path, help="plot peak memory against batch size (needs matplotlib)")
-    r.add_argument("--epochs", type=int, metavar="N", help="the run's length, to cap the recommended warm-up at 10%% of it")
+    r.add_argument("--epochs", type=int, metavar="N", help="the run's length, to cap the recommended warm-up at 10%% of it "
+                   "(and, with a --loader over a sized dataset, the run's time)")
     r.add_argument("--checkpointing", type=_checkpointing, nargs="?", const=True, default=False, metavar="auto|N",
                    help="plan with activation checkpointing on the model's blocks: alone, every block; N: the first N blocks; "
                    "auto: the fewest blocks with which the micro-batch found with every block fits")

@@ -21,7 +21,7 @@ from autotune import batches as B
 from autotune.memory.gpus import Gpu, gpu_for
 from autotune.memory.timing import StepTime, measured, predict
 
-__all__ = ["card_here", "plan_step_time", "tokens_per_sample"]
+__all__ = ["card_here", "plan_step_time", "run_of", "run_samples", "tokens_per_sample"]
 
 
 def tokens_per_sample(batch: Any) -> int | None:
@@ -73,3 +73,24 @@ def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int
         return None
     return predict(estimator.work(max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
 
+
+
+def run_samples(samples: int | None, epochs: int | None, loader: Any) -> int | None:
+    """The run's samples for its time: ``samples`` where given, else ``epochs`` passes over the loader's dataset where
+    it has a length (a ``DataLoader`` over a sized dataset); None otherwise."""
+    if samples:
+        return samples
+    dataset = getattr(loader, "dataset", None)
+    try:
+        return epochs * len(dataset) if epochs and dataset is not None else None  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset: no length
+        return None
+
+
+def run_of(plan: Any, samples: int | None) -> dict[str, Any] | None:
+    """The run of ``samples`` at ``plan``'s step time, for ``--json``: its samples, optimizer steps and seconds (None
+    without a step time or a run)."""
+    if not samples or plan.step_time is None:
+        return None
+    steps = -(-samples // plan.effective_batch)
+    return {"samples": samples, "optimizer_steps": steps, "seconds": plan.step_time.run(steps)}
