@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from autotune.memory.checkpointing import blocks
+from autotune.memory.curve import MemoryCurve
 from autotune.memory.ledger import storage_bytes
 from autotune.memory.timing import StepTime, seconds
 from autotune.probe.search import estimated_max
@@ -144,8 +145,9 @@ def _trainable(module: nn.Module) -> int:
 
 def offloaded(estimator: Any, model: nn.Module, *, budget: int, upper: int, lower: int = 1) -> Offload:
     """What one device holds under FSDP2's ``CPUOffloadPolicy`` and the largest micro-batch in ``[lower, upper]`` that
-    fits ``budget`` (bytes), from ``estimator``'s traces of ``model``'s step (no new trace from the curve's two sizes
-    on; :class:`autotune.probe.estimate.Estimator`).
+    fits ``budget`` (bytes), read off the line through ``estimator``'s two traces of ``model``'s step (their forward and
+    backward's, or their peaks' where the two ran different operations), as a what-if row is: no new trace
+    (:class:`autotune.probe.estimate.Estimator`).
 
     Args:
         estimator: the estimator of the step as given (its precision, checkpointing and optimizer).
@@ -161,11 +163,12 @@ def offloaded(estimator: Any, model: nn.Module, *, budget: int, upper: int, lowe
     held = {"parameters": max((a + b for a, b in zip(sizes, sizes[1:])), default=0) + root + storage_bytes(model.buffers()),
             "gradients": 2 * max((_trainable(u) for u in units), default=0) + root_grads}
     resident = estimator.resident()
-    curve = estimator.backward_curve() if upper >= estimator.sizes[0] else None
+    b1, b2 = estimator.sizes
+    # The line of the two traces' forward and backward; through their peaks where their operations differ.
+    curve = estimator.backward_curve() or MemoryCurve.through(b1, estimator.trace(b1).backward_peak, b2, estimator.trace(b2).backward_peak)
 
     def activations(b: int) -> int:
-        peak = curve(b) if curve is not None and b >= estimator.sizes[0] else estimator.trace(b).backward_peak
-        return max(0, round(peak) - resident)
+        return max(0, round(curve(b)) - resident)
 
     size, _ = estimated_max(lambda b: sum(held.values()) + activations(b), budget, upper, lower=lower)
     at = {**held, "activations": activations(size or lower)}
