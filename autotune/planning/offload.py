@@ -28,7 +28,8 @@ every unit's parameters twice (the root's once) and to the host every gradient, 
 window on the host adds each gradient to the one it holds (FSDP2 then copies synchronously, and the CPU's sum blocks
 the thread that launches the card's kernels). A micro-step takes the longer of the card's forward and backward
 (:func:`autotune.memory.timing.predict`) and the copies over the host link at its nominal rate per direction
-(:meth:`autotune.memory.gpus.Gpu.to_host`; pinned copies reach somewhat less: a lower bound of that part), plus the
+(:meth:`autotune.memory.gpus.Gpu.to_host`; pinned copies reach somewhat less: a lower bound of that part), the two
+directions' bytes added (the copy back, synchronous while a window accumulates, holds up the next copies in), plus the
 host's sums; an optimizer step ``k`` of those and the CPU optimizer's step over the state. The host's work runs at
 :data:`HOST_RATE`: one core's rate measured (torch runs its CPU kernels on every core, up to the host's memory
 bandwidth, so a host with more free cores is faster at that part).
