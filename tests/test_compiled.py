@@ -266,3 +266,13 @@ def test_fit_trains_the_compiled_module_as_one_big_batch_and_leaves_it_compiled(
             p -= 0.5 * p.grad
     for (name, p), q in zip(compiled.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q.float(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_compiled_models_plan_writes_nothing_to_the_processs_stderr(capfd):
+    """The profiler that counts a compiled step's CPU bytes writes a line to file descriptor 2 as it starts and stops
+    (its C++ side, past Python's sys.stderr): nothing of it reaches the user's terminal."""
+    model = torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), backend="aot_eager")
+    loader = [(torch.randn(8, 16), torch.randint(0, 4, (8,)))] * 2
+    autotune.plan(model, loader, target_batch=16, memory_limit="64MiB", progress=False)
+    out, err = capfd.readouterr()
+    assert err == "" and out == ""

@@ -84,14 +84,16 @@ class CpuAllocations:
         from torch.profiler import ProfilerActivity, profile
 
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profile.__enter__()
+        with _silent_stderr():  # the profiler's C++ side writes a line to the process's stderr as it starts and stops
+            self._profile.__enter__()
         marker = torch.empty(1, dtype=torch.uint8)
         self._marker = marker.data_ptr()
         del marker
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._profile.__exit__(*exc)
+        with _silent_stderr():
+            self._profile.__exit__(*exc)
         if exc[0] is None:
             self.growth = self._growth()
         self._profile = None
@@ -113,6 +115,23 @@ class CpuAllocations:
                 marks.append((event.start_time_ns, fields.total_allocated - 1))
         assert marks, "the profiler reported no allocation of the marker"
         return max(totals) - min(marks)[1]
+
+
+@contextlib.contextmanager
+def _silent_stderr() -> Iterator[None]:
+    """The process's stderr (file descriptor 2, which C++ writes to) sent to the null device while the block runs."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 @contextlib.contextmanager
