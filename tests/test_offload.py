@@ -144,3 +144,13 @@ def test_the_8b_rows_time_is_at_least_the_host_links_bound_by_hand(llama_3_8b):
         k = math.ceil(64 / row["micro_batch"])  # micro-steps an optimizer step
         bound = 4 * n * 2 * k / PCIE5_X16 + 4 * n / PCIE5_X16  # weights in for each forward and backward, gradients out
         assert row["step_time"] >= bound
+
+
+def test_every_row_of_the_8b_answer_gives_its_time(llama_3_8b):
+    """Every change that fits, and the fewest devices to shard over, says how long an optimizer step takes; the changes
+    come fastest first."""
+    _, data, _ = llama_3_8b
+    rows = [line for line in data["nothing_fits"]["message"].splitlines() if "micro-batch" in line and line.startswith("  ")]
+    assert len(rows) >= 4 and all(" a step" in line for line in rows), rows
+    timed = [w["step_time"] for w in data["would_fit"] if w.get("step_time") is not None]
+    assert timed == sorted(timed)

@@ -128,7 +128,7 @@ def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
         lines.append(f"  {flags:<68} micro-batch {row.micro_batch}{step}{host}")
     if shard is not None:
         lines.append(f"  {f'--shard {shard.ranks}':<68} micro-batch {shard.micro_batch} per device: FSDP2 over {shard.ranks} devices, "
-                     f"{format_bytes(shard.peak)} a device (the fewest that fit)")
+                     f"{format_bytes(shard.peak)} a device (the fewest that fit)" + (f", {shard.time.brief()}" if shard.time else ""))
     if table is not None and len(table.rows) > len(fits) + 1:
         lines.append(f"  ({len(table.rows) - len(fits) - 1} other changes estimated do not fit; --what-if prints them all)")
     if tokens is not None:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Work", "WorkCounter", "combined"]
+__all__ = ["Work", "WorkCounter", "combined", "on_line"]
 
 Axis = Literal["phase", "dtype", "kind"]
 _AXES = {"phase": 0, "dtype": 1, "kind": 2}
@@ -121,6 +121,16 @@ def combined(terms: Iterable[tuple[int, Work]]) -> Work:
             launches[phase] = launches.get(phase, 0) + n * count
     return Work(tuple((*key, f, b) for key, (f, b) in totals.items() if f or b),
                 tuple((phase, count) for phase, count in launches.items() if count))
+
+
+def on_line(first: tuple[int, Work], second: tuple[int, Work], size: int) -> Work:
+    """The work at ``size`` samples read off the line through two sizes' work, ``(b1, work)`` and ``(b2, work)``: exact
+    where the step is linear in the samples (its matmuls, attention and element-wise work are; the weights' reads and
+    the optimizer step are the same at every size), in whole FLOPs, bytes and launches."""
+    (b1, w1), (b2, w2) = first, second
+    span = b2 - b1
+    mixed = combined([(b2 - size, w1), (size - b1, w2)])  # span times the work at size, as integer-weighted terms
+    return Work(tuple((*p[:3], p[3] // span, p[4] // span) for p in mixed.parts), tuple((phase, n // span) for phase, n in mixed.launches))
 
 
 # --- counting, operation by operation ---------------------------------------------------------------------

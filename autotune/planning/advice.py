@@ -5,11 +5,15 @@ device, FSDP2 over more ranks."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from autotune.errors import NothingFits
 from autotune.memory.device import cuda_context_allowance
+from autotune.planning.collectives import row_time, traffic
 from autotune.planning.sharding import estimated, shard_estimates
+from autotune.planning.whatif import along
+from autotune.probe.estimate import estimator_for
 from autotune.probe.search import Trial
 from autotune.probe.trial import Workload
 from autotune.step import min_micro_batch
@@ -39,11 +43,13 @@ def check_limit_above_context(limit: int, *, given: str | None = None, fix: str 
         )
 
 
-def shards_that_fit(work: Workload, budget: int, target_batch: int) -> tuple[list[Any], bool]:
+def shards_that_fit(work: Workload, budget: int, target_batch: int, card: Any = None) -> tuple[list[Any], bool]:
     """FSDP2 over 2, 4, 8 ranks and on, doubling (at most the target batch and 1024), estimated up to the first count
     that fits (and at least 8), and whether the weights, gradients and optimizer state alone exceed ``budget``
     (accumulation cannot help then). The counts are advice where those bytes alone are too many, or where one node's
-    8 devices fit (the rest held with activations); else, and when no count fits, there are none."""
+    8 devices fit (the rest held with activations); else, and when no count fits, there are none. With a ``card``,
+    each count that fits gets its step's time, FSDP2's collectives included (the work read off the estimate's two
+    traces: no new trace)."""
     lower = min_micro_batch(work.model)
     parts, activations = estimated(work, lower)
     alone = parts.resident > budget
@@ -52,6 +58,9 @@ def shards_that_fit(work: Workload, budget: int, target_batch: int) -> tuple[lis
     while n <= min(target_batch, 1024 if alone else 8) and not (rows and rows[-1].fits and n > 8):
         rows.extend(shard_estimates(parts, activations, ranks=[n], budget=budget, target_batch=target_batch, lower=lower))
         n *= 2
+    if card is not None and any(r.fits for r in rows):
+        estimator, flows = estimator_for(work), traffic(parts.units, parameters=parts.parameters, gradients=parts.gradients)
+        rows = [replace(r, time=row_time(r, card=card, work_at=lambda b: along(estimator, b), flows=flows, batch=work.batch)) for r in rows]
     return (rows if any(r.fits for r in rows) else []), alone
 
 

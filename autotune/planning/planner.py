@@ -479,11 +479,11 @@ def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, h
     """The error when not even the smallest micro-batch fits, with what would fit instead (estimated)."""
     table, held, shards, alone, reserved = None, None, [], False, None
     if work.estimator is not None:  # say where the bytes go, and what would fit instead
-        lower = min_micro_batch(work.model)
-        table = estimate_rows(work, budget=budget, upper=upper, lower=lower, card=shared.gpu or card_here(setup.device), target=upper)
+        lower, card = min_micro_batch(work.model), shared.gpu or card_here(setup.device)
+        table = estimate_rows(work, budget=budget, upper=upper, lower=lower, card=card, target=upper)
         held = where_the_bytes_go(work.estimator, lower)
         if setup.world_size == 1 and not setup.fsdp:
-            shards, alone = shards_that_fit(work, budget, shared.target_batch)  # type: ignore[arg-type]
+            shards, alone = shards_that_fit(work, budget, shared.target_batch, card)  # type: ignore[arg-type]
         if setup.device.type == "cuda" and all(t.estimate for t in work.trials):  # what the caching allocator reserves
             reserved = work.estimator.allocator(lower).reserved
     return nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside, table=table,

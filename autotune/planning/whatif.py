@@ -55,7 +55,7 @@ from autotune.memory.quantized import bitsandbytes, quantize
 from autotune.probe.depth import Stack, deepest_copy, repeated_stacks, truncated
 from autotune.probe.estimate import estimator_for
 from autotune.memory.timing import StepTime, predict, seconds
-from autotune.memory.work import Work, combined
+from autotune.memory.work import Work, on_line
 from autotune.planning.offload import host_optimizer, offload_time, offloaded
 from autotune.units import format_bytes
 
@@ -401,12 +401,13 @@ def _predicted(estimator: Any, size: int, card: Any, target: int | None) -> Step
         return None
     k = -(-target // size)
     micro = -(-target // k)
+    return predict(along(estimator, micro), card, accumulation=k, samples=target)
+
+
+def along(estimator: Any, size: int) -> Work:
+    """One micro-step's work at ``size`` read off the line through the estimator's two traces (no new trace)."""
     b1, b2 = estimator.sizes
-    w1, w2 = estimator.work(b1), estimator.work(b2)
-    span = b2 - b1
-    mixed = combined([(b2 - micro, w1), (micro - b1, w2)])  # span x the work at micro, as integer-weighted terms
-    at = Work(tuple((*p[:3], p[3] // span, p[4] // span) for p in mixed.parts), tuple((phase, n // span) for phase, n in mixed.launches))
-    return predict(at, card, accumulation=k, samples=target)
+    return on_line((b1, estimator.work(b1)), (b2, estimator.work(b2)), size)
 
 
 def _tensors_curve(estimator: Any, work: Any, upper: int, peak: Callable[[int], int]) -> Callable[[int], int]:
