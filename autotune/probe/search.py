@@ -285,11 +285,28 @@ def within_allocator(allocator: Callable[[int, int | None], Any], size: int, bud
     def fits(b: int) -> bool:
         return not allocator(b, budget).out_of_memory
 
-    if size and not fits(size):  # the allocator's rounding and segments take more: search below
-        size, _ = estimated_max(lambda b: 0 if fits(b) else budget + 1, budget, size - 1, lower=lower)
+    if size and not fits(size):  # the allocator's rounding and segments take more, a few percent: search just below
+        size = _largest_below_failure(fits, size, lower=lower)
 
     def reserved(b: int) -> int:
         capped = allocator(b, budget)
         return capped.reserved if not capped.out_of_memory else max(budget + 1, allocator(b, None).reserved)
 
     return size, reserved
+
+
+def _largest_below_failure(fits: Callable[[int], bool], failed: int, *, lower: int) -> int:
+    """The largest size in ``[lower, failed)`` that ``fits`` (0: none), ``failed`` being known not to: down from it in
+    steps that double until one fits, then bisected between that one and the last that did not."""
+    hi, step = failed, 1
+    while hi - step >= lower and not fits(hi - step):
+        hi, step = hi - step, 2 * step
+    lo = hi - step
+    if lo < lower:
+        if hi == lower or not fits(lower):
+            return 0
+        lo = lower
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
