@@ -20,6 +20,7 @@ import torch
 from autotune import batches as B
 from autotune.memory.gpus import Gpu, gpu_for
 from autotune.memory.timing import StepTime, measured, predict
+from autotune.memory.work import Work, on_line
 
 __all__ = ["card_here", "plan_step_time", "run_of", "run_samples", "tokens_per_sample"]
 
@@ -65,13 +66,23 @@ def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int
     real = [t.seconds for t in trials if not t.estimate and t.fits and t.batch_size == micro_batch]
     estimator = getattr(work, "estimator", None)
     if verified and real:
-        traced = estimator.work(micro_batch).flops if estimator is not None else 0.0
+        traced = _work_at(estimator, micro_batch).flops if estimator is not None else 0.0
         where = str(device) if card is None else f"{device}, {card.title}"
         return measured(min(real), len(real), accumulation=k, samples=samples, tokens=tokens, flops=float(k * traced), where=where)
     card = card or card_here(device)
     if estimator is None or card is None:
         return None
-    return predict(estimator.work(max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
+    return predict(_work_at(estimator, max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
+
+
+def _work_at(estimator: Any, b: int) -> Work:
+    """One micro-step's work at ``b`` samples, read off the line through the estimator's two traces (the curve the plan
+    was found on, and the what-if rows are timed on: no trace at ``b`` made for it); at or below them, the trace at ``b``
+    (a search over a few sizes traced each, not the line)."""
+    b1, b2 = estimator.sizes
+    if b <= b2:
+        return estimator.work(b)  # type: ignore[no-any-return]
+    return on_line((b1, estimator.work(b1)), (b2, estimator.work(b2)), b)
 
 
 
