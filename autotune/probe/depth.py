@@ -276,6 +276,7 @@ class DepthEstimator:
             " and extended the bytes each block adds to the full depth"
         )
         self._checked: set[Any] = set()  # sizes whose allocator events were checked on the deepest copy
+        self._replays: dict[Any, AllocatorPeaks] = {}  # the full depth's replays, by template, size, cap and settings
 
     @property
     def loss_fn(self) -> Any:
@@ -488,6 +489,9 @@ class DepthEstimator:
         if self._whole is not None:
             return self._whole.allocator(b, cap=cap, template=template)
         key = (None if template is None else template_key(template), b)
+        kept = (key, cap, expandable_segments(), cublas_workspace())
+        if kept in self._replays:  # the search, the plan's peak and its note all ask at the size found
+            return self._replays[kept]
         try:
             if key not in self._checked:
                 again = replay(self._allocator_events(b, template, extra=1), expandable=expandable_segments())
@@ -499,7 +503,8 @@ class DepthEstimator:
             made = self._allocator_events(b, template, extra=self.reach[0] - 1)
         except Deviates as why:
             return self._fall_back(why).allocator(b, cap=cap, template=template)
-        return replay(made, cap=cap, expandable=expandable_segments())
+        found = self._replays[kept] = replay(made, cap=cap, expandable=kept[2])
+        return found
 
     def _allocator_events(self, b: int, template: Any, *, extra: int) -> list[tuple[Any, int]]:
         """The steady state's allocations and frees (:func:`autotune.memory.allocator.steady_state`) of the
