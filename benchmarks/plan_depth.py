@@ -1,4 +1,5 @@
-"""How an estimate-only plan's time grows with depth: Llama shapes of 8, 32 and 80 layers, and GPT-2 small.
+"""How an estimate-only plan's time grows with depth, and what its step time costs: Llama shapes of 8, 32 and 80 layers,
+and GPT-2 small.
 
 Each model is built on the meta device (no weights): a Llama-3-8B-shaped layer (4096 wide, grouped-query
 attention 32/8, MLP 14336, vocabulary 128256) repeated 8, 32 and 80 times, in bf16, at 4096 tokens; and
@@ -7,22 +8,33 @@ kept (``autotune.probe.estimate.forget()``), with AdamW, for two targets:
 
 - the CPU (``device="cpu"``, bf16 autocast, a budget of 2 TiB so every depth finds a size): models of
   repeated blocks are traced with 2, 3 and 4 blocks and extended (``autotune.probe.depth``);
-- CUDA (``device="cuda"``, the same 2 TiB, so the 32- and 80-layer shapes find a size too): traced
-  whole (the caching allocator's replay needs every block's allocations), so its time grows with depth.
+- CUDA (``device="cuda"``, the same 2 TiB, so the 32- and 80-layer shapes find a size too): traced with 3, 4
+  and 5 blocks, whose allocations are extended to the full depth and replayed as the caching allocator would
+  (the 8-layer shape is traced whole: copies would not save blocks). Planned as on a machine whose CUDA device
+  is an H100 SXM (the catalogue's entry, as the driver's name picks it: ``gpu=`` cannot be given, the 2 TiB
+  budget being more than the card holds), so the plan carries its predicted step time; and again with every
+  call the time adds switched off (patched here to give none, :func:`on_a_card`), alternated ``--repeat``
+  times so that a busy machine slows both alike: "timed" and "untimed", the medians, and their ratio.
 
-Printed per row: the plan's wall time, the traces it made (each a forward and backward on fake tensors),
-the micro-batch found, and the time of one H200 step at that size, from FLOP (6 x parameters x tokens per
-sample, at 989 TFLOP/s of dense bf16 and 40% utilisation: an assumption, not a measurement), so the plan's
-cost reads in device steps. Then the 32- and 80-layer times over the 8-layer one.
+Printed per row: the plan's wall time (for CUDA: timed, untimed, their ratio, and the milliseconds the timed plan
+spent in the time's calls, the most of any run), the traces it made (each a forward and backward on fake
+tensors; the untimed plan's in parentheses where they differ), the micro-batch found, and the time of one H200
+step at that size, from FLOP (6 x parameters x tokens per sample, at 989 TFLOP/s of dense bf16 and 40% utilisation: an assumption, not a
+measurement), so the plan's cost reads in device steps. Then the 32- and 80-layer times over the 8-layer one
+(for CUDA, the timed plans').
 
-    python benchmarks/plan_depth.py            # about two minutes on 2 cores
+    python benchmarks/plan_depth.py            # about three minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -54,9 +66,49 @@ def tokens(n: int, vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones(1, n, dtype=torch.long), "labels": ids.clone()}
 
 
-def counted_plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: str, limit: str) -> tuple[float, int, int]:
-    """Wall time, traces made and micro-batch of a cold estimate-only plan."""
+@contextlib.contextmanager
+def on_a_card(name: str, *, timed: bool) -> Iterator[list[float]]:
+    """Plan as on a machine whose CUDA device is the catalogue's card ``name`` (a CUDA target's answers are timed for
+    it, as where the driver's name picks the entry); without ``timed``, with every call the step time adds giving none:
+    the plan's (``planner.plan_step_time``), the what-if and offloading rows' (``whatif._predicted``,
+    ``whatif.offload_time``) and the sharded rows' (``advice.traffic``, ``advice.row_time``). Yields a list whose one
+    figure becomes the seconds spent in those calls."""
+    import autotune.planning.planner as planner
+    import autotune.planning.times as times
+    from autotune.memory.gpus import gpu_named
+    from autotune.planning import advice, whatif
+
+    card = gpu_named(name)
+    calls = [(planner, "plan_step_time"), (whatif, "_predicted"), (whatif, "offload_time"), (advice, "traffic"), (advice, "row_time")]
+    calls = [(module, attr) for module, attr in calls if hasattr(module, attr)]
+    kept = [(planner, "card_here", planner.card_here), (times, "card_here", times.card_here)] + [(m, a, getattr(m, a)) for m, a in calls]
+    spent = [0.0]
+
+    def clocked(fn):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    planner.card_here = times.card_here = lambda device: card if torch.device(device).type == "cuda" else None  # type: ignore[assignment]
+    for module, attr in calls:
+        setattr(module, attr, clocked(getattr(module, attr)) if timed else (lambda *a, **k: None))
+    try:
+        yield spent
+    finally:
+        for module, attr, value in kept:
+            setattr(module, attr, value)
+
+
+def counted_plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: str, limit: str, *,
+                 timed: bool = True) -> tuple[float, int, int, float | None]:
+    """Wall time, traces made, micro-batch and the seconds spent on its step time (None: it has none), of a cold
+    estimate-only plan (on an H100 SXM, with or without the step time)."""
     estimate.forget()
+    gc.collect()  # what the runs before left, collected outside the time
     made = 0
     trace_class = estimate.Trace
 
@@ -67,36 +119,54 @@ def counted_plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
 
     estimate.Trace = counting  # type: ignore[misc,assignment]
     try:
-        start = time.perf_counter()
-        plan = autotune.plan(model, [batch], target_batch=4096, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
-                             device=device, memory_limit=limit, headroom=0, precision="bf16", verify=False, progress=False)
-        seconds = time.perf_counter() - start
+        with on_a_card("h100-sxm", timed=timed) as spent:
+            start = time.perf_counter()
+            plan = autotune.plan(model, [batch], target_batch=4096, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
+                                 device=device, memory_limit=limit, headroom=0, precision="bf16", verify=False, progress=False)
+            seconds = time.perf_counter() - start
     finally:
         estimate.Trace = trace_class  # type: ignore[misc]
-    return seconds, made, plan.micro_batch
+    return seconds, made, plan.micro_batch, None if plan.step_time is None else spent[0]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-cuda", action="store_true", help="the CPU target only")
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each plan, timed and untimed alternated (default 5)")
     args = parser.parse_args()
     cases = [(f"Llama x{n} @4096", lambda n=n: llama(n), 4096, 128256) for n in (8, 32, 80)]
     cases.append(("GPT-2 small @1024", gpt2_small, 1024, 50257))
     targets = [("cpu", "2TiB")] + ([] if args.no_cuda else [("cuda", "2TiB")])
-    print(f"{'model':<20}{'target':<8}{'plan s':>8}{'traces':>8}{'micro':>7}{'H200 step s':>13}{'plan/step':>11}")
+    print(f"{'model':<20}{'target':<8}{'plan s':>8}{'untimed s':>11}{'ratio':>7}{'time ms':>9}{'traces':>10}{'micro':>7}{'H200 step s':>13}{'plan/step':>11}")
     times: dict[tuple[str, str], float] = {}
     for name, make, length, vocab in cases:
         for device, limit in targets:
             model = make()
             params = sum(p.numel() for p in model.parameters())
-            seconds, traces, micro = counted_plan(model, tokens(length, vocab), device, limit)
+            runs: dict[bool, list[float]] = {True: [], False: []}
+            made: dict[bool, set[int]] = {True: set(), False: set()}
+            found, told, spent = set(), set(), []
+            for i in range(args.repeat):
+                # untimed where the step time has none to give (the CPU): the timed plans alone
+                for timed in ((True, False) if i % 2 == 0 else (False, True)) if device == "cuda" else (True,):
+                    seconds, traces, micro, on_time = counted_plan(model, tokens(length, vocab), device, limit, timed=timed)
+                    runs[timed].append(seconds)
+                    made[timed].add(traces)
+                    found.add(micro)
+                    told.add((on_time is not None) == (timed and device == "cuda"))
+                    spent.append(on_time or 0.0)
+            if len(found) != 1 or told != {True}:
+                print(f"  {name} {device}: the timed and untimed plans differ: micro-batches {sorted(found)}")
+            seconds = times[(name, device)] = statistics.median(runs[True])
+            untimed = f"{statistics.median(runs[False]):>11.2f}{seconds / statistics.median(runs[False]):>7.2f}" if runs[False] else f"{'-':>11}{'-':>7}"
+            untimed += f"{1000 * max(spent):>9.1f}" if runs[False] else f"{'-':>9}"
+            traces = f"{max(made[True])}" + (f" ({max(made[False])})" if made[False] and made[False] != made[True] else "")
             step = 6 * params * length * max(micro, 1) / (H200_BF16 * UTILISATION)
-            times[(name, device)] = seconds
-            print(f"{name:<20}{device:<8}{seconds:>8.2f}{traces:>8}{micro:>7}{step:>13.2f}{seconds / step:>11.1f}", flush=True)
+            print(f"{name:<20}{device:<8}{seconds:>8.2f}{untimed}{traces:>10}{micro:>7}{step:>13.2f}{seconds / step:>11.1f}", flush=True)
     for device, _ in targets:
         base = times[("Llama x8 @4096", device)]
         ratios = ", ".join(f"x{n}: {times[(f'Llama x{n} @4096', device)] / base:.2f}" for n in (32, 80))
-        print(f"{device}: plan time over the 8-layer one: {ratios}")
+        print(f"{device}: plan time over the 8-layer one (medians of {args.repeat}): {ratios}")
     return 0
 
 
