@@ -101,3 +101,22 @@ def test_estimated_max_uses_few_estimates():
 def test_upper_must_be_positive():
     with pytest.raises(ValueError, match="upper"):
         largest_fitting(lambda b: Measurement(True, 0), upper=0, budget=10)
+
+
+@pytest.mark.parametrize("lower", [1, 2])
+def test_within_allocator_finds_the_largest_size_served_and_asks_few_sizes_near_the_tensors_size(lower):
+    from autotune.memory.allocator import AllocatorPeaks
+    from autotune.probe.search import within_allocator
+
+    for size in (lower, lower + 1, 7, 62, 1491):
+        for served in sorted({0, lower, size - 2, size - 1, size, *range(0, size, max(1, size // 40))}):
+            asked = []
+
+            def allocator(b, cap, served=served):
+                asked.append(b)
+                return AllocatorPeaks(b, b, out_of_memory=b > served)
+
+            found, _ = within_allocator(allocator, size, 10**9, lower=lower)
+            assert found == (served if served >= lower else 0), (size, served)
+            # down from the size in doubling steps, then bisected: about twice the log of the distance
+            assert len(set(asked)) <= 2 * math.ceil(math.log2(size - min(served, size) + 1)) + 2, (size, served, asked)
