@@ -114,10 +114,11 @@ class WhatIfRow:
     @property
     def cost(self) -> int:
         """What the row's changes cost a user, for ranking: a precision or checkpointing 1 each (time), another
-        optimizer 2 (its numerics), offloading 2 (its copies), LoRA 3 and QLoRA 4 (another training: fewer weights learn)."""
+        optimizer 2 (its numerics), offloading 3 (FSDP2 to set up, the host memory it holds, a step bound by the host link
+        and the CPU's optimizer step), LoRA 3 and QLoRA 4 (another training: fewer weights learn)."""
         optimizer = 0 if "(given)" in self.optimizer else 2
         adapters = (4 if self.adapters.startswith("QLoRA") else 3) if self.adapters else 0
-        offload = 2 if self.offload else 0
+        offload = 3 if self.offload else 0
         others = self.changes - bool(optimizer) - bool(adapters) - bool(offload)  # precision, checkpointing
         return others + optimizer + adapters + offload
 
