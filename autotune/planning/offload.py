@@ -50,7 +50,7 @@ from autotune.memory.timing import StepTime, seconds
 from autotune.probe.search import estimated_max
 from autotune.units import format_bytes
 
-__all__ = ["APPLY", "HOST_RATE", "HostRate", "Offload", "host_optimizer", "offload_time", "offloaded"]
+__all__ = ["APPLY", "HOST_RATE", "HostRate", "Offload", "host_optimizer", "offload_time", "offloaded", "shard_units", "trainable_bytes"]
 
 APPLY = ("from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # one rank: torch.distributed.init_process_group first\n"
          "for block in blocks: fully_shard(block, offload_policy=CPUOffloadPolicy())\n"
@@ -130,8 +130,8 @@ class Offload:
                 f"{format_bytes(self.host_bytes)} of it ({format_bytes(self.pinned)} pinned)")
 
 
-def _units(model: nn.Module) -> list[nn.Module]:
-    """The modules ``fully_shard`` wraps before the model (as :mod:`autotune.planning.sharding` takes them): the blocks
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` wraps before the model (here and in :mod:`autotune.planning.sharding`): the blocks
     holding parameters, else the children, where there are two or more; else none (the model is one unit)."""
     for found in (blocks(model), list(model.children())):
         holding = [m for m in found if any(True for _ in m.parameters())]
@@ -140,7 +140,8 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def _trainable(module: nn.Module) -> int:
+def trainable_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters that train (their gradients' bytes)."""
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
@@ -156,13 +157,13 @@ def offloaded(estimator: Any, model: nn.Module, *, budget: int, upper: int, lowe
         budget: bytes the step may use on the device.
         upper, lower: the micro-batches to search between.
     """
-    units = _units(model)
+    units = shard_units(model)
     sizes = [storage_bytes(u.parameters()) for u in units]
     parameters = storage_bytes(model.parameters())
     root = parameters - sum(sizes) if units else parameters
-    root_grads = _trainable(model) - sum(_trainable(u) for u in units)
+    root_grads = trainable_bytes(model) - sum(trainable_bytes(u) for u in units)
     held = {"parameters": max((a + b for a, b in zip(sizes, sizes[1:])), default=0) + root + storage_bytes(model.buffers()),
-            "gradients": 2 * max((_trainable(u) for u in units), default=0) + root_grads}
+            "gradients": 2 * max((trainable_bytes(u) for u in units), default=0) + root_grads}
     resident = estimator.resident()
     b1, b2 = estimator.sizes
     # The line of the two traces' forward and backward; through their peaks where their operations differ.
@@ -173,7 +174,7 @@ def offloaded(estimator: Any, model: nn.Module, *, budget: int, upper: int, lowe
 
     size, _ = estimated_max(lambda b: sum(held.values()) + activations(b), budget, upper, lower=lower)
     at = {**held, "activations": activations(size or lower)}
-    return Offload(micro_batch=size, device_peak=sum(at.values()), device=at, parameters=parameters, gradients=_trainable(model),
+    return Offload(micro_batch=size, device_peak=sum(at.values()), device=at, parameters=parameters, gradients=trainable_bytes(model),
                    optimizer_state=estimator.optimizer_state_bytes(), root_parameters=root,
                    per_sample=activations((size or lower) + 1) - at["activations"])
 

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.memory.checkpointing import blocks
 from autotune.memory.device import (
     cuda_context_allowance,
     default_headroom,
@@ -41,6 +40,7 @@ from autotune.memory.device import (
 )
 from autotune.memory.ledger import storage_bytes
 from autotune.planning.collectives import ShardTime, card_and_limit, row_time, traffic
+from autotune.planning.offload import shard_units, trainable_bytes
 from autotune.planning.options import check_target
 from autotune.planning.plans import budget_of, split_evenly
 from autotune.probe.estimate import estimator_for
@@ -193,37 +193,22 @@ def _autocast_copies(model: nn.Module, precision: str) -> int:
     return sum(2 * p.numel() for p in weights.values() if p.requires_grad and p.dtype == torch.float32)
 
 
-def _units(model: nn.Module) -> list[nn.Module]:
-    def holding(modules: list[nn.Module]) -> list[nn.Module]:
-        return [m for m in modules if any(True for _ in m.parameters())]
-
-    found = holding(blocks(model))
-    if len(found) >= 2:
-        return found
-    children = holding(list(model.children()))
-    return children if len(children) >= 2 else []
-
-
 def shard_parts(model: nn.Module, optimizer_state: int, step_temporaries: int = 0) -> ShardParts:
     """The parts of ``model`` a sharded run divides, with ``optimizer_state`` bytes estimated."""
-    units = _units(model)
+    units = shard_units(model)
     sizes = [storage_bytes(u.parameters()) for u in units]
     parameters = storage_bytes(model.parameters())
     return ShardParts(
         parameters=parameters,
         buffers=storage_bytes(model.buffers()),
-        gradients=_trainable(model),
+        gradients=trainable_bytes(model),
         optimizer_state=optimizer_state,
         gathered_units=max((a + b for a, b in zip(sizes, sizes[1:])), default=parameters),
         outside_units=parameters - sum(sizes) if units else 0,
-        largest_unit_gradients=max((_trainable(u) for u in units), default=_trainable(model)),
+        largest_unit_gradients=max((trainable_bytes(u) for u in units), default=trainable_bytes(model)),
         step_temporaries=step_temporaries,
-        units=tuple((size, _trainable(u)) for size, u in zip(sizes, units)),
+        units=tuple((size, trainable_bytes(u)) for size, u in zip(sizes, units)),
     )
-
-
-def _trainable(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
 def estimated(work: Any, lower: int) -> tuple[ShardParts, Callable[[int], int]]:

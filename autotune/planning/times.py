@@ -20,7 +20,8 @@ import torch
 from autotune import batches as B
 from autotune.memory.gpus import Gpu, gpu_for
 from autotune.memory.timing import StepTime, measured, predict
-from autotune.memory.work import Work, on_line
+from autotune.memory.work import Work
+from autotune.planning.whatif import along
 
 __all__ = ["card_here", "plan_step_time", "run_of", "run_samples", "tokens_per_sample"]
 
@@ -79,11 +80,9 @@ def _work_at(estimator: Any, b: int) -> Work:
     """One micro-step's work at ``b`` samples, read off the line through the estimator's two traces (the curve the plan
     was found on, and the what-if rows are timed on: no trace at ``b`` made for it); at or below them, the trace at ``b``
     (a search over a few sizes traced each, not the line)."""
-    b1, b2 = estimator.sizes
-    if b <= b2:
+    if b <= estimator.sizes[1]:
         return estimator.work(b)  # type: ignore[no-any-return]
-    return on_line((b1, estimator.work(b1)), (b2, estimator.work(b2)), b)
-
+    return along(estimator, b)
 
 
 def run_samples(samples: int | None, epochs: int | None, loader: Any) -> int | None:
