@@ -42,21 +42,40 @@ def test_multitask_example_learns_both_heads():
     assert digit > 0.85 and parity > 0.85
 
 
+# gloo sometimes aborts a rank while the interpreter tears down (a worker thread of the process group
+# releasing a tensor once Python is finalizing), after the run's work is done: a PyTorch race the test
+# workers avoid by leaving with os._exit (tests/ddp_worker.py). An example leaves as a user's script does.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def torchrun(name, cwd):
-    """``torchrun --nproc_per_node=2 examples/<name>``; its stdout, after asserting it succeeded."""
+    """``torchrun --nproc_per_node=2 examples/<name>``; its stdout, after asserting it succeeded.
+
+    A run that failed only by gloo's abort at teardown (that one line, a rank's SIGABRT, no Python error
+    from any rank) is run once more, and that run must succeed: any other failure fails at once."""
     import shutil
 
     launcher = shutil.which("torchrun")
     if launcher is None:
         pytest.skip("torchrun is not on PATH")
-    done = subprocess.run(
-        [launcher, "--standalone", "--nproc_per_node=2", str(EXAMPLES / name)],
-        capture_output=True, text=True, timeout=180, cwd=cwd,
-    )
+    for attempt in range(2):
+        done = subprocess.run(
+            [launcher, "--standalone", "--nproc_per_node=2", str(EXAMPLES / name)],
+            capture_output=True, text=True, timeout=180, cwd=cwd,
+        )
+        if done.returncode == 0 or attempt or not teardown_abort_only(done.stderr):
+            break
     # On failure, the lines that say why (a rank's exception or gloo's abort), not only the launcher's tail.
     why = [line for line in done.stderr.splitlines() if any(k in line for k in ("Error", "error", "terminate", "what()", "enforce"))]
     assert done.returncode == 0, "\n".join(why[:40]) + "\n...\n" + done.stderr[-1500:]
     return done.stdout
+
+
+def teardown_abort_only(stderr):
+    """Whether the launcher's ranks failed by gloo's abort alone: its line, a SIGABRT, and no exception raised in
+    a rank (the launcher's own ``ChildFailedError``, which reports the failed ranks, is left out)."""
+    raised = {m for m in re.findall(r"^\s*([\w.]*(?:Error|Exception))\b", stderr, re.M) if not m.endswith("ChildFailedError")}
+    return TEARDOWN_ABORT in stderr and "SIGABRT" in stderr and not raised
 
 
 @pytest.mark.slow
