@@ -264,3 +264,58 @@ def test_two_stacks_for_cuda_are_traced_whole_and_the_note_says_why():
                                                     device=torch.device("cuda"), precision="fp32"))
     assert made.note == ("the estimate traced the whole model: its 2 stacks of blocks (encoder.block, decoder.block) are extended "
                          "for the CPU only, not for CUDA's allocator")
+
+
+class Workspace(nn.Module):
+    """A block whose forward may make and drop a workspace padded to a power of two of the batch: an allocation
+    whose bytes are not affine in the micro-batch, freed at once, so never at the peak."""
+
+    def __init__(self, workspace):
+        super().__init__()
+        self.workspace = workspace
+        self.up, self.down = nn.Linear(128, 512), nn.Linear(512, 128)
+
+    def forward(self, x):
+        if self.workspace:
+            with torch.no_grad():
+                x.new_zeros(1 << x.shape[0].bit_length())
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Blocks(nn.Module):
+    def __init__(self, workspace, n=14):
+        super().__init__()
+        self.blocks = nn.ModuleList(Workspace(workspace) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("workspace", [False, True])
+def test_for_cuda_the_size_found_is_confirmed_on_the_deepest_copy_alone_where_its_allocations_are_on_their_lines(workspace, monkeypatch):
+    """For a CUDA target the curve of the full depth holds at the size found when every allocation the deepest copy
+    makes there is the one its two traces' lines give: one trace at that size, not one of each copy. A workspace
+    off its line (padded to a power of two) sends the confirmation back to every copy's trace there. Either way the
+    plan is the whole model's, to the byte."""
+    made = []
+    trace = estimate.Trace
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return trace(*args, **kwargs)
+
+    def mse(model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    loader = [(torch.randn(16, 128), torch.randn(16, 128)) for _ in range(2)]
+    monkeypatch.setattr(estimate, "Trace", counting)
+    extended, reference = plan_both(lambda: (torch.manual_seed(0), Blocks(workspace))[1], loader, monkeypatch, device="cuda",
+                                    target_batch=4096, memory_limit="900MiB", loss_fn=mse)
+    assert any("at 3, 4 and 5 of its 14 blocks" in n for n in extended.notes), extended.notes
+    assert 16 < extended.micro_batch < 4096 and extended.micro_batch & (extended.micro_batch - 1)  # not at a power of two
+    assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
+    whole = 3  # the whole model's: two sizes, and the size found
+    assert len(made) - whole == (9 if workspace else 7)  # three copies at two sizes, and the size found: one copy or three

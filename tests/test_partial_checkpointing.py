@@ -261,3 +261,42 @@ def test_auto_for_a_card_takes_the_fastest_micro_batch_and_count_it_weighs():
     assert 0 < count and len(times) >= 2  # the shape the test needs: at 8 some blocks must be checkpointed
     assert step(m, count) == pytest.approx(min(times.values()), rel=1e-9)
     assert len(said) == len(times)
+
+
+@pytest.mark.parametrize("close", [0.0, 10.0])
+def test_auto_where_the_prediction_cannot_tell_the_candidates_apart_times_them_with_real_steps(close, monkeypatch):
+    """Where the plan runs real steps and the candidates' predicted steps lie within ``partial.CLOSE`` of the fastest, each
+    is confirmed by the probe at its micro-batch and count, and the one whose real trial steps make the shortest optimizer
+    step is taken (here on the CPU, planned as for a card: ``card_here`` gives one, as NVML's name does on a GPU; CLOSE
+    set so that every candidate is close, or none)."""
+    import autotune.planning.planner as planner
+    from autotune.memory.gpus import gpu_named
+    from autotune.probe import partial
+
+    model, batch = hf_models.llama(layers=6, dim=32, mlp=512, vocab=32), tokens(8, 128, 32)
+    limit = (peak(model, batch, 4, False) + peak(model, batch, 8, True)) // 2
+    monkeypatch.setattr(planner, "card_here", lambda device: gpu_named("h100-sxm"))
+    monkeypatch.setattr(partial, "CLOSE", close)
+    before = copy.deepcopy(model.state_dict())
+    plan = autotune.plan(model, [batch], target_batch=8, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                         loss_fn=own_loss, memory_limit=limit, headroom=0.0, checkpointing="auto", progress=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    weighed = next(n for n in plan.notes if n.startswith("checkpointing='auto' weighed, predicted"))
+    candidates = [int(m) for m in __import__("re").findall(r"micro-batch (\d+) with", weighed)]
+    assert len(candidates) >= 2  # the shape the test needs
+    real = {}  # each size's last real trial: the timing's (a trial at the first size found ran with every block checkpointed)
+    for t in plan.trials:
+        if not t.estimate and t.fits:
+            real[t.batch_size] = t.seconds
+    timed = [n for n in plan.notes if "timed the" in n]
+    if close == 0.0:
+        assert not timed and set(real) == {plan.micro_batch}  # the fastest predicted, confirmed alone
+        return
+    assert len(timed) == 1 and f"timed the {len(candidates)} predicted" in timed[0], plan.notes
+    assert set(candidates) <= set(real)  # every candidate ran for real at its micro-batch
+    step = {m: -(-8 // m) * real[m] / 2 for m in candidates}
+    assert plan.micro_batch == min(step, key=step.get)
+    k = plan.checkpointing
+    count = 0 if k is False else len(blocks(model)) if k is True else k
+    assert peak(model, batch, plan.micro_batch, k) <= plan.budget
+    assert count == 0 or peak(model, batch, plan.micro_batch, (count - 1) or False) > plan.budget  # the fewest for it

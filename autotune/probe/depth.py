@@ -33,7 +33,9 @@ gradient it was given) moved with it, and what runs once (the head, the loss, a 
 released) doing to every new block what it does to the block before the last. The held tensors and the
 optimizer step's temporaries are the step copy's with the runs it adds repeated (:func:`autotune.memory.deeper.extended_runs`).
 The whole is replayed as for any model, after the same events made for the deepest copy replayed to its
-own bytes, allocated and reserved, exactly.
+own bytes, allocated and reserved, exactly. At the size found the curve is confirmed by the deepest copy's
+trace there alone where its every allocation is the one its two traces' lines give (the other copies run the
+same blocks at the same shapes); otherwise, as on the CPU, by every copy's.
 
 Where a check fails the whole model is traced instead, and a note says why. A model with several
 stacks (T5's encoder and decoder) gets a copy with one more block for each (on the CPU; for a CUDA
@@ -59,7 +61,7 @@ from typing import Any
 
 from torch import nn
 
-from autotune.memory.allocator import AllocatorPeaks, cublas_workspace, expandable_segments, replay, steady_state
+from autotune.memory.allocator import AllocatorPeaks, cublas_workspace, expandable_segments, replay, scale_events, steady_state
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.deeper import extended_micro_step, extended_runs
 from autotune.probe.fakes import template_key
@@ -478,8 +480,27 @@ class DepthEstimator:
         own = self.check.curve(template)
         if not (own.exact and self.check(b, template) == own(b)):
             return False
+        if self._on_its_lines(b, template):
+            return True
         extended = self(b, template)
         return abs(extended - curve(b)) <= max(TOLERANCE_BYTES, TOLERANCE * extended)
+
+    def _on_its_lines(self, b: int, template: Any) -> bool:
+        """For a CUDA target: whether every allocation the deepest copy makes at ``b`` (its trace there) is the one its
+        two traces' lines give (:func:`autotune.memory.allocator.scale_events`). The base and step copies run the same
+        blocks at the same shapes, so their allocations are on their lines too, and so is the extension's every point:
+        the curve holds at ``b`` without tracing them there. Not for several stacks (a CUDA target traces those whole)."""
+        if self.target != "cuda" or len(self.stacks) != 1:
+            return False
+        b1, b2 = self.check.sizes
+        told, self.check.on_trace = self.check.on_trace, None  # the traces made already, read again
+        try:
+            t1, t2, at = (self.check.trace(x, template) for x in (b1, b2, b))
+        finally:
+            self.check.on_trace = told
+        if not (t1.held == t2.held == at.held and t1.event_marks == t2.event_marks == at.event_marks):
+            return False
+        return scale_events((b1, list(t1.events)), (b2, list(t2.events)), b) == list(at.events)
 
     def allocator(self, b: int, *, cap: int | None = None, template: Any = None) -> AllocatorPeaks:
         """What CUDA's caching allocator would read for the full model at ``b`` samples: the held tensors, the
