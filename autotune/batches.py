@@ -32,6 +32,7 @@ __all__ = [
     "slice_batch",
     "tensors",
     "to_device",
+    "tokens_per_sample",
 ]
 
 Batch = Any
@@ -410,3 +411,15 @@ def checked_batch(batch: Any, index: int) -> tuple[int, Any]:
             "loader (a sampler or collate_fn that yields them)"
         )
     return size, shapes
+
+
+def tokens_per_sample(batch: Any) -> int | None:
+    """Tokens in one sample of ``batch``: its ``input_ids``' length (a dict or an object holding them), or a 2-D
+    integer tensor's; None where the batch has no tokens."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else getattr(batch, "input_ids", None)
+    if ids is None:
+        leaves = tensors(batch)
+        ids = next((t for t in leaves if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool), None)
+    if ids is None or ids.dim() < 2:
+        return None
+    return int(ids[0].numel())

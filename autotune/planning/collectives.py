@@ -49,7 +49,7 @@ from autotune.memory.gpus import Gpu, estimate_limit, gpu_named
 from autotune.memory.timing import StepTime, predict, seconds
 from autotune.memory.work import Work
 from autotune.planning.plans import split_evenly
-from autotune.planning.times import tokens_per_sample
+from autotune.batches import tokens_per_sample
 from autotune.units import parse_bytes
 
 __all__ = ["NCCL_BUS", "BusEfficiency", "ShardTime", "Traffic", "bus_bandwidth", "card_and_limit", "ring_seconds", "row_time",

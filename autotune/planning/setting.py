@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.batches import tokens_per_sample
 from autotune.memory.checkpointing import blocks, in_words
 from autotune.memory.ledger import storage_bytes
 from autotune.memory.optimizers import describe as describe_optimizer
@@ -96,7 +97,7 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
                     + (_unquantized_words(model) if quantized else "")))
     if lora is not None:
         out.append(("adapters", lora))
-    tokens = _tokens(batch)
+    tokens = tokens_per_sample(batch)
     if tokens is not None:
         out.append(("tokens per sample", str(tokens)))
     attention = attention_of(model)
@@ -155,12 +156,6 @@ def _unquantized_words(model: nn.Module, shown: int = 4) -> str:
 def _count(n: int) -> str:
     """A large count of parameters in words: ``8.03B``, ``41.9M``, ``524,288``."""
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
-
-
-def _tokens(batch: Any) -> int | None:
-    """Tokens per sample of a batch of token ids (``input_ids``), or None."""
-    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
 
 
 def set_aside_words(set_aside: tuple[tuple[str, int], ...]) -> str:

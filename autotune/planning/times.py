@@ -23,19 +23,7 @@ from autotune.memory.timing import StepTime, measured, predict
 from autotune.memory.work import Work
 from autotune.planning.whatif import along
 
-__all__ = ["card_here", "plan_step_time", "run_of", "run_samples", "tokens_per_sample"]
-
-
-def tokens_per_sample(batch: Any) -> int | None:
-    """Tokens in one sample of ``batch``: its ``input_ids``' length (a dict or an object holding them), or a 2-D
-    integer tensor's; None where the batch has no tokens."""
-    ids = batch.get("input_ids") if isinstance(batch, dict) else getattr(batch, "input_ids", None)
-    if ids is None:
-        leaves = B.tensors(batch)
-        ids = next((t for t in leaves if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool), None)
-    if ids is None or ids.dim() < 2:
-        return None
-    return int(ids[0].numel())
+__all__ = ["card_here", "plan_step_time", "run_of", "run_samples"]
 
 
 def card_here(device: Any) -> Gpu | None:
@@ -61,7 +49,7 @@ def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int
         trials: the plan's trials.
     """
     samples = sum(micro_batches)
-    per_sample = tokens_per_sample(work.batch)
+    per_sample = B.tokens_per_sample(work.batch)
     tokens = None if per_sample is None else per_sample * samples
     k = len(micro_batches)
     real = [t.seconds for t in trials if not t.estimate and t.fits and t.batch_size == micro_batch]
