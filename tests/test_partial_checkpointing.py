@@ -300,3 +300,29 @@ def test_auto_where_the_prediction_cannot_tell_the_candidates_apart_times_them_w
     count = 0 if k is False else len(blocks(model)) if k is True else k
     assert peak(model, batch, plan.micro_batch, k) <= plan.budget
     assert count == 0 or peak(model, batch, plan.micro_batch, (count - 1) or False) > plan.budget  # the fewest for it
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["for the cpu", "estimated for cuda"])  # "cuda" alone marks a test for a GPU
+def test_whether_a_count_fits_from_one_trace_is_the_estimators_own_search_at_every_count(device):
+    """``partial.fits_at`` decides a count from one trace at the micro-batch (for CUDA, the allocator's replay of that
+    trace's own allocations); the estimator's ``largest`` decides it from its curve of two sizes, a confirming trace and
+    its own replay. At every count of blocks and a budget at each count's own figure and just below it, they agree."""
+    from autotune.memory.allocator import cublas_workspace, expandable_segments, replay, steady_state
+    from autotune.probe.estimate import estimator_for
+    from autotune.probe.partial import fits_at
+
+    model, batch = hf_models.llama(layers=4, dim=32, mlp=256, vocab=32), tokens(8, 64, 32)
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                    device=torch.device(device), precision="bf16" if device == "cuda" else "fp32")
+    total, b = len(blocks(model)), 6
+    for count in range(total + 1):
+        setting = True if count == total else (count or False)
+        fresh = estimator_for(work, checkpointing=setting)
+        at = fresh.trace(b)
+        need = at.peak
+        if device == "cuda":
+            events = steady_state(at.held, list(at.events), fresh.step_events(), workspace=cublas_workspace())
+            need = replay(events, expandable=expandable_segments()).reserved
+        for budget in (need, need - 1, need + 2**20):
+            searched = estimator_for(work, checkpointing=setting).largest(budget, b)[0] >= b
+            assert fits_at(estimator_for(work, checkpointing=setting), b, budget) == searched, (count, budget)

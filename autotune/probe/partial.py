@@ -23,19 +23,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from autotune.memory.allocator import cublas_workspace, expandable_segments, replay, steady_state
 from autotune.memory.checkpointing import blocks
 from autotune.memory.timing import predict, seconds
-from autotune.probe.estimate import estimator_for
+from autotune.probe.estimate import Estimator, estimator_for
 from autotune.probe.largest import probe
 from autotune.probe.search import SearchResult
 from autotune.probe.trial import Workload
 from autotune.step import Snapshot, min_micro_batch
 
-__all__ = ["fastest_setting", "fewest_blocks", "settle_auto"]
+__all__ = ["fastest_setting", "fewest_blocks", "fits_at", "settle_auto"]
 
 
 def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], bool] | None = None,
-                  confirm: bool = True) -> int:
+                  confirm: bool = True, most: int | None = None) -> int:
     """The fewest of the model's blocks (the first ones) to checkpoint for micro-batch ``b`` to fit ``budget`` bytes.
 
     The peak does not rise with the count, so it is bisected between 0 and every block: about ``log2(blocks)`` steps.
@@ -46,21 +47,22 @@ def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], 
         b: the micro-batch.
         budget: the bytes the step may use.
         fits: ``fits(count) -> bool``, whether ``b`` fits with the first ``count`` blocks checkpointed (default: the
-            estimate, :meth:`autotune.probe.estimate.Estimator.largest`, by the same rule the probe sizes with).
-        confirm: with the default ``fits``, confirm the estimate's curve with a trace at ``b`` (see
-            :meth:`~autotune.probe.estimate.Estimator.largest`).
+            estimate at ``b``, :func:`fits_at`).
+        confirm: with the default ``fits``, where the estimate is made of shallow copies (every block checkpointed,
+            or none), confirm its curve with a trace at ``b`` (see :meth:`~autotune.probe.estimate.Estimator.largest`).
+        most: a count known to fit (default: every block), the bisection's upper end: a smaller micro-batch needs no
+            more blocks than a larger one did.
 
     Returns:
-        A count from 0 to the number of blocks.
+        A count from 0 to ``most``.
     """
     total = len(blocks(work.model))
     if fits is None:
 
         def fits(count: int) -> bool:
-            setting = True if count == total else (count or False)
-            return estimator_for(work, checkpointing=setting).largest(budget, b, confirm=confirm)[0] >= b
+            return fits_at(estimator_for(work, checkpointing=_setting(count, total)), b, budget, confirm=confirm)
 
-    no, yes = -1, total  # fits(no) is taken as false, fits(yes) as true
+    no, yes = -1, total if most is None else most  # fits(no) is taken as false, fits(yes) as true
     while yes - no > 1:
         mid = (no + yes) // 2
         if fits(mid):
@@ -68,6 +70,23 @@ def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], 
         else:
             no = mid
     return yes
+
+
+def fits_at(estimator: Any, b: int, budget: int, *, confirm: bool = True) -> bool:
+    """Whether micro-batch ``b`` fits ``budget`` bytes by ``estimator``: from its one trace at ``b``, the tensors' peak
+    and, for a CUDA target, the caching allocator's replay of that trace's own allocations under a cap of ``budget``
+    (as :meth:`~autotune.probe.estimate.Estimator.largest` decides a size, without the curve's two other traces: a
+    count of blocks checkpointed is traced whole, its blocks not alike). An estimate made of shallow copies
+    (:class:`autotune.probe.depth.DepthEstimator`) answers by its own ``largest``."""
+    if not isinstance(estimator, Estimator):
+        return bool(estimator.largest(budget, b, confirm=confirm)[0] >= b)
+    at = estimator.trace(b)
+    if at.peak > budget:
+        return False
+    if estimator.target != "cuda":
+        return True
+    events = steady_state(at.held, list(at.events), estimator.step_events(), workspace=cublas_workspace())
+    return not replay(events, cap=budget, expandable=expandable_segments()).out_of_memory
 
 
 # Two settings whose predicted steps are within this fraction of each other are not told apart by the prediction: its
@@ -88,11 +107,11 @@ def fastest_setting(work: Workload, b: int, budget: int, *, card: Any, share: in
 def _weighed(work: Workload, b: int, budget: int, *, card: Any, share: int, confirm: bool) -> list[tuple[float, int, int, str]]:
     """:func:`fastest_setting`'s candidates, in the order weighed: ``(predicted seconds a step, micro-batch, count, words)``."""
     total, lower = len(blocks(work.model)), min_micro_batch(work.model)
-    options = []
+    options: list[tuple[float, int, int, str]] = []
     for m in dict.fromkeys(b >> i for i in range(4) if b >> i >= lower):
         steps = -(-share // m)
         m = -(-share // steps)  # the even split of the share at that many micro-steps
-        count = fewest_blocks(work, m, budget, confirm=confirm)
+        count = fewest_blocks(work, m, budget, confirm=confirm, most=options[-1][2] if options else None)
         step = predict(estimator_for(work, checkpointing=_setting(count, total)).work(m), card, accumulation=steps, samples=share).step
         options.append((step, m, count, f"micro-batch {m} with {count} of {total} blocks checkpointed: {seconds(step)} a step"))
         if count == 0:
