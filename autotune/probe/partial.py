@@ -168,7 +168,8 @@ def settle_auto(work: Workload, found: SearchResult, *, budget: int, snapshot: S
     count after all, every block stays checkpointed, and a note says so. Without an estimate every block stays
     checkpointed (real steps would cost one trial per step of the bisection), also said in a note. With a ``card`` (and
     the ``share`` of the target on this device), the micro-batch and count are the fastest predicted
-    (:func:`fastest_setting`) instead.
+    (:func:`fastest_setting`) instead, and where real steps run and others are predicted within :data:`CLOSE` of it,
+    the fastest measured of those (:func:`_timed`).
     """
     b, total = found.batch_size, len(blocks(work.model))
     if work.estimator is None:
