@@ -326,3 +326,42 @@ def test_whether_a_count_fits_from_one_trace_is_the_estimators_own_search_at_eve
         for budget in (need, need - 1, need + 2**20):
             searched = estimator_for(work, checkpointing=setting).largest(budget, b)[0] >= b
             assert fits_at(estimator_for(work, checkpointing=setting), b, budget) == searched, (count, budget)
+
+
+def test_the_what_if_table_keeps_a_count_of_blocks_in_your_own_row_and_times_it_so():
+    """Your own row of the what-if table is your setting: a count of checkpointed blocks stays that count (its words,
+    its column, its LoRA row), and its step is timed with that many blocks recomputed, shorter than with every block."""
+    model, batch = hf_models.llama(layers=6, dim=32, mlp=512, vocab=32), tokens(8, 128, 32)
+
+    def table(checkpointing):
+        return autotune.what_if(model, [batch], target_batch=64, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                loss_fn=own_loss, checkpointing=checkpointing, gpu="h100-sxm", progress=False)
+
+    counted, every = table(3), table(True)
+    own = next(r for r in counted.rows if r.changes == 0)
+    assert own.checkpointing == 3 and type(own.checkpointing) is int
+    assert "activation checkpointing on the first 3 blocks" in own.describe()
+    assert any(line.split()[1:3] == ["first", "3"] for line in str(counted).splitlines())
+    lora = next(r for r in counted.rows if r.adapters and not r.adapters.startswith("QLoRA"))
+    assert lora.checkpointing == 3 and lora.changes == 1
+    off = next(r for r in counted.rows if r.checkpointing is False and not r.adapters and r.changes == 1 and r.precision == own.precision)
+    all_blocks = next(r for r in every.rows if r.changes == 0)
+    assert all_blocks.checkpointing is True
+    assert off.step_time < own.step_time < all_blocks.step_time  # 0, 3 and 6 blocks' forwards run again
+
+
+def test_a_sharded_estimate_keeps_a_count_of_blocks(capsys):
+    """``shard_plan`` and ``report --shard`` with a count of checkpointed blocks estimate that count: a rank's activations
+    lie between no checkpointing's and every block's, and the setting says the count."""
+    model, batch = hf_models.llama(layers=6, dim=32, mlp=512, vocab=32), tokens(8, 128, 32)
+
+    def activations(checkpointing):
+        (row,) = autotune.shard_plan(model, [batch], target_batch=16, ranks=2, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                     loss_fn=own_loss, device="cpu", memory_limit="1GiB", checkpointing=checkpointing)
+        return row.parts["activations"]
+
+    assert activations(False) > activations(3) > activations(True)
+    code = main(["report", "--demo", "--shard", "2", "--checkpointing", "3", "--memory-limit", "1GiB", "--json", "--no-cache"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["setting"]["checkpointing"] == "activation checkpointing on 3 of 12 blocks (the first)"

@@ -178,7 +178,8 @@ def _flags(row: Any, own: Any) -> list[str]:
     if own is None or row.precision != own.precision:
         flags.append(f"--precision {row.precision}")
     if own is None or row.checkpointing != own.checkpointing:
-        flags.append("--checkpointing" if row.checkpointing else "(no --checkpointing)")
+        flags.append("--checkpointing" + ("" if isinstance(row.checkpointing, bool) else f" {row.checkpointing}") if row.checkpointing
+                     else "(no --checkpointing)")
     if "(given)" not in row.optimizer:
         flags.append(_OPTIMIZER_FLAGS.get(row.optimizer, f"an optimizer like {row.optimizer} (through the API)"))
     if row.adapters:

@@ -163,7 +163,7 @@ def _smallest_change(table: Any) -> str | None:
     if best.precision != "fp32":
         kwargs.append(f"precision={best.precision!r}")
     if best.checkpointing:
-        kwargs.append("checkpointing=True")
+        kwargs.append(f"checkpointing={best.checkpointing!r}")  # every block, or your count of them
     if "(given)" not in best.optimizer:
         kwargs.append(f"an optimizer like {best.optimizer}")
     if best.offload:

@@ -288,7 +288,7 @@ def shard_plan(
     memory_limit: int | str | None = None,
     headroom: float | None = None,
     precision: str | None = None,
-    checkpointing: bool = False,
+    checkpointing: bool | int = False,
     gpu: str | None = None,
 ) -> list[ShardEstimate]:
     """Estimate an FSDP2 run of the unsharded ``model`` over each number of ``ranks`` devices.
@@ -301,6 +301,7 @@ def shard_plan(
     ``ranks="auto"``: the fewest devices that fit (:func:`fewest_devices`). ``gpu``: a card of the catalogue
     (:mod:`autotune.memory.gpus`): its memory is each device's (or ``memory_limit``, at most the card's), and each row
     that fits gets the time of its step with FSDP2's collectives (:mod:`autotune.planning.collectives`).
+    ``checkpointing``: as :func:`autotune.plan` takes it, True (every block) or a count of the first blocks.
 
     Returns:
         One :class:`ShardEstimate` per number of ranks, in the order given.

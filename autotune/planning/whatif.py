@@ -5,7 +5,8 @@ many samples fit" but "what should I change". The estimator answers it without a
 touching the model: for each combination of
 
 - precision: fp32, or bf16 autocast (fp16 when that is what you train in),
-- activation checkpointing: off, or on (the model's blocks; see :mod:`autotune.memory.checkpointing`),
+- activation checkpointing: off, or on (the model's blocks; see :mod:`autotune.memory.checkpointing`; yours, a
+  count of the first blocks included, in your own row and the LoRA row, the other being off or every block),
 - optimizer: the one given, or one with smaller state, of the kind such models train with: for a model
   of convolutions (what SGD trains), SGD with momentum (one buffer per parameter instead of Adam's two;
   SGD without momentum when the given one is SGD with momentum); for the rest (transformers), AdamW with
@@ -68,7 +69,7 @@ class WhatIfRow:
 
     Attributes:
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
-        checkpointing: activation checkpointing on the model's blocks.
+        checkpointing: activation checkpointing on the model's blocks (True: every block; a count: the first ones).
         optimizer: the optimizer, e.g. ``"AdamW (given)"`` or ``"SGD with momentum"``.
         micro_batch: the largest micro-batch that fits (0: not even the smallest).
         per_sample: bytes each sample adds to the peak (None when it could not be measured); for a CUDA target,
@@ -86,7 +87,7 @@ class WhatIfRow:
     """
 
     precision: str
-    checkpointing: bool
+    checkpointing: bool | int
     optimizer: str
     micro_batch: int
     per_sample: float | None
@@ -103,7 +104,7 @@ class WhatIfRow:
         for ``"fp32"``: the weights' own dtype, bf16 for a model in bf16)."""
         parts = [f"{self.precision} autocast" if self.precision != "fp32" else "no autocast"]
         if self.checkpointing:
-            parts.append("activation checkpointing")
+            parts.append("activation checkpointing" + ("" if self.checkpointing is True else f" on the first {self.checkpointing} blocks"))
         parts.append(self.optimizer)
         if self.adapters:
             parts.append(self.adapters)
@@ -182,7 +183,7 @@ class WhatIf:
                 tag += f", offloaded: {format_bytes(r.host_bytes or 0)} of host memory"
             what = f" {r.adapters or 'every weight':<{width}}" if adapters else ""
             step = (f" {'-' if r.step_time is None else seconds(r.step_time):>10}" if timed else "")
-            lines.append(f"{'off' if r.precision == 'fp32' else r.precision:<10} {'on' if r.checkpointing else 'off':<14} {r.optimizer:<28}{what} {r.micro_batch:>11} {per:>12} "
+            lines.append(f"{'off' if r.precision == 'fp32' else r.precision:<10} {_on(r.checkpointing):<14} {r.optimizer:<28}{what} {r.micro_batch:>11} {per:>12} "
                          f"{fixed:>12}{step}  {tag}")
         hurt = [r for r in self.rows if self.checkpointing_hurts(r)]
         if hurt:
@@ -286,6 +287,11 @@ def _precisions(work: Any) -> list[str]:
     return ["fp32", "bf16"]
 
 
+def _on(checkpointing: bool | int) -> str:
+    """The table's checkpointing column: ``on`` (every block), ``first 4`` (a count) or ``off``."""
+    return "on" if checkpointing is True else f"first {checkpointing}" if checkpointing else "off"
+
+
 def estimate_rows(
     work: Any,
     *,
@@ -310,10 +316,10 @@ def estimate_rows(
     smaller = _smaller_optimizer(work.optimizer, work.model)
     if smaller is not None:
         optimizers.append(smaller)
-    checkpointings = [bool(work.checkpointing), not work.checkpointing]
+    checkpointings = [work.checkpointing, not work.checkpointing]  # your own (a count of blocks stays a count), and the other
     rows = []
     for precision, ckpt, (name, factory) in itertools.product(precisions, checkpointings, optimizers):
-        changes = int(precision != work.precision) + int(ckpt != bool(work.checkpointing)) + int(factory is not None)
+        changes = int(precision != work.precision) + int(bool(ckpt) != bool(work.checkpointing)) + int(factory is not None)
         own = changes == 0 and own_micro_batch is not None
         estimator = None
         if own and own_curve is not None:  # the plan's own answer and curve: nothing to estimate again
@@ -336,7 +342,7 @@ def estimate_rows(
     rows.extend(_adapter_rows(work, budget=budget, upper=upper, lower=lower, given=given, card=card, target=target))
     rows.extend(_offload_rows(work, rows, budget=budget, upper=upper, lower=lower, given=given, card=card, target=target))
     rows.sort(key=lambda r: (r.changes > 0, r.micro_batch < lower, r.step_time is None, r.step_time or 0.0, r.cost,
-                             r.precision != work.precision, r.checkpointing != bool(work.checkpointing)))
+                             r.precision != work.precision, bool(r.checkpointing) != bool(work.checkpointing)))
     return WhatIf(tuple(rows), budget, lower)
 
 
@@ -351,7 +357,7 @@ def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str,
             continue
         adapted, full = found
         name = f"{'QLoRA nf4 + ' if quantized else ''}LoRA r={LORA_RANK}, all linear"
-        ckpt = True if quantized else bool(work.checkpointing)
+        ckpt = True if quantized else work.checkpointing
         whole = (lambda q=quantized: _adapted(work, q, shallow=False)[0])  # type: ignore[index]
         try:
             estimator = estimator_for(adapted, checkpointing=ckpt, stands_for=(full, whole) if full else None)
@@ -360,7 +366,7 @@ def _adapter_rows(work: Any, *, budget: int, upper: int, lower: int, given: str,
         except Exception:  # a loss that does not take the adapted model, no blocks to checkpoint: no such row
             continue
         per, fixed = _line(peak, size, lower)
-        rows.append(WhatIfRow(work.precision, ckpt, given, size, per, fixed, 1 + int(ckpt != bool(work.checkpointing)), adapters=name,
+        rows.append(WhatIfRow(work.precision, ckpt, given, size, per, fixed, 1 + int(bool(ckpt) != bool(work.checkpointing)), adapters=name,
                               step_time=_timed(estimator if size and size >= lower else None, size, card, target)))
     return rows
 
@@ -373,16 +379,16 @@ def _offload_rows(work: Any, rows: list[WhatIfRow], *, budget: int, upper: int, 
     if work.device.type != "cuda" or own is None or own.micro_batch >= lower or not host_optimizer(work.optimizer):
         return []
     made = []
-    for ckpt in (bool(work.checkpointing), not work.checkpointing):
+    for ckpt in (work.checkpointing, not work.checkpointing):
         try:
-            estimator = estimator_for(work, checkpointing=ckpt if ckpt != bool(work.checkpointing) else None)
+            estimator = estimator_for(work, checkpointing=ckpt if bool(ckpt) != bool(work.checkpointing) else None)
             found = offloaded(estimator, work.model, budget=budget, upper=upper, lower=lower)
         except ValueError:  # no blocks to checkpoint
             continue
         size = found.micro_batch
         compute = _predicted(estimator if size >= lower else None, size, card, target)
         made.append(WhatIfRow(work.precision, ckpt, given, size, float(found.per_sample), found.device_peak - found.per_sample * (size or lower),
-                              1 + int(ckpt != bool(work.checkpointing)), step_time=None if compute is None else offload_time(found, compute, card).step,
+                              1 + int(bool(ckpt) != bool(work.checkpointing)), step_time=None if compute is None else offload_time(found, compute, card).step,
                               offload=found.describe(), host_bytes=found.host_bytes))
     return made
 
