@@ -523,7 +523,7 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
         )
     work, found = probed.work, probed.found
     timed = plan_step_time(work, card=shared.gpu, device=setup.device, micro_batch=probed.maxima[setup.rank],
-                           micro_batches=micro_batches, verified=probing.verify, trials=work.trials)
+                           micro_batches=micro_batches, verified=probing.verify, trials=work.trials[work.settled:])
     return Plan(
         micro_batch=probed.maxima[setup.rank], accumulation_steps=len(micro_batches), effective_batch=sum(map(sum, layout)),
         world_size=setup.world_size, micro_batches=micro_batches, lr=base_lr * scale, base_lr=base_lr, lr_scale=scale,

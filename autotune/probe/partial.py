@@ -135,7 +135,7 @@ def _timed(work: Workload, options: list[tuple[float, int, int, str]], *, budget
     fastest = min(o[0] for o in options)
     close = sorted((o for o in options if o[0] <= fastest * (1 + CLOSE)), key=lambda o: o[0])
     kept = (work.estimator, work.curve, work.notes[:])
-    runs: list[tuple[float, int, int, SearchResult, Any, Any, list[str]]] = []
+    runs: list[tuple[float, int, int, SearchResult, Any, Any, list[str], int]] = []
     said = []
     for _, m, count, _ in close:
         work.estimator, work.curve, work.notes = kept[0], kept[1], kept[2][:]
@@ -148,12 +148,12 @@ def _timed(work: Workload, options: list[tuple[float, int, int, str]], *, budget
             continue
         step = -(-share // m) * min(real) / 2
         said.append(f"micro-batch {m} with {count} of {total} blocks checkpointed: {seconds(step)} a step")
-        runs.append((step, m, count, again, work.estimator, work.curve, work.notes[:]))
+        runs.append((step, m, count, again, work.estimator, work.curve, work.notes[:], start))
     words = f"checkpointing='auto' timed the {len(close)} predicted within {CLOSE:.0%} of the fastest, on this device: {'; '.join(said)}"
     if not runs:
         work.estimator, work.curve, work.notes = kept[0], kept[1], kept[2][:]
         return close[0][1], close[0][2], None, words
-    _, m, count, again, work.estimator, work.curve, work.notes = min(runs, key=lambda r: r[0])
+    _, m, count, again, work.estimator, work.curve, work.notes, work.settled = min(runs, key=lambda r: r[0])
     work.checkpointing = _setting(count, total)
     return m, count, again, words
 
@@ -192,13 +192,15 @@ def settle_auto(work: Workload, found: SearchResult, *, budget: int, snapshot: S
         work.notes.append(words)
         kept = (kept[0], kept[1], kept[2] + [words])
     if count == total and b == found.batch_size:
-        work.checkpointing, (work.estimator, work.curve, work.notes) = True, kept
+        work.checkpointing, (work.estimator, work.curve, work.notes), work.settled = True, kept, 0
         work.notes.append(f"checkpointing='auto': micro-batch {b} needs all {total} blocks checkpointed")
         return found
     work.checkpointing = _setting(count, total)
+    if timed is None:
+        work.settled = len(work.trials)  # the trials before ran with every block checkpointed
     again = timed or probe(work, upper=b, budget=budget, snapshot=snapshot, verify=verify)
     if again.batch_size < b:  # the confirming step disagrees with the estimate: keep what was found
-        work.checkpointing, (work.estimator, work.curve, work.notes) = True, kept
+        work.checkpointing, (work.estimator, work.curve, work.notes), work.settled = True, kept, 0
         work.notes.append(f"checkpointing='auto': micro-batch {b} did not fit with {count} of {total} blocks checkpointed "
                           f"when run; all {total} checkpointed")
         return found

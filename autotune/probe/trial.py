@@ -148,6 +148,8 @@ class Workload:
     # and for each size whose trial ran out of memory somewhere, the ranks it ran out on and their errors.
     own_oom: BaseException | None = None
     oom_ranks: dict[int, str] = field(default_factory=dict)
+    # Where in ``trials`` the trials of the plan's final setting start (checkpointing='auto' changes it after a search).
+    settled: int = 0
 
     def record(self, trial: Trial) -> None:
         """Keep a trial and tell the ``on_trial`` callback, if any."""
