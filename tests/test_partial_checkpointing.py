@@ -367,3 +367,41 @@ def test_a_sharded_estimate_keeps_a_count_of_blocks(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out)["setting"]["checkpointing"] == "activation checkpointing on 3 of 12 blocks (the first)"
+
+
+@pytest.mark.parametrize("shape", ["affine", "convex", "floor", "steps"])
+@pytest.mark.parametrize("budget", [5, 40, 77, 99, 120])
+def test_the_count_search_finds_the_fewest_that_fit_in_no_more_than_twice_a_bisections_steps(shape, budget, monkeypatch):
+    """``fewest_blocks`` tries counts where the line through two counts' bytes meets the budget: whatever the bytes'
+    shape against the count (affine, convex, a floor that checkpointing does not lower, steps), the answer is the
+    fewest that fit, found by brute force here, in at most twice the steps a bisection takes."""
+    import math
+
+    from autotune.probe import partial
+
+    total = 32
+    need = {
+        "affine": lambda k: 130 - 3 * k,
+        "convex": lambda k: 30 + (32 - k) ** 2 // 10,
+        "floor": lambda k: max(130 - 4 * k, 60),
+        "steps": lambda k: 130 - 10 * (k // 8),
+    }[shape]
+    tried = []
+    monkeypatch.setattr(partial, "blocks", lambda model: [None] * total)
+    monkeypatch.setattr(partial, "estimator_for", lambda work, checkpointing: checkpointing)
+
+    def needed(setting, b, budget_, confirm=True):
+        count = total if setting is True else int(setting)
+        tried.append(count)
+        return need(count) <= budget_, need(count)
+
+    monkeypatch.setattr(partial, "needed", needed)
+    work = dataclasses.make_dataclass("Work", ["model"])(None)
+    found = partial.fewest_blocks(work, 8, budget)
+    fitting = [k for k in range(total + 1) if need(k) <= budget]
+    expected = fitting[0] if fitting else total  # every block is taken to fit
+    assert found == expected
+    bisection = math.ceil(math.log2(total + 2))
+    assert len(tried) <= 2 * bisection, tried
+    if shape == "affine":
+        assert len(tried) <= 4, tried  # the line lands on the answer: it, and the count below it
