@@ -367,6 +367,12 @@ def test_a_sharded_estimate_keeps_a_count_of_blocks(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out)["setting"]["checkpointing"] == "activation checkpointing on 3 of 12 blocks (the first)"
+    code = main(["report", "--demo", "--shard", "2", "--checkpointing", "auto", "--memory-limit", "1GiB", "--json", "--no-cache"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    row = json.loads(out)["fsdp2"]
+    assert any(n.startswith("checkpointing='auto': every block checkpointed in this estimate") for n in row["notes"])  # said
+    assert json.loads(out)["setting"]["checkpointing"] == "activation checkpointing on the model's blocks"  # every block, as said
 
 
 @pytest.mark.parametrize("shape", ["affine", "convex", "floor", "steps"])

@@ -527,14 +527,14 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
 
     if not on_device and args.memory_limit is None:
         raise UsageError("No such device here: give each device's memory with --memory-limit (e.g. 80GiB)")
-    blocks = True if args.checkpointing == "auto" else args.checkpointing  # a count of blocks stays a count
-    def estimate(ranks: Any, checkpointing: bool | int) -> Any:
+    blocks = True if args.checkpointing == "auto" else args.checkpointing  # in the setting; shard_plan says what 'auto' did
+    def estimate(ranks: Any, checkpointing: bool | int | str) -> Any:
         (found,) = shard_plan(model, loader, target_batch=args.target_batch, ranks=ranks, optimizer=optimizer, loss_fn=loss_fn,
                               device=device, memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision,
                               checkpointing=checkpointing, gpu=args.card.name if args.card else None)
         return found
 
-    row = estimate(args.shard, blocks)
+    row = estimate(args.shard, args.checkpointing)
     auto = args.shard == "auto"
     setting = describe(model, optimizer, device=device, precision=normalize_precision(args.precision), checkpointing=blocks,
                        batch=next(iter(loader)), loss_fn=loss_fn)
@@ -577,7 +577,7 @@ def _shards_that_would_fit(args: argparse.Namespace, estimate: Callable[[Any, bo
     asked) over as many devices or the fewest that fit; each as its flags and its estimate."""
     found = []
     if args.shard != "auto":
-        fewest = estimate("auto", True if args.checkpointing == "auto" else args.checkpointing)
+        fewest = estimate("auto", args.checkpointing)
         if fewest.fits:
             found.append((f"--shard {fewest.ranks}", fewest))
     if not args.checkpointing:

@@ -288,7 +288,7 @@ def shard_plan(
     memory_limit: int | str | None = None,
     headroom: float | None = None,
     precision: str | None = None,
-    checkpointing: bool | int = False,
+    checkpointing: bool | int | str = False,
     gpu: str | None = None,
 ) -> list[ShardEstimate]:
     """Estimate an FSDP2 run of the unsharded ``model`` over each number of ``ranks`` devices.
@@ -301,7 +301,8 @@ def shard_plan(
     ``ranks="auto"``: the fewest devices that fit (:func:`fewest_devices`). ``gpu``: a card of the catalogue
     (:mod:`autotune.memory.gpus`): its memory is each device's (or ``memory_limit``, at most the card's), and each row
     that fits gets the time of its step with FSDP2's collectives (:mod:`autotune.planning.collectives`).
-    ``checkpointing``: as :func:`autotune.plan` takes it, True (every block) or a count of the first blocks.
+    ``checkpointing``: as :func:`autotune.plan` takes it, True (every block) or a count of the first blocks; "auto" is
+    estimated with every block, and each row's notes say so (the plan of the sharded model finds the fewest).
 
     Returns:
         One :class:`ShardEstimate` per number of ranks, in the order given.
@@ -331,8 +332,9 @@ def shard_plan(
         batch = sample_batch(loader).batch
     finally:
         rng.restore()
+    auto = checkpointing == "auto"
     work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or default_loss, batch=batch, device=device,
-                    precision=normalize_precision(precision), checkpointing=checkpointing)
+                    precision=normalize_precision(precision), checkpointing=True if auto else checkpointing)  # type: ignore[arg-type]
     lower = min_micro_batch(model)
     parts, activations = estimated(work, lower)
     if ranks == "auto":
@@ -340,7 +342,9 @@ def shard_plan(
     else:
         rows = shard_estimates(parts, activations, ranks=counts, budget=budget, target_batch=target_batch, lower=lower)
     flows, work_at = traffic(parts.units, parameters=parts.parameters, gradients=parts.gradients), estimator_for(work).work
-    return [replace(row, notes=sharding_notes(optimizer, model, work.precision, row.parts["activations"]),
+    said = ("checkpointing='auto': every block checkpointed in this estimate; autotune.plan on the sharded model (under "
+            "torchrun) finds the fewest blocks with which its micro-batch fits",) if auto else ()
+    return [replace(row, notes=sharding_notes(optimizer, model, work.precision, row.parts["activations"]) + said,
                     time=row_time(row, card=card, work_at=work_at, flows=flows, batch=batch)) for row in rows]
 
 
