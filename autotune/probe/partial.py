@@ -50,7 +50,7 @@ def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], 
         b: the micro-batch.
         budget: the bytes the step may use.
         fits: ``fits(count) -> bool``, whether ``b`` fits with the first ``count`` blocks checkpointed (default: the
-            estimate at ``b``, :func:`fits_at`).
+            estimate at ``b``, :func:`needed`).
         confirm: with the default ``fits``, where the estimate is made of shallow copies (every block checkpointed,
             or none), confirm its curve with a trace at ``b`` (see :meth:`~autotune.probe.estimate.Estimator.largest`).
         most: a count known to fit (default: every block), the bisection's upper end: a smaller micro-batch needs no
