@@ -21,7 +21,7 @@ WINGS = {
     "probe": ["probe", "probe.search", "probe.trial", "probe.compiled", "probe.cuda", "probe.experts", "probe.attention", "probe.fakes", "probe.traces", "probe.depth", "probe.estimate", "probe.priced", "probe.largest", "probe.partial"],
     # the plan (pure) and the verbs that make plans
     "planning": ["planning", "planning.scaling", "planning.options", "planning.setting", "planning.recipe", "planning.plans", "planning.report", "planning.cache", "planning.offload",
-                 "planning.whatif", "planning.times", "planning.collectives", "planning.sharding", "planning.advice", "planning.lengths", "planning.planner"],
+                 "planning.whatif", "planning.collectives", "planning.times", "planning.sharding", "planning.advice", "planning.lengths", "planning.planner"],
     # training at the planned batch: the loop, its windows, BatchNorm, the noise scale, BN tuning
     "train": ["train", "train.experts", "train.bn", "train.accumulate", "train.noise", "train.records", "train.ramp", "train.arguments", "train.caps", "train.run", "train.resume", "train.attempt",
               "train.retry", "train.stepping", "train.single", "train.data_parallel", "train.sharded", "train.fit", "train.tune"],

@@ -170,3 +170,39 @@ def test_the_runs_time_counts_epochs_of_a_sized_dataset():
     assert run["seconds"] == pytest.approx(run["optimizer_steps"] * plan.step_time.step)
     assert any(line.strip().startswith("run") and f"for 300 samples ({run['optimizer_steps']} optimizer steps)" in line
                for line in time_lines(plan, 300))
+
+
+def test_data_parallel_ranks_add_the_gradients_all_reduce_after_each_window():
+    """Over data-parallel ranks autotune sums the gradients once a window, after its last backward (one exchange, in
+    buckets of at least fp32): the step adds a ring all-reduce of those bytes, 2(n-1)/n of them at the link's bus
+    bandwidth (nccl-tests' busbw of an all-reduce; NVLink 4 at 450 GB/s a direction, 0.7 of it), reckoned here from the
+    card's figures; one rank adds nothing, and where no card is known the basis says the all-reduce is not counted."""
+    from dataclasses import replace
+
+    from autotune.planning.report import time_lines
+    from autotune.planning.times import plan_step_time
+
+    model = gpt2()
+    est = estimator(model)
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters()), loss_fn=own_loss, batch=lm_loader()[0],
+                    device=torch.device("cuda"), precision="bf16", estimator=est)
+    card = gpu_named("h100-sxm")
+
+    def step(ranks, card=card, device="cuda"):
+        return plan_step_time(work, card=card, device=device, micro_batch=4, micro_batches=(4, 4), verified=False, trials=(),
+                              ranks=ranks)
+
+    alone, four = step(1), step(4)
+    fp32_grads = 4 * sum(p.numel() for p in model.parameters())  # bf16 or fp32 weights: summed in fp32 buckets
+    assert alone.sync == 0.0
+    assert four.sync == pytest.approx(2 * fp32_grads * 3 / 4 / (450e9 * 0.7), rel=1e-12)
+    assert four.step == pytest.approx(alone.step + four.sync, rel=1e-12)
+    assert "all-reduce over 4 ranks" in four.basis and "NVLink" in four.basis
+    on_cpu = plan_step_time(work, card=None, device="cpu", micro_batch=4, micro_batches=(4, 4), verified=True,
+                            trials=(autotune.Trial(4, 1, True, 0.5, estimate=False),), ranks=2)
+    assert on_cpu.sync == 0.0 and "without the gradients' all-reduce over 2 ranks" in on_cpu.basis
+    plan = autotune.plan(model, lm_loader(), target_batch=8, optimizer=torch.optim.AdamW(model.parameters()), gpu="h100-sxm",
+                         precision="bf16", progress=False)
+    shown = "\n".join(time_lines(replace(plan, world_size=4, step_time=four)))
+    assert "the gradients' all-reduce over 4 devices" in shown
+    assert autotune.Plan.from_dict(json.loads(json.dumps(replace(plan, step_time=four).to_dict()))).step_time == four

@@ -94,6 +94,8 @@ class StepTime:
             ..."``.
         bound: what bounds a micro-step: ``"compute"``, ``"memory"``, ``"host"`` (the kernels' dispatch), or
             ``"measured"``.
+        sync: seconds of the gradients' all-reduce over data-parallel ranks after each window (autotune syncs once
+            a window, after its last backward: nothing overlaps it), predicted for the card's link; 0 on one device.
     """
 
     micro_step: float
@@ -105,11 +107,12 @@ class StepTime:
     peak: float | None
     basis: str
     bound: str
+    sync: float = 0.0
 
     @property
     def step(self) -> float:
         """Seconds per optimizer step."""
-        return self.accumulation * self.micro_step + self.optimizer
+        return self.accumulation * self.micro_step + self.optimizer + self.sync
 
     @property
     def samples_per_second(self) -> float:
@@ -146,7 +149,7 @@ class StepTime:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepTime:
         """Back from :meth:`to_dict` (the derived values are left out)."""
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        return cls(**{f.name: data.get(f.name, f.default) for f in fields(cls)})  # a plan saved before a field: its default
 
 
 def seconds(s: float) -> str:

@@ -45,14 +45,14 @@ from typing import Any
 
 import torch
 
+from autotune.batches import tokens_per_sample
 from autotune.memory.gpus import Gpu, estimate_limit, gpu_named
 from autotune.memory.timing import StepTime, predict, seconds
 from autotune.memory.work import Work
 from autotune.planning.plans import split_evenly
-from autotune.batches import tokens_per_sample
 from autotune.units import parse_bytes
 
-__all__ = ["NCCL_BUS", "BusEfficiency", "ShardTime", "Traffic", "bus_bandwidth", "card_and_limit", "ring_seconds", "row_time",
+__all__ = ["NCCL_BUS", "BusEfficiency", "ShardTime", "Traffic", "all_reduce_seconds", "bus_bandwidth", "card_and_limit", "ring_seconds", "row_time",
            "shard_step_time", "traffic"]
 
 NODE = 8  # devices in one node (an HGX board): beyond it the ranks would cross the network
@@ -105,6 +105,19 @@ def ring_seconds(nbytes: int | float, ranks: int, card: Gpu, *, efficiency: BusE
     if nbytes < 0:
         raise ValueError(f"Invalid nbytes {nbytes!r}: give the collective's size in bytes, at least 0")
     return float(nbytes) * (ranks - 1) / ranks / bus_bandwidth(card, efficiency)
+
+
+def all_reduce_seconds(nbytes: int | float, ranks: int, card: Gpu, *, efficiency: BusEfficiency = NCCL_BUS) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` of ``card``: a reduce-scatter and an all-gather,
+    ``2 x nbytes x (ranks-1)/ranks`` at the bus bandwidth (nccl-tests' all-reduce ``busbw`` is ``bytes / time x
+    2(n-1)/n``); none over one rank.
+
+    Example:
+        >>> from autotune.memory.gpus import gpu_named
+        >>> round(all_reduce_seconds(10**9, 4, gpu_named("h100-sxm")) * 1e3, 2)  # twice the ring's 2.38 ms
+        4.76
+    """
+    return 2 * ring_seconds(nbytes, ranks, card, efficiency=efficiency)
 
 
 @dataclass(frozen=True)

@@ -523,7 +523,7 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
         )
     work, found = probed.work, probed.found
     timed = plan_step_time(work, card=shared.gpu, device=setup.device, micro_batch=probed.maxima[setup.rank],
-                           micro_batches=micro_batches, verified=probing.verify, trials=work.trials[work.settled:])
+                           micro_batches=micro_batches, verified=probing.verify, trials=work.trials[work.settled:], ranks=1 if setup.fsdp else setup.world_size)
     return Plan(
         micro_batch=probed.maxima[setup.rank], accumulation_steps=len(micro_batches), effective_batch=sum(map(sum, layout)),
         world_size=setup.world_size, micro_batches=micro_batches, lr=base_lr * scale, base_lr=base_lr, lr_scale=scale,

@@ -537,7 +537,8 @@ def time_lines(plan: Plan, run_samples: int | None = None) -> list[str]:
     bound = {"compute": "bound by compute", "memory": "bound by memory bandwidth", "host": "bound by the host's dispatch of kernels"}.get(t.bound)
     lines.append(_row("per micro-step", f"{seconds(t.micro_step)} (micro-batch {max(plan.micro_batches)}" + (f"; {bound})" if bound else ")")))
     lines.append(_row("per optimizer step", f"{seconds(t.step)} ({t.accumulation} micro-step{'s' if t.accumulation > 1 else ''}"
-                      + (f" and the optimizer's {seconds(t.optimizer)})" if t.optimizer else ")")))
+                      + (f" and the optimizer's {seconds(t.optimizer)}" if t.optimizer else "")
+                      + (f", and the gradients' all-reduce over {plan.world_size} devices {seconds(t.sync)})" if t.sync else ")")))
     rate = f"{t.samples_per_second:,.4g} samples/s" + ("" if t.tokens_per_second is None else f", {t.tokens_per_second:,.0f} tokens/s")
     lines.append(_row("throughput", rate + (f" per device ({plan.world_size} devices)" if plan.world_size > 1 else "")))
     if t.utilisation is not None and t.peak:

@@ -13,14 +13,16 @@ splits evenly below it): exact where they are equal, an upper bound by a smaller
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from autotune import batches as B
 from autotune.memory.gpus import Gpu, gpu_for
-from autotune.memory.timing import StepTime, measured, predict
+from autotune.memory.timing import StepTime, measured, predict, seconds
 from autotune.memory.work import Work
+from autotune.planning.collectives import all_reduce_seconds
 from autotune.planning.whatif import along
 
 __all__ = ["card_here", "plan_step_time", "run_of", "run_samples"]
@@ -37,7 +39,7 @@ def card_here(device: Any) -> Gpu | None:
 
 
 def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, micro_batches: tuple[int, ...], verified: bool,
-                   trials: Any) -> StepTime | None:
+                   trials: Any, ranks: int = 1) -> StepTime | None:
     """The plan's step time, or None where it can be neither measured nor predicted.
 
     Args:
@@ -47,7 +49,19 @@ def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int
         micro_batch, micro_batches: the plan's micro-batch and one window's micro-batches on this device.
         verified: whether the plan ran real steps.
         trials: the plan's trials.
+        ranks: data-parallel ranks whose gradients are summed after each window (1: none; FSDP2's trials run its own
+            collectives), the all-reduce's time added as predicted for the card (:func:`_synced`).
     """
+    step = _own_step(work, card=card, device=device, micro_batch=micro_batch, micro_batches=micro_batches, verified=verified,
+                     trials=trials)
+    if step is None or ranks == 1:
+        return step
+    return _synced(step, card or card_here(device), ranks, work.model)
+
+
+def _own_step(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, micro_batches: tuple[int, ...], verified: bool,
+              trials: Any) -> StepTime | None:
+    """This device's step, measured by the trials or predicted for the card (:func:`plan_step_time`'s, without ranks)."""
     samples = sum(micro_batches)
     per_sample = B.tokens_per_sample(work.batch)
     tokens = None if per_sample is None else per_sample * samples
@@ -62,6 +76,20 @@ def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int
     if estimator is None or card is None:
         return None
     return predict(_work_at(estimator, max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
+
+
+def _synced(step: StepTime, card: Gpu | None, ranks: int, model: Any) -> StepTime:
+    """``step`` with the gradients' all-reduce over ``ranks`` after each window: autotune's one exchange
+    (:mod:`autotune.parallel.exchange`), the trainable gradients in buckets of at least fp32, after the window's last
+    backward, so nothing overlaps it. Predicted for ``card``'s link (:func:`autotune.planning.collectives.all_reduce_seconds`);
+    without a card, said and not counted."""
+    nbytes = sum(p.numel() * max(p.element_size(), 4) for p in model.parameters() if p.requires_grad)
+    if card is None:
+        return replace(step, basis=f"{step.basis}; per rank, without the gradients' all-reduce over {ranks} ranks after each "
+                                   "window (no card's link to predict it for)")
+    sync = all_reduce_seconds(nbytes, ranks, card)
+    return replace(step, sync=sync, basis=f"{step.basis}; with the gradients' all-reduce over {ranks} ranks after each window, "
+                                          f"{seconds(sync)} predicted over {card.link_kind}")
 
 
 def _work_at(estimator: Any, b: int) -> Work:
