@@ -306,12 +306,12 @@ def test_auto_where_the_prediction_cannot_tell_the_candidates_apart_times_them_w
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["for the cpu", "estimated for cuda"])  # "cuda" alone marks a test for a GPU
 def test_whether_a_count_fits_from_one_trace_is_the_estimators_own_search_at_every_count(device):
-    """``partial.fits_at`` decides a count from one trace at the micro-batch (for CUDA, the allocator's replay of that
+    """``partial.needed`` decides a count from one trace at the micro-batch (for CUDA, the allocator's replay of that
     trace's own allocations); the estimator's ``largest`` decides it from its curve of two sizes, a confirming trace and
     its own replay. At every count of blocks and a budget at each count's own figure and just below it, they agree."""
     from autotune.memory.allocator import cublas_workspace, expandable_segments, replay, steady_state
     from autotune.probe.estimate import estimator_for
-    from autotune.probe.partial import fits_at
+    from autotune.probe.partial import needed
 
     model, batch = hf_models.llama(layers=4, dim=32, mlp=256, vocab=32), tokens(8, 64, 32)
     work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
@@ -327,7 +327,7 @@ def test_whether_a_count_fits_from_one_trace_is_the_estimators_own_search_at_eve
             need = replay(events, expandable=expandable_segments()).reserved
         for budget in (need, need - 1, need + 2**20):
             searched = estimator_for(work, checkpointing=setting).largest(budget, b)[0] >= b
-            assert fits_at(estimator_for(work, checkpointing=setting), b, budget) == searched, (count, budget)
+            assert needed(estimator_for(work, checkpointing=setting), b, budget)[0] == searched, (count, budget)
 
 
 def test_the_what_if_table_keeps_a_count_of_blocks_in_your_own_row_and_times_it_so():

@@ -28,8 +28,9 @@ sources; ``docs/benchmarks.md`` holds the table). The attention efficiency is ab
 score of a causal attention, of which the kernels compute half. All the cases are of one card: other cards are
 predicted from their datasheets' peaks with the same efficiencies, checked by ``benchmarks/gpu_validate.py``'s
 ``step time`` case on a lent card. A sharded step's all-gathers and reduce-scatters are added by
-:mod:`autotune.planning.collectives`. Not modelled: a data-parallel step's all-reduces, host-device copies of the
-batch, the data loader, and CUDA graphs or compilation.
+:mod:`autotune.planning.collectives`, a data-parallel step's all-reduce after each window by
+:mod:`autotune.planning.times` (:attr:`StepTime.sync`). Not modelled: host-device copies of the batch, the data
+loader, and CUDA graphs or compilation.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ __all__ = [
     "GradientSync",
     "OUT_OF_MEMORY",
     "bucket_bytes_needed",
+    "synced_bytes",
 ]
 
 
@@ -295,5 +296,15 @@ def _buckets_of(params: Sequence[torch.Tensor], bucket_bytes: int) -> Iterable[t
 def bucket_bytes_needed(params: Iterable[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> int:
     """The largest flat bucket :class:`GradientSync` makes for these parameters (what the probe
     sets aside for the sync)."""
+    return max(_bucket_sizes(params, bucket_bytes), default=0)
+
+
+def synced_bytes(params: Iterable[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> int:
+    """The bytes :class:`GradientSync` sums over the ranks once a window for these parameters: every bucket's (the
+    trainable gradients, each in its dtype promoted to at least fp32; the head's few values left out)."""
+    return sum(_bucket_sizes(params, bucket_bytes))
+
+
+def _bucket_sizes(params: Iterable[torch.Tensor], bucket_bytes: int) -> list[int]:
     trainable = [p for p in params if p.requires_grad]
-    return max((sum(trainable[i].numel() for i in idx) * dtype.itemsize for idx, dtype in _buckets_of(trainable, bucket_bytes)), default=0)
+    return [sum(trainable[i].numel() for i in idx) * dtype.itemsize for idx, dtype in _buckets_of(trainable, bucket_bytes)]

@@ -22,6 +22,7 @@ from autotune import batches as B
 from autotune.memory.gpus import Gpu, gpu_for
 from autotune.memory.timing import StepTime, measured, predict, seconds
 from autotune.memory.work import Work
+from autotune.parallel.exchange import synced_bytes
 from autotune.planning.collectives import all_reduce_seconds
 from autotune.planning.whatif import along
 
@@ -83,7 +84,7 @@ def _synced(step: StepTime, card: Gpu | None, ranks: int, model: Any) -> StepTim
     (:mod:`autotune.parallel.exchange`), the trainable gradients in buckets of at least fp32, after the window's last
     backward, so nothing overlaps it. Predicted for ``card``'s link (:func:`autotune.planning.collectives.all_reduce_seconds`);
     without a card, said and not counted."""
-    nbytes = sum(p.numel() * max(p.element_size(), 4) for p in model.parameters() if p.requires_grad)
+    nbytes = synced_bytes(model.parameters())
     if card is None:
         return replace(step, basis=f"{step.basis}; per rank, without the gradients' all-reduce over {ranks} ranks after each "
                                    "window (no card's link to predict it for)")

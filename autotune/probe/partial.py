@@ -33,7 +33,7 @@ from autotune.probe.search import SearchResult
 from autotune.probe.trial import Workload
 from autotune.step import Snapshot, min_micro_batch
 
-__all__ = ["fastest_setting", "fewest_blocks", "fits_at", "needed", "settle_auto"]
+__all__ = ["fastest_setting", "fewest_blocks", "needed", "settle_auto"]
 
 
 def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], bool] | None = None,
@@ -91,11 +91,6 @@ def _next_count(no: int, yes: int, needs: dict[int, int | None], budget: int) ->
         return (no + yes) // 2
     at = k1 + math.ceil((n1 - budget) * (k2 - k1) / (n1 - n2))  # type: ignore[operator]
     return min(max(at, no + 1), yes - 1)
-
-
-def fits_at(estimator: Any, b: int, budget: int, *, confirm: bool = True) -> bool:
-    """Whether micro-batch ``b`` fits ``budget`` bytes by ``estimator`` (:func:`needed`)."""
-    return needed(estimator, b, budget, confirm=confirm)[0]
 
 
 def needed(estimator: Any, b: int, budget: int, *, confirm: bool = True) -> tuple[bool, int | None]:
