@@ -158,4 +158,8 @@ def test_the_step_time_case_predicts_and_measures_every_setting(fake_cuda):
     assert gpt2["flops"] == pytest.approx(tokens * (6 * weights + scores), rel=0.02)
     partial = res.figures["partial checkpointing"]
     assert partial["first 1"]["predicted_s"] < partial["all 2"]["predicted_s"]
-    assert res.checks == {**{f"{name}: ran": True for name in settings}, "checkpointing 1 of 2 blocks: predicted faster than all": True}
+    said = res.figures["plan's measured step"]
+    assert said["basis"].startswith("measured on this device (cpu") and said["plan_s"] > 0 and said["loop_s"] > 0
+    assert said["plan_s"] == pytest.approx(said["accumulation"] * said["plan_micro_step_s"] + said["plan_optimizer_s"])
+    assert res.checks == {**{f"{name}: ran": True for name in settings}, "checkpointing 1 of 2 blocks: predicted faster than all": True,
+                          "the plan's measured step: said measured, even micro-batches": True}

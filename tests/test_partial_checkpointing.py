@@ -287,17 +287,19 @@ def test_auto_where_the_prediction_cannot_tell_the_candidates_apart_times_them_w
     real = {}  # each size's last real trial: the timing's (a trial at the first size found ran with every block checkpointed)
     for t in plan.trials:
         if not t.estimate and t.fits:
-            real[t.batch_size] = t.seconds
+            real[t.batch_size] = (t.micro_step, t.optimizer_step)
     timed = [n for n in plan.notes if "timed the" in n]
     if close == 0.0:
         assert not timed and set(real) == {plan.micro_batch}  # the fastest predicted, confirmed alone
-        assert plan.step_time.micro_step == real[plan.micro_batch] and "over 1 trial step" in plan.step_time.basis  # not the search's
+        assert (plan.step_time.micro_step, plan.step_time.optimizer) == real[plan.micro_batch]  # not the search's
+        assert "over 1 trial step" in plan.step_time.basis
         return
     assert len(timed) == 1 and f"timed the {len(candidates)} predicted" in timed[0], plan.notes
     assert set(candidates) <= set(real)  # every candidate ran for real at its micro-batch
-    step = {m: -(-8 // m) * real[m] / 2 for m in candidates}
+    step = {m: -(-8 // m) * real[m][0] + real[m][1] for m in candidates}
     assert plan.micro_batch == min(step, key=step.get)
-    assert plan.step_time.micro_step == real[plan.micro_batch] and "over 1 trial step" in plan.step_time.basis  # its own trial
+    assert (plan.step_time.micro_step, plan.step_time.optimizer) == real[plan.micro_batch]  # its own trial
+    assert "over 1 trial step" in plan.step_time.basis
     k = plan.checkpointing
     count = 0 if k is False else len(blocks(model)) if k is True else k
     assert peak(model, batch, plan.micro_batch, k) <= plan.budget

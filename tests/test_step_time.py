@@ -84,13 +84,66 @@ def test_a_plan_for_a_card_carries_its_predicted_time_and_keeps_it_in_its_dict()
     assert "time: " in str(plan)
 
 
-def test_a_verified_plan_says_its_time_was_measured():
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+class Clock:
+    """A clock that moves only when the model's forward runs (1 s; 5 s more under the tensor ledger, a stand-in for its
+    host cost) and when the optimizer steps (10 s): the trial's phases, read off it, are known exactly."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward(self) -> None:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        from autotune.memory.ledger import TensorLedger
+
+        self.now += 1.0 + 5.0 * any(isinstance(m, TensorLedger) for m in _get_current_dispatch_mode_stack())
+
+
+class Clocked(torch.nn.Module):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock, self.net = clock, torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch._subclasses.FakeTensor) and x.device.type != "meta":  # real steps only
+            self.clock.forward()
+        return self.net(x)
+
+
+@pytest.mark.parametrize("retimed", [(), ("cpu",)], ids=["timed in the trial", "timed again outside the ledger"])
+def test_a_verified_plan_measures_a_steady_micro_step_and_an_optimizer_step(monkeypatch, retimed):
+    """A trial is micro-step, optimizer step, micro-step: the plan's optimizer step is its accumulation of micro-steps
+    and one optimizer step, each as timed (not the whole trial for each micro-step), the micro-steps scaled by the
+    window's samples where they are fewer than the trial's. Where the device is RETIMED (CUDA; the CPU here), the
+    micro-step is timed once more outside the tensor ledger, without its host cost; elsewhere the basis says it is in."""
+    import autotune.probe.largest as largest
+    import autotune.probe.trial as trial
+
+    clock = Clock()
+    monkeypatch.setattr(trial, "_now", clock)
+    monkeypatch.setattr(largest, "RETIMED", retimed)
+    model = Clocked(clock)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = optimizer.step
+
+    def stepped(*args, **kwargs):
+        clock.now += 10.0
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer, "step", stepped)
     loader = [(torch.randn(8, 32), torch.randint(0, 4, (8,)))] * 2
-    plan = autotune.plan(model, loader, target_batch=16, memory_limit="1GiB", progress=False)
-    assert plan.step_time is not None and plan.step_time.basis.startswith("measured on this device (cpu) over")
-    real = [t.seconds for t in plan.trials if not t.estimate and t.batch_size == plan.micro_batch]
-    assert plan.step_time.micro_step == min(real)
+    plan = autotune.plan(model, loader, target_batch=64, optimizer=optimizer, memory_limit="32KiB", headroom=0.0, progress=False)
+    t, k = plan.step_time, plan.accumulation_steps
+    assert t is not None and t.basis.startswith("measured on this device (cpu") and t.basis.endswith(" over 1 trial step")
+    assert ("the micro-step under the tensor ledger" in t.basis) == (not retimed)
+    assert k > 1 and plan.effective_batch < k * plan.micro_batch  # the shape the test needs: a smaller last micro-batch
+    assert f"timed at micro-batch {plan.micro_batch}, scaled by samples" in t.basis
+    micro = (1.0 if retimed else 6.0) * plan.effective_batch / (k * plan.micro_batch)  # the window's samples, timed at the trial's
+    assert (t.micro_step, t.optimizer) == (pytest.approx(micro, rel=1e-12), 10.0)
+    assert t.step == pytest.approx(plan.effective_batch / plan.micro_batch * (1.0 if retimed else 6.0) + 10.0, rel=1e-12)
 
 
 def run(capsys, *argv):
@@ -199,7 +252,7 @@ def test_data_parallel_ranks_add_the_gradients_all_reduce_after_each_window():
     assert four.step == pytest.approx(alone.step + four.sync, rel=1e-12)
     assert "all-reduce over 4 ranks" in four.basis and "NVLink" in four.basis
     on_cpu = plan_step_time(work, card=None, device="cpu", micro_batch=4, micro_batches=(4, 4), verified=True,
-                            trials=(autotune.Trial(4, 1, True, 0.5, estimate=False),), ranks=2)
+                            trials=(autotune.Trial(4, 1, True, 0.5, estimate=False, micro_step=0.2, optimizer_step=0.1),), ranks=2)
     assert on_cpu.sync == 0.0 and "without the gradients' all-reduce over 2 ranks" in on_cpu.basis
     plan = autotune.plan(model, lm_loader(), target_batch=8, optimizer=torch.optim.AdamW(model.parameters()), gpu="h100-sxm",
                          precision="bf16", progress=False)

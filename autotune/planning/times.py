@@ -1,8 +1,9 @@
 """A plan's step time: measured where the plan ran real steps, else predicted for its card.
 
-- A plan **verified on its device** ran real trial steps (forward, backward and an optimizer step at learning rate 0):
-  the time of those at the chosen micro-batch is the plan's, said to be measured (the first steps include the
-  device's warm-up: cuDNN's autotuning, the allocator's first segments; an upper bound).
+- A plan **verified on its device** ran real trial steps (micro-step, optimizer step at learning rate 0, micro-step):
+  the fastest steady micro-step of those at the chosen micro-batch (the trial's last, the optimizer state live; on
+  CUDA timed once more outside the tensor ledger, :data:`autotune.probe.largest.RETIMED`) and their optimizer step
+  are the plan's, said to be measured. The optimizer step is the first of a fresh state (an upper bound).
 - An **estimate for a card of the catalogue** (``gpu=``, ``--gpu``; or a CUDA device the catalogue knows by the
   name its driver reports) is predicted from the estimate's trace of the step (:func:`autotune.memory.timing.predict`).
 - Otherwise there is no time (the report says why: an estimate for a device the catalogue does not hold).
@@ -25,6 +26,8 @@ from autotune.memory.work import Work
 from autotune.parallel.exchange import synced_bytes
 from autotune.planning.collectives import all_reduce_seconds
 from autotune.planning.whatif import along
+from autotune.probe import largest
+from autotune.probe.search import timed_at
 
 __all__ = ["card_here", "plan_step_time", "run_of", "run_samples"]
 
@@ -67,12 +70,17 @@ def _own_step(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, mic
     per_sample = B.tokens_per_sample(work.batch)
     tokens = None if per_sample is None else per_sample * samples
     k = len(micro_batches)
-    real = [t.seconds for t in trials if not t.estimate and t.fits and t.batch_size == micro_batch]
+    timed = timed_at(trials, micro_batch)
     estimator = getattr(work, "estimator", None)
-    if verified and real:
+    if verified and timed is not None:
         traced = _work_at(estimator, micro_batch).flops if estimator is not None else 0.0
         where = str(device) if card is None else f"{device}, {card.title}"
-        return measured(min(real), len(real), accumulation=k, samples=samples, tokens=tokens, flops=float(k * traced), where=where)
+        micro, optimizer, steps = timed
+        if torch.device(device).type not in largest.RETIMED:
+            where = f"{where}; the micro-step under the tensor ledger, its host cost included"
+        if samples < k * micro_batch:  # the window's micro-batches are smaller: a micro-step's time scaled by its samples
+            micro, where = micro * samples / (k * micro_batch), f"{where}; timed at micro-batch {micro_batch}, scaled by samples"
+        return measured(micro, optimizer, steps, accumulation=k, samples=samples, tokens=tokens, flops=float(k * traced), where=where)
     card = card or card_here(device)
     if estimator is None or card is None:
         return None

@@ -44,7 +44,9 @@ from autotune.probe.priced import OperationCount, applies, by_real_steps, note, 
 from autotune.probe.search import Measurement, SearchResult, Trial, largest_fitting
 from autotune.probe.trial import (
     Workload,
+    phase_times,
     sharded_trial_step,
+    timed_micro_step,
     trial_step,
     without_step_hooks,
 )
@@ -295,7 +297,7 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whol
     device = work.device
     if work.on_start is not None:
         work.on_start(b)
-    fits, peak, seconds, oom = _attempt(work, b, budget, snapshot, whole=whole)
+    fits, peak, seconds, oom, timed = _attempt(work, b, budget, snapshot, whole=whole)
     if oom and work.fsdp:
         work.notes.append(
             f"an out-of-memory error at micro-batch {b} on some rank: every rank abandoned that trial at the same point, "
@@ -304,19 +306,28 @@ def _real_trial(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whol
     elif oom and peak <= budget:
         release_cached(device, collect=True)
         first = peak
-        fits, peak, more, oom = _attempt(work, b, budget, snapshot, whole=whole)
+        fits, peak, more, oom, timed = _attempt(work, b, budget, snapshot, whole=whole)
         seconds += more
         work.notes.append(
             f"an out-of-memory error at micro-batch {b} with {format_bytes(first)} counted, within the budget of "
             f"{format_bytes(budget)} (memory taken outside the step), was tried once more: "
             + ("it fitted" if fits else "it failed again" if oom else "it did not fit")
         )
-    work.record(Trial(b, peak, fits, seconds, estimate=False))
+    micro, optimizer = timed if timed is not None and fits else (None, None)
+    work.record(Trial(b, peak, fits, seconds, estimate=False, micro_step=micro, optimizer_step=optimizer))
     return Measurement(fits, peak)
 
 
-def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: bool) -> tuple[bool, int, float, bool]:
-    """Run the trial step once: ``(fits, peak bytes, seconds, whether it raised out of memory)``."""
+# Where the device runs kernels queued by the host, the tensor ledger's host cost (about 8 us an operation on a 2-core
+# host) can outlast the device's own work on a step of small kernels: the steady micro-step is timed once more outside
+# the ledger, as it runs in training. On the CPU the ledger's share is within the step's own (a GPT-2 step: 3-8%).
+RETIMED = ("cuda",)
+
+
+def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *,
+             whole: bool) -> tuple[bool, int, float, bool, tuple[float, float] | None]:
+    """Run the trial step once: ``(fits, peak bytes, seconds, whether it raised out of memory, the steady micro-step's
+    and the optimizer step's seconds)``."""
     device = work.device
     release_cached(device)
     # A compact copy: a slice of a larger tensor would count the whole of its storage.
@@ -335,15 +346,17 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
     oom = False
     work.own_oom = None
     snapshot.prepare_trial()
+    clock: list[float] = []  # the trial's phases (autotune.probe.trial.phase_times)
     step: Callable[[], None] = functools.partial(
         sharded_trial_step if work.fsdp else trial_step, work.model, work.optimizer, work.loss_fn, batch, device.type,
-        work.precision, finite=snapshot.zero_lr, **({"accumulating": not whole} if work.fsdp else {}),
+        work.precision, finite=snapshot.zero_lr, clock=clock, **({"accumulating": not whole} if work.fsdp else {}),
     )
-    compiled, count = bool(_compiled(work)), None
+    compiled, count, timed = bool(_compiled(work)), None, None
     try:
         if compiled:  # its first step at a size compiles it: run, put back, then measured (see autotune.probe.compiled)
             with planning(), without_step_hooks(work.optimizer):
                 step()
+            clock.clear()
             snapshot.restore()
             snapshot.prepare_trial()
             release_cached(device)
@@ -352,12 +365,17 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
         # Your optimizer's step hooks never see a trial's step (at learning rate 0, not a training step). A compiled
         # step is counted by the device's allocator: under the ledger it would run eager (autotune.probe.compiled).
         meter = measured(device) if compiled else ledger
-        with planning(), without_step_hooks(work.optimizer), meter as count, (resident if resident is not None else contextlib.nullcontext()):
-            if work.fsdp:
-                outcome = in_lockstep(work.model, step, device=device)
-                oom, work.own_oom = outcome.anywhere, outcome.own
-            else:
-                step()
+        with planning(), without_step_hooks(work.optimizer):
+            with meter as count, (resident if resident is not None else contextlib.nullcontext()):
+                if work.fsdp:
+                    outcome = in_lockstep(work.model, step, device=device)
+                    oom, work.own_oom = outcome.anywhere, outcome.own
+                else:
+                    step()
+            timed = phase_times(clock, pairs=work.fsdp)
+            if timed is not None and device.type in RETIMED and not (compiled or work.fsdp):
+                # one more steady micro-step, the trial's gradients and optimizer state live: what its last one held
+                timed = (timed_micro_step(work.model, work.loss_fn, batch, device.type, work.precision), timed[1])
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
         if not is_out_of_memory(exc) or work.fsdp:  # under FSDP2 the others wait in a collective: see _in_lockstep
@@ -387,4 +405,5 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *, whole: 
             f"the CUDA allocator freed its cache and retried {retries_after - retries} time(s) at micro-batch {b} "
             f"(fragmentation, or a library workspace sized from free memory); the step {'fitted' if fits else 'did not fit'}"
         )
-    return fits, peak, seconds, oom
+    return fits, peak, seconds, oom, timed
+

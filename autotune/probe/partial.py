@@ -29,7 +29,7 @@ from autotune.memory.checkpointing import blocks
 from autotune.memory.timing import predict, seconds
 from autotune.probe.estimate import Estimator, estimator_for
 from autotune.probe.largest import probe
-from autotune.probe.search import SearchResult
+from autotune.probe.search import SearchResult, timed_at
 from autotune.probe.trial import Workload
 from autotune.step import Snapshot, min_micro_batch
 
@@ -149,8 +149,8 @@ def _timed(work: Workload, options: list[tuple[float, int, int, str]], *, budget
            share: int) -> tuple[int, int, SearchResult | None, str]:
     """The fastest predicted candidate and those predicted within :data:`CLOSE` of it, each confirmed by the probe at its
     micro-batch with its count (real steps, counted in the plan's trials) and timed by them: the one whose real steps
-    make the shortest optimizer step of ``share`` samples (``ceil(share / m)`` micro-steps, each half a trial step of
-    two micro-steps and an optimizer step), its probe's answer (its estimator, curve and notes set on ``work``), and
+    make the shortest optimizer step of ``share`` samples (``ceil(share / m)`` steady micro-steps and an optimizer step,
+    as the trials timed them: :func:`autotune.probe.search.timed_at`), its probe's answer (its estimator, curve and notes set on ``work``), and
     the words for the note. A candidate that does not fit when run is left out; where none fits, the fastest predicted
     with no answer (None)."""
     total = len(blocks(work.model))
@@ -164,11 +164,11 @@ def _timed(work: Workload, options: list[tuple[float, int, int, str]], *, budget
         work.checkpointing = _setting(count, total)
         start = len(work.trials)
         again = probe(work, upper=m, budget=budget, snapshot=snapshot, verify=True)
-        real = [t.seconds for t in work.trials[start:] if not t.estimate and t.fits and t.batch_size == m]
-        if again.batch_size < m or not real:
+        timed = timed_at(work.trials[start:], m)
+        if again.batch_size < m or timed is None:
             said.append(f"micro-batch {m} with {count} of {total} blocks checkpointed: did not fit when run")
             continue
-        step = -(-share // m) * min(real) / 2
+        step = -(-share // m) * timed[0] + timed[1]
         said.append(f"micro-batch {m} with {count} of {total} blocks checkpointed: {seconds(step)} a step")
         runs.append((step, m, count, again, work.estimator, work.curve, work.notes[:], start))
     words = f"checkpointing='auto' timed the {len(close)} predicted within {CLOSE:.0%} of the fastest, on this device: {'; '.join(said)}"

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from autotune.memory.curve import Curve
 
-__all__ = ["Measurement", "SearchResult", "Trial", "estimated_max", "largest_fitting", "within_allocator"]
+__all__ = ["Measurement", "SearchResult", "Trial", "estimated_max", "largest_fitting", "timed_at", "within_allocator"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class Trial:
         fits: whether the step stayed within the budget.
         seconds: wall time of the measurement.
         estimate: True for an estimate (fake tensors, no data), False for a real step on the device.
+        micro_step: seconds of the real step's steady micro-step, the optimizer state live (None: an estimate, or a
+            step that stopped early); see :func:`autotune.probe.trial.phase_times`.
+        optimizer_step: seconds of the real step's optimizer step (None as ``micro_step``).
     """
 
     batch_size: int
@@ -59,10 +62,21 @@ class Trial:
     fits: bool
     seconds: float
     estimate: bool
+    micro_step: float | None = None
+    optimizer_step: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The trial as a JSON-ready dict."""
         return dataclasses.asdict(self)
+
+
+def timed_at(trials: Iterable[Trial], micro_batch: int) -> tuple[float, float, int] | None:
+    """What the real steps of ``micro_batch`` that fitted timed: the fastest micro-step, the fastest optimizer step
+    and how many steps; None where none did."""
+    timed = [t for t in trials if not t.estimate and t.fits and t.batch_size == micro_batch and t.micro_step is not None]
+    if not timed:
+        return None
+    return min(t.micro_step for t in timed), min(t.optimizer_step or 0.0 for t in timed), len(timed)  # type: ignore[type-var]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ step on fake copies; real trials (:mod:`autotune.probe.largest`) run it on the d
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,9 @@ __all__ = [
     "Looked",
     "Workload",
     "sample_batch",
+    "phase_times",
     "sharded_trial_step",
+    "timed_micro_step",
     "trial_step",
     "without_step_hooks",
     "zero_non_finite",
@@ -170,17 +173,61 @@ def trial_step(
     device_type: str,
     precision: Precision,
     finite: bool = False,
+    clock: list[float] | None = None,
 ) -> None:
     """The steady-state step: micro-step, optimizer step, micro-step (see the module docstring).
 
-    ``finite`` zeroes non-finite gradients before the step (trials stepped at a learning rate of 0).
+    ``finite`` zeroes non-finite gradients before the step (trials stepped at a learning rate of 0). ``clock``, where
+    given, gets the time at the start and at the end of each of the three, the device's queued work done
+    (:func:`phase_times`).
     """
     model.train()
+    _stamp(clock, device_type)
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+    _stamp(clock, device_type)
     if finite:
         zero_non_finite(optimizer)
     optimizer.step()
+    _stamp(clock, device_type)
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+    _stamp(clock, device_type)
+
+
+def timed_micro_step(model: nn.Module, loss_fn: LossFn, batch: Any, device_type: str, precision: Precision) -> float:
+    """Seconds of one micro-step of ``batch`` (forward and backward, the device's queued work done)."""
+    clock: list[float] = []
+    _stamp(clock, device_type)
+    forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+    _stamp(clock, device_type)
+    return clock[1] - clock[0]
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _stamp(clock: list[float] | None, device_type: str) -> None:
+    """Note the time in ``clock`` once the device's queued work is done (a phase of a timed trial ends)."""
+    if clock is not None:
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        clock.append(_now())
+
+
+def phase_times(clock: list[float], *, pairs: bool = False) -> tuple[float, float] | None:
+    """A timed trial's steady micro-step and its optimizer step, in seconds, from its ``clock``; None where the trial
+    stopped early.
+
+    The trial's last micro-step is the steady one: the optimizer state exists and a gradient is accumulated into
+    gradients held, as in every window of ``fit`` (its first micro-step may have paid for what a first step pays once:
+    the allocator's fresh blocks, a kernel's tuning). The optimizer step is the trial's only one, which creates the
+    state where none was kept: an upper bound of a later step's. With ``pairs`` (FSDP2's trial, whose phases are pairs
+    of micro-steps, no-sync and sync) the micro-step is half the last pair.
+    """
+    if len(clock) != 4:
+        return None
+    micro = (clock[3] - clock[2]) / (2 if pairs else 1)
+    return micro, clock[2] - clock[1]
 
 
 def zero_non_finite(optimizer: torch.optim.Optimizer) -> None:
@@ -203,6 +250,7 @@ def sharded_trial_step(
     device_type: str,
     precision: Precision,
     finite: bool = False,
+    clock: list[float] | None = None,
     *,
     accumulating: bool = True,
 ) -> None:
@@ -212,20 +260,25 @@ def sharded_trial_step(
     ``fit``: the state live, the gradients zeroed after the step, the unsharded gradients of the
     no-sync micro-batch held for the sync (the reduce-scatter), which makes the sharded ones.
     ``accumulating=False`` is a window of one micro-batch: sync-only micro-batches, whose
-    backward reduce-scatters each block's gradients as it goes (none held unsharded).
+    backward reduce-scatters each block's gradients as it goes (none held unsharded). ``clock`` as
+    :func:`trial_step`'s, a pair of micro-steps for each micro-step.
     """
     syncs = (False, True) if accumulating else (True, True)
     model.train()
     try:
+        _stamp(clock, device_type)
         for sync in syncs:
             set_gradient_sync(model, sync)
             forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+        _stamp(clock, device_type)
         if finite:
             zero_non_finite(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # as after every step of fit: a window starts without gradients
+        _stamp(clock, device_type)
         for sync in syncs:
             set_gradient_sync(model, sync)
             forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+        _stamp(clock, device_type)
     finally:
         set_gradient_sync(model, True)
