@@ -118,7 +118,7 @@ def routers(grads):
     return {n: g for n, g in grads.items() if n.endswith("mlp.gate.weight")}
 
 
-def fitted(model, router_loss=None, lr=0.0, **extra):
+def fitted(model, router_loss=None, lr=0.0, checkpointing=False, **extra):
     """``fit`` at a learning rate of 0 (each step's reference is the start model's on its window), two
     windows of 4 + 4 + 4: each step's gradient as the optimizer sees it, and the result."""
     seqs = sequences()
@@ -126,7 +126,8 @@ def fitted(model, router_loss=None, lr=0.0, **extra):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     grads = []
     optimizer.register_step_pre_hook(lambda *_: grads.append({n: p.grad.clone() for n, p in model.named_parameters()}))
-    plan = manual_plan(micro_batch=MICRO, accumulation_steps=3, effective_batch=TARGET, micro_batches=(MICRO,) * 3, lr=lr, base_lr=lr)
+    plan = manual_plan(micro_batch=MICRO, accumulation_steps=3, effective_batch=TARGET, micro_batches=(MICRO,) * 3, lr=lr, base_lr=lr,
+                       checkpointing=checkpointing)
     kwargs = {} if router_loss is None else {"router_loss": router_loss}
     result = autotune.fit(model, loader, optimizer=optimizer, plan=plan, count=tokens, progress=False, noise_scale=False, **kwargs, **extra)
     return seqs, grads, result
@@ -146,6 +147,25 @@ def test_exact_mode_is_the_big_batch_router_included(name):
         assert result.history[step].loss == pytest.approx(loss, rel=1e-12)
     (note,) = [n for n in result.plan.notes if "router_loss='exact'" in n]
     assert "one extra forward without gradients per window" in note
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_exact_mode_with_the_first_block_checkpointed_is_the_big_batch(name):
+    """A count of blocks checkpointed (what ``checkpointing="auto"`` chooses): the checkpointed block's router runs
+    again in its backward, and its logits, read in the forward, are the ones the big batch's loss takes."""
+    from autotune.memory.checkpointing import blocks
+
+    model = MODELS[name]()
+    start = copy.deepcopy(model)
+    runs = [0, 0]
+    for i, block in enumerate(blocks(model)):  # a router runs once more in a recomputation
+        block.mlp.gate.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + torch.is_grad_enabled()))
+    seqs, grads, result = fitted(model, "exact", checkpointing=1)
+    assert result.plan.checkpointing == 1 and runs[0] > runs[1] > 0
+    for step, got in enumerate(grads):
+        loss, want = big_batch(start, seqs[step * TARGET : (step + 1) * TARGET])
+        assert relative(got, want) <= 1e-12
+        assert result.history[step].loss == pytest.approx(loss, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -9,6 +9,7 @@ on a real forward for the work a recomputed block adds.
 import copy
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -82,6 +83,57 @@ def test_auto_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits(deep
     assert any(f"the first {k} of {total} blocks checkpointed" in n and f"{k - 1} do not" in n for n in plan.notes)
     again = autotune.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.checkpointing == k and type(again.checkpointing) is int
+
+
+def test_auto_on_a_mixture_of_experts_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits():
+    """A Mixtral shape (experts run one by one, estimated grouped: the note says so), its router's logits an output of
+    every block, under a limit between micro-batch 8's peak with no block checkpointed and with every one: the count
+    found fits micro-batch 8, one fewer does not, by the estimate."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                        router_aux_loss_coef=0.02, max_position_embeddings=256, experts_implementation="eager")
+    model = transformers.MixtralForCausalLM(config)
+    batch = tokens(8, 128, 64)
+    plain, every = peak(model, batch, 8, False), peak(model, batch, 8, True)
+    plan = autotune.plan(model, [batch], target_batch=8, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss,
+                         memory_limit=(plain + every) // 2, headroom=0.0, checkpointing="auto", verify=False, progress=False)
+    k, m = plan.checkpointing, plan.micro_batch
+    count = len(blocks(model)) if k is True else k
+    assert m == 8 and type(count) is int and 0 < count < len(blocks(model))
+    assert peak(model, batch, m, k) <= plan.budget < peak(model, batch, m, (count - 1) or False)
+    assert any("mixture of experts" in n for n in plan.notes)
+
+
+def test_auto_on_qlora_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits_and_the_real_step_fits():
+    """A Llama shape in nf4 with LoRA on every linear layer (bitsandbytes' CPU kernels), under a limit between micro-batch
+    8's peak with no block checkpointed and with every one: the count found fits micro-batch 8 and one fewer does not,
+    by the estimate, and the plan's real step at that count fits its budget."""
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    model = hf_models.llama(layers=6, dim=64, mlp=512, vocab=64)
+    autotune.quantize(model, "nf4")
+    with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
+    batch = tokens(8, 256, 64)
+
+    def adam():
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def qpeak(b, checkpointing):
+        work = Workload(model=model, optimizer=adam(), loss_fn=own_loss, batch=batch, device=torch.device("cpu"),
+                        checkpointing=checkpointing)
+        return Estimator(work)(b)
+
+    plain, every = qpeak(8, False), qpeak(8, True)
+    plan = autotune.plan(model, [batch], target_batch=8, optimizer=adam(), loss_fn=own_loss, memory_limit=(plain + every) // 2,
+                         headroom=0.0, checkpointing="auto", progress=False)
+    k = plan.checkpointing
+    assert plan.micro_batch == 8 and type(k) is int and 0 < k < len(blocks(model))
+    assert qpeak(8, k) <= plan.budget < qpeak(8, (k - 1) or False)
+    real = [t for t in plan.trials if not t.estimate and t.batch_size == 8]
+    assert real and real[-1].fits and real[-1].peak_memory <= plan.budget
 
 
 def test_autos_predicted_step_is_shorter_than_full_checkpointings(deep_llama):
