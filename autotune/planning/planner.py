@@ -276,6 +276,7 @@ class _Setup:
     rank: int
     world_size: int
     notes: tuple[str, ...] = ()  # what the checks changed, said with the plan
+    card: Any = None  # the catalogue's card planned for: gpu=, else the CUDA device's by its name (None: neither)
 
 
 @dataclasses.dataclass
@@ -344,7 +345,7 @@ def _set_up(model: nn.Module, shared: Options, probing: Probing, optimizer: Any,
     # the other ranks, busy with trials of their own, would never join.
     return _Setup(model=par.inner, ddp=par.ddp, fsdp=par.fsdp, nested=par.nested, group=par.group, device=device,
                   limit=limit, headroom=headroom, optimizer=optimizer, precision=shared.precision or "fp32",
-                  rank=rank, world_size=world_size, notes=(limit_note,) if limit_note else ())
+                  rank=rank, world_size=world_size, notes=(limit_note,) if limit_note else (), card=shared.gpu or card_here(device))
 
 
 def _probe_every_rank(setup: _Setup, loader: Iterable[Any], shared: Options, probing: Probing, loss_fn: LossFn | None) -> _Probed:
@@ -433,8 +434,7 @@ def _probe_here(setup: _Setup, loader: Iterable[Any], shared: Options, probing: 
             own_peak = [t.peak_memory for t in work.trials if not t.estimate and t.batch_size == size]
             found = dataclasses.replace(found, peak=own_peak[-1] if own_peak else found.peak)
         if shared.checkpointing == "auto" and found.batch_size:  # that micro-batch, with the fewest blocks checkpointed
-            found = settle_auto(work, found, budget=budget, snapshot=snapshot, verify=probing.verify,
-                                card=shared.gpu or card_here(setup.device), share=upper)
+            found = settle_auto(work, found, budget=budget, snapshot=snapshot, verify=probing.verify, card=setup.card, share=upper)
         if found.batch_size == 0:
             raise _nothing_fits_here(work, found, budget=budget, limit=limit, headroom=setup.headroom, set_aside=set_aside,
                                      upper=upper, shared=shared, setup=setup)
@@ -479,7 +479,7 @@ def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, h
     """The error when not even the smallest micro-batch fits, with what would fit instead (estimated)."""
     table, held, shards, alone, reserved = None, None, [], False, None
     if work.estimator is not None:  # say where the bytes go, and what would fit instead
-        lower, card = min_micro_batch(work.model), shared.gpu or card_here(setup.device)
+        lower, card = min_micro_batch(work.model), setup.card
         table = estimate_rows(work, budget=budget, upper=upper, lower=lower, card=card, target=upper)
         held = where_the_bytes_go(work.estimator, lower)
         if setup.world_size == 1 and not setup.fsdp:
@@ -522,7 +522,7 @@ def _assemble(setup: _Setup, probed: _Probed, loader: Iterable[Any], shared: Opt
             "pass base_batch= if it was tuned at another batch"
         )
     work, found = probed.work, probed.found
-    timed = plan_step_time(work, card=shared.gpu, device=setup.device, micro_batch=probed.maxima[setup.rank],
+    timed = plan_step_time(work, card=setup.card, device=setup.device, micro_batch=probed.maxima[setup.rank],
                            micro_batches=micro_batches, verified=probing.verify, trials=work.trials[work.settled:], ranks=1 if setup.fsdp else setup.world_size)
     return Plan(
         micro_batch=probed.maxima[setup.rank], accumulation_steps=len(micro_batches), effective_batch=sum(map(sum, layout)),
