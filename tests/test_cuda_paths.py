@@ -120,6 +120,7 @@ def test_allocator_retries_alone_do_not_reject_a_trial(monkeypatch):
     monkeypatch.setattr(probe.B, "to_device", lambda batch, device: batch)
     m = probe._real_trial(work, 4, budget=10**9, snapshot=Snapshot(model, opt))
     assert m.fits
+    assert work.trials[-1].micro_step is not None  # timed, on CUDA once more outside the ledger (probe.RETIMED)
     assert any("retried 2 time(s) at micro-batch 4" in n and "fitted" in n for n in work.notes)
 
 

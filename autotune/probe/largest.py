@@ -43,6 +43,7 @@ from autotune.probe.estimate import estimator_for
 from autotune.probe.priced import OperationCount, applies, by_real_steps, note, price
 from autotune.probe.search import Measurement, SearchResult, Trial, largest_fitting
 from autotune.probe.trial import (
+    Clock,
     Workload,
     phase_times,
     sharded_trial_step,
@@ -346,7 +347,7 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *,
     oom = False
     work.own_oom = None
     snapshot.prepare_trial()
-    clock: list[float] = []  # the trial's phases (autotune.probe.trial.phase_times)
+    clock = Clock(functools.partial(synchronize, device))  # the trial's phases (autotune.probe.trial.phase_times)
     step: Callable[[], None] = functools.partial(
         sharded_trial_step if work.fsdp else trial_step, work.model, work.optimizer, work.loss_fn, batch, device.type,
         work.precision, finite=snapshot.zero_lr, clock=clock, **({"accumulating": not whole} if work.fsdp else {}),
@@ -356,7 +357,7 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *,
         if compiled:  # its first step at a size compiles it: run, put back, then measured (see autotune.probe.compiled)
             with planning(), without_step_hooks(work.optimizer):
                 step()
-            clock.clear()
+            clock.times.clear()
             snapshot.restore()
             snapshot.prepare_trial()
             release_cached(device)
@@ -375,7 +376,7 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *,
             timed = phase_times(clock, pairs=work.fsdp)
             if timed is not None and device.type in RETIMED and not (compiled or work.fsdp):
                 # one more steady micro-step, the trial's gradients and optimizer state live: what its last one held
-                timed = (timed_micro_step(work.model, work.loss_fn, batch, device.type, work.precision), timed[1])
+                timed = (timed_micro_step(work.model, work.loss_fn, batch, device.type, work.precision, clock.sync), timed[1])
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
         if not is_out_of_memory(exc) or work.fsdp:  # under FSDP2 the others wait in a collective: see _in_lockstep

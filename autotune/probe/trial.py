@@ -31,6 +31,7 @@ from autotune.step import (
 )
 
 __all__ = [
+    "Clock",
     "Looked",
     "Workload",
     "sample_batch",
@@ -173,48 +174,59 @@ def trial_step(
     device_type: str,
     precision: Precision,
     finite: bool = False,
-    clock: list[float] | None = None,
+    clock: Clock | None = None,
 ) -> None:
     """The steady-state step: micro-step, optimizer step, micro-step (see the module docstring).
 
     ``finite`` zeroes non-finite gradients before the step (trials stepped at a learning rate of 0). ``clock``, where
-    given, gets the time at the start and at the end of each of the three, the device's queued work done
-    (:func:`phase_times`).
+    given, notes the time at the start and at the end of each of the three (:func:`phase_times`).
     """
     model.train()
-    _stamp(clock, device_type)
+    _stamp(clock)
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
-    _stamp(clock, device_type)
+    _stamp(clock)
     if finite:
         zero_non_finite(optimizer)
     optimizer.step()
-    _stamp(clock, device_type)
+    _stamp(clock)
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
-    _stamp(clock, device_type)
+    _stamp(clock)
 
 
-def timed_micro_step(model: nn.Module, loss_fn: LossFn, batch: Any, device_type: str, precision: Precision) -> float:
-    """Seconds of one micro-step of ``batch`` (forward and backward, the device's queued work done)."""
-    clock: list[float] = []
-    _stamp(clock, device_type)
+def timed_micro_step(model: nn.Module, loss_fn: LossFn, batch: Any, device_type: str, precision: Precision,
+                     sync: Callable[[], None]) -> float:
+    """Seconds of one micro-step of ``batch`` (forward and backward), ``sync`` waiting for the device's queued work."""
+    clock = Clock(sync)
+    clock.stamp()
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
-    _stamp(clock, device_type)
-    return clock[1] - clock[0]
+    clock.stamp()
+    return clock.times[1] - clock.times[0]
 
 
 def _now() -> float:
     return time.perf_counter()
 
 
-def _stamp(clock: list[float] | None, device_type: str) -> None:
-    """Note the time in ``clock`` once the device's queued work is done (a phase of a timed trial ends)."""
+class Clock:
+    """The times at which a timed trial's phases end (:func:`phase_times`), each read once ``sync`` has waited for the
+    device's queued work."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.times: list[float] = []
+
+    def stamp(self) -> None:
+        """Note the time, the device's queued work done."""
+        self.sync()
+        self.times.append(_now())
+
+
+def _stamp(clock: Clock | None) -> None:
     if clock is not None:
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        clock.append(_now())
+        clock.stamp()
 
 
-def phase_times(clock: list[float], *, pairs: bool = False) -> tuple[float, float] | None:
+def phase_times(clock: Clock, *, pairs: bool = False) -> tuple[float, float] | None:
     """A timed trial's steady micro-step and its optimizer step, in seconds, from its ``clock``; None where the trial
     stopped early.
 
@@ -224,10 +236,11 @@ def phase_times(clock: list[float], *, pairs: bool = False) -> tuple[float, floa
     state where none was kept: an upper bound of a later step's. With ``pairs`` (FSDP2's trial, whose phases are pairs
     of micro-steps, no-sync and sync) the micro-step is half the last pair.
     """
-    if len(clock) != 4:
+    t = clock.times
+    if len(t) != 4:
         return None
-    micro = (clock[3] - clock[2]) / (2 if pairs else 1)
-    return micro, clock[2] - clock[1]
+    micro = (t[3] - t[2]) / (2 if pairs else 1)
+    return micro, t[2] - t[1]
 
 
 def zero_non_finite(optimizer: torch.optim.Optimizer) -> None:
@@ -250,7 +263,7 @@ def sharded_trial_step(
     device_type: str,
     precision: Precision,
     finite: bool = False,
-    clock: list[float] | None = None,
+    clock: Clock | None = None,
     *,
     accumulating: bool = True,
 ) -> None:
@@ -266,19 +279,19 @@ def sharded_trial_step(
     syncs = (False, True) if accumulating else (True, True)
     model.train()
     try:
-        _stamp(clock, device_type)
+        _stamp(clock)
         for sync in syncs:
             set_gradient_sync(model, sync)
             forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
-        _stamp(clock, device_type)
+        _stamp(clock)
         if finite:
             zero_non_finite(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # as after every step of fit: a window starts without gradients
-        _stamp(clock, device_type)
+        _stamp(clock)
         for sync in syncs:
             set_gradient_sync(model, sync)
             forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
-        _stamp(clock, device_type)
+        _stamp(clock)
     finally:
         set_gradient_sync(model, True)
