@@ -7,14 +7,15 @@ optimizer step. Printed for each model, side by side in one run on this machine:
 - ``fit s``: the median optimizer step of ``fit`` with the plan (the time from one step's callback to the next, the
   first step left out), the same model, optimizer and micro-batches;
 - ``plan s``: the plan's step time, and ``plan / fit``;
-- ``retimed s``: the plan's step time were the CPU's micro-step timed once more outside the tensor ledger, as CUDA's
-  is (``autotune.probe.largest.RETIMED``: one more micro-step a real trial);
+- ``retimed s``: the plan's step time were the CPU's micro-step and optimizer step timed once more outside the tensor
+  ledger, as CUDA's are (``autotune.probe.largest.RETIMED``: one more of each a real trial);
 - ``whole trial s``: what reading a whole trial as one micro-step gives (``accumulation`` times the trial's wall
   time: two micro-steps, an optimizer step, the tensor ledger's host cost), and its ratio to ``fit``: the reading
   plans made before the trial's phases were timed.
 
-On the CPU the trial's micro-step runs under the tensor ledger (its host cost is in it, a few per cent); on CUDA it is
-timed once more outside (``autotune.probe.largest.RETIMED``), where ``gpu_validate``'s ``step time`` case checks it.
+On the CPU the trial's micro-step runs under the tensor ledger (its host cost is in it, a few per cent); on CUDA it and
+the optimizer step are timed once more outside (``autotune.probe.largest.RETIMED``), where ``gpu_validate``'s ``step
+time`` case checks them.
 
     python benchmarks/measured_step.py              # about 2 minutes on 2 CPU cores
 """

@@ -85,8 +85,8 @@ def test_a_plan_for_a_card_carries_its_predicted_time_and_keeps_it_in_its_dict()
 
 
 class Clock:
-    """A clock that moves only when the model's forward runs (1 s; 5 s more under the tensor ledger, a stand-in for its
-    host cost) and when the optimizer steps (10 s): the trial's phases, read off it, are known exactly."""
+    """A clock that moves only when the model's forward runs (1 s) and when the optimizer steps (10 s), each 5 s more
+    under the tensor ledger (a stand-in for its host cost): the trial's phases, read off it, are known exactly."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -95,11 +95,18 @@ class Clock:
         return self.now
 
     def forward(self) -> None:
+        self.now += 1.0 + 5.0 * self.ledgered()
+
+    def step(self) -> None:
+        self.now += 10.0 + 5.0 * self.ledgered()
+
+    @staticmethod
+    def ledgered() -> bool:
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
         from autotune.memory.ledger import TensorLedger
 
-        self.now += 1.0 + 5.0 * any(isinstance(m, TensorLedger) for m in _get_current_dispatch_mode_stack())
+        return any(isinstance(m, TensorLedger) for m in _get_current_dispatch_mode_stack())
 
 
 class Clocked(torch.nn.Module):
@@ -118,7 +125,8 @@ def test_a_verified_plan_measures_a_steady_micro_step_and_an_optimizer_step(monk
     """A trial is micro-step, optimizer step, micro-step: the plan's optimizer step is its accumulation of micro-steps
     and one optimizer step, each as timed (not the whole trial for each micro-step), the micro-steps scaled by the
     window's samples where they are fewer than the trial's. Where the device is RETIMED (CUDA; the CPU here), the
-    micro-step is timed once more outside the tensor ledger, without its host cost; elsewhere the basis says it is in."""
+    micro-step and the optimizer step are timed once more outside the tensor ledger, without its host cost; elsewhere
+    the basis says it is in."""
     import autotune.probe.largest as largest
     import autotune.probe.trial as trial
 
@@ -130,7 +138,7 @@ def test_a_verified_plan_measures_a_steady_micro_step_and_an_optimizer_step(monk
     step = optimizer.step
 
     def stepped(*args, **kwargs):
-        clock.now += 10.0
+        clock.step()
         return step(*args, **kwargs)
 
     monkeypatch.setattr(optimizer, "step", stepped)
@@ -141,9 +149,10 @@ def test_a_verified_plan_measures_a_steady_micro_step_and_an_optimizer_step(monk
     assert ("the micro-step under the tensor ledger" in t.basis) == (not retimed)
     assert k > 1 and plan.effective_batch < k * plan.micro_batch  # the shape the test needs: a smaller last micro-batch
     assert f"timed at micro-batch {plan.micro_batch}, scaled by samples" in t.basis
-    micro = (1.0 if retimed else 6.0) * plan.effective_batch / (k * plan.micro_batch)  # the window's samples, timed at the trial's
-    assert (t.micro_step, t.optimizer) == (pytest.approx(micro, rel=1e-12), 10.0)
-    assert t.step == pytest.approx(plan.effective_batch / plan.micro_batch * (1.0 if retimed else 6.0) + 10.0, rel=1e-12)
+    each, optimizer = (1.0, 10.0) if retimed else (6.0, 15.0)
+    micro = each * plan.effective_batch / (k * plan.micro_batch)  # the window's samples, timed at the trial's
+    assert (t.micro_step, t.optimizer) == (pytest.approx(micro, rel=1e-12), optimizer)
+    assert t.step == pytest.approx(plan.effective_batch / plan.micro_batch * each + optimizer, rel=1e-12)
 
 
 def run(capsys, *argv):

@@ -244,9 +244,8 @@ def predict(work: Work, card: Gpu, *, accumulation: int = 1, samples: int, token
 def measured(micro_step: float, optimizer: float, steps: int, *, accumulation: int, samples: int, tokens: int | None,
              flops: float, where: str) -> StepTime:
     """A step time from real trial steps: the fastest steady micro-step (``micro_step`` seconds, the optimizer state
-    live) and optimizer step (``optimizer`` seconds, the first step of a fresh state: an upper bound) of ``steps``
-    trial steps on the device named by ``where``; an optimizer step is ``accumulation`` micro-steps and one optimizer
-    step."""
+    live) and optimizer step (``optimizer`` seconds) of ``steps`` trial steps on the device named by ``where``; an
+    optimizer step is ``accumulation`` micro-steps and one optimizer step."""
     basis = f"measured on this device ({where}) over {steps} trial step{'s' if steps != 1 else ''}"
     return StepTime(micro_step=micro_step, optimizer=optimizer, accumulation=accumulation, samples=samples, tokens=tokens,
                     flops=flops, peak=None, basis=basis, bound="measured")

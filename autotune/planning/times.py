@@ -1,9 +1,10 @@
 """A plan's step time: measured where the plan ran real steps, else predicted for its card.
 
 - A plan **verified on its device** ran real trial steps (micro-step, optimizer step at learning rate 0, micro-step):
-  the fastest steady micro-step of those at the chosen micro-batch (the trial's last, the optimizer state live; on
-  CUDA timed once more outside the tensor ledger, :data:`autotune.probe.largest.RETIMED`) and their optimizer step
-  are the plan's, said to be measured. The optimizer step is the first of a fresh state (an upper bound).
+  the fastest steady micro-step of those at the chosen micro-batch (the trial's last, the optimizer state live) and
+  their optimizer step are the plan's, said to be measured. On CUDA both are timed once more outside the tensor
+  ledger (:data:`autotune.probe.largest.RETIMED`); elsewhere the optimizer step is the trial's, the first of a fresh
+  state (an upper bound), and the basis says the ledger's host cost is in the micro-step.
 - An **estimate for a card of the catalogue** (``gpu=``, ``--gpu``; or a CUDA device the catalogue knows by the
   name its driver reports) is predicted from the estimate's trace of the step (:func:`autotune.memory.timing.predict`).
 - Otherwise there is no time (the report says why: an estimate for a device the catalogue does not hold).

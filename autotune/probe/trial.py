@@ -38,6 +38,7 @@ __all__ = [
     "phase_times",
     "sharded_trial_step",
     "timed_micro_step",
+    "timed_optimizer_step",
     "trial_step",
     "without_step_hooks",
     "zero_non_finite",
@@ -199,6 +200,17 @@ def timed_micro_step(model: nn.Module, loss_fn: LossFn, batch: Any, device_type:
     clock = Clock(sync)
     clock.stamp()
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
+    clock.stamp()
+    return clock.times[1] - clock.times[0]
+
+
+def timed_optimizer_step(optimizer: torch.optim.Optimizer, sync: Callable[[], None], *, finite: bool = False) -> float:
+    """Seconds of one optimizer step, ``sync`` waiting for the device's queued work (``finite`` as :func:`trial_step`'s)."""
+    clock = Clock(sync)
+    clock.stamp()
+    if finite:
+        zero_non_finite(optimizer)
+    optimizer.step()
     clock.stamp()
     return clock.times[1] - clock.times[0]
 
