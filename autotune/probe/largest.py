@@ -411,4 +411,3 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *,
             f"(fragmentation, or a library workspace sized from free memory); the step {'fitted' if fits else 'did not fit'}"
         )
     return fits, peak, seconds, oom, timed
-

@@ -205,11 +205,12 @@ def timed_micro_step(model: nn.Module, loss_fn: LossFn, batch: Any, device_type:
 
 
 def timed_optimizer_step(optimizer: torch.optim.Optimizer, sync: Callable[[], None], *, finite: bool = False) -> float:
-    """Seconds of one optimizer step, ``sync`` waiting for the device's queued work (``finite`` as :func:`trial_step`'s)."""
-    clock = Clock(sync)
-    clock.stamp()
+    """Seconds of one optimizer step, ``sync`` waiting for the device's queued work (``finite`` as :func:`trial_step`'s,
+    before the timing: training's step has nothing to zero)."""
     if finite:
         zero_non_finite(optimizer)
+    clock = Clock(sync)
+    clock.stamp()
     optimizer.step()
     clock.stamp()
     return clock.times[1] - clock.times[0]
