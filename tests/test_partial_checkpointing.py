@@ -111,12 +111,12 @@ def test_auto_on_qlora_checkpoints_the_fewest_blocks_with_which_the_micro_batch_
     by the estimate, and the plan's real step at that count fits its budget."""
     pytest.importorskip("bitsandbytes")
     peft = pytest.importorskip("peft")
-    model = hf_models.llama(layers=6, dim=64, mlp=512, vocab=64)
+    model = hf_models.llama(layers=4, dim=64, mlp=512, vocab=64)
     autotune.quantize(model, "nf4")
     with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns
         warnings.simplefilter("ignore")
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
-    batch = tokens(8, 256, 64)
+    batch = tokens(8, 128, 64)
 
     def adam():
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
