@@ -268,3 +268,21 @@ def test_data_parallel_ranks_add_the_gradients_all_reduce_after_each_window():
     shown = "\n".join(time_lines(replace(plan, world_size=4, step_time=four)))
     assert "the gradients' all-reduce over 4 devices" in shown
     assert autotune.Plan.from_dict(json.loads(json.dumps(replace(plan, step_time=four).to_dict()))).step_time == four
+
+
+def test_a_step_measured_on_a_card_names_it_and_reads_the_trials_it_timed_outside_the_ledger():
+    """On CUDA (timed outside the ledger: nothing said of its host cost) the basis names the card; the fastest trial's
+    micro-step and optimizer step are taken, the micro-step scaled by the window's samples (8 + 7 of a micro-batch 8)."""
+    from autotune.planning.times import plan_step_time
+
+    model = torch.nn.Linear(4, 4)
+    work = Workload(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=own_loss,
+                    batch=(torch.randn(8, 4),), device=torch.device("cpu"))
+    trials = (autotune.Trial(8, 1, True, 0.9, estimate=False, micro_step=0.3, optimizer_step=0.05),
+              autotune.Trial(8, 1, True, 0.8, estimate=False, micro_step=0.2, optimizer_step=0.07),
+              autotune.Trial(16, 1, False, 0.1, estimate=False))
+    t = plan_step_time(work, card=gpu_named("h100-sxm"), device="cuda", micro_batch=8, micro_batches=(8, 7), verified=True,
+                       trials=trials)
+    assert t.basis == "measured on this device (cuda, H100 SXM; timed at micro-batch 8, scaled by samples) over 2 trial steps"
+    assert (t.micro_step, t.optimizer) == (pytest.approx(0.2 * 15 / 16), 0.05)
+    assert t.step == pytest.approx(0.2 * 15 / 8 + 0.05)
