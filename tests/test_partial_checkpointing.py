@@ -301,7 +301,7 @@ def test_auto_for_a_card_takes_the_fastest_micro_batch_and_count_it_weighs():
 
     work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
                     device=torch.device("cpu"))
-    m, count, said = fastest_setting(work, 8, budget, card=card, share=share)
+    m, count, weighed = fastest_setting(work, 8, budget, card=card, share=share)
     assert peak(model, batch, m, setting(count)) <= budget
     assert count == 0 or peak(model, batch, m, setting(count - 1)) > budget
     times = {}
@@ -312,7 +312,7 @@ def test_auto_for_a_card_takes_the_fastest_micro_batch_and_count_it_weighs():
             break
     assert 0 < count and len(times) >= 2  # the shape the test needs: at 8 some blocks must be checkpointed
     assert step(m, count) == pytest.approx(min(times.values()), rel=1e-9)
-    assert len(said) == len(times)
+    assert len(weighed) == len(times)
 
 
 @pytest.mark.parametrize("close", [0.0, 10.0])

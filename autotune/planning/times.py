@@ -49,7 +49,7 @@ def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int
 
     Args:
         work: the planning workload (its batch, and its estimator where the step was traced).
-        card: the card planned for (``gpu=``), or None (then the catalogue's entry of a CUDA ``device``, if any).
+        card: the card planned for (``gpu=``, else the catalogue's entry of a CUDA ``device``: :func:`card_here`), or None.
         device: the device planned for.
         micro_batch, micro_batches: the plan's micro-batch and one window's micro-batches on this device.
         verified: whether the plan ran real steps.
@@ -61,7 +61,7 @@ def plan_step_time(work: Any, *, card: Gpu | None, device: Any, micro_batch: int
                      trials=trials)
     if step is None or ranks == 1:
         return step
-    return _synced(step, card or card_here(device), ranks, work.model)
+    return _synced(step, card, ranks, work.model)
 
 
 def _own_step(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, micro_batches: tuple[int, ...], verified: bool,
@@ -82,7 +82,6 @@ def _own_step(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, mic
         if samples < k * micro_batch:  # the window's micro-batches are smaller: a micro-step's time scaled by its samples
             micro, where = micro * samples / (k * micro_batch), f"{where}; timed at micro-batch {micro_batch}, scaled by samples"
         return measured(micro, optimizer, steps, accumulation=k, samples=samples, tokens=tokens, flops=float(k * traced), where=where)
-    card = card or card_here(device)
     if estimator is None or card is None:
         return None
     return predict(_work_at(estimator, max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)

@@ -47,8 +47,7 @@ from autotune.probe.trial import (
     Workload,
     phase_times,
     sharded_trial_step,
-    timed_micro_step,
-    timed_optimizer_step,
+    steady_times,
     trial_step,
     without_step_hooks,
 )
@@ -377,10 +376,9 @@ def _attempt(work: Workload, b: int, budget: int, snapshot: Snapshot, *,
                     step()
             timed = phase_times(clock, pairs=work.fsdp)
             if timed is not None and device.type in RETIMED and not (compiled or work.fsdp):
-                # one more steady micro-step and optimizer step, the trial's gradients and optimizer state live: what
-                # its last micro-step and its step held
-                timed = (timed_micro_step(work.model, work.loss_fn, batch, device.type, work.precision, clock.sync),
-                         timed_optimizer_step(work.optimizer, clock.sync, finite=snapshot.zero_lr))
+                # one more steady micro-step and optimizer step: they hold what the trial's last micro-step and its step held
+                timed = steady_times(work.model, work.optimizer, work.loss_fn, batch, device.type, work.precision, clock.sync,
+                                     finite=snapshot.zero_lr)
         synchronize(device)  # the step's time includes the device's queued work
     except Exception as exc:
         if not is_out_of_memory(exc) or work.fsdp:  # under FSDP2 the others wait in a collective: see _in_lockstep

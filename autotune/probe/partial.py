@@ -116,18 +116,13 @@ def needed(estimator: Any, b: int, budget: int, *, confirm: bool = True) -> tupl
 CLOSE = 0.2
 
 
-def fastest_setting(work: Workload, b: int, budget: int, *, card: Any, share: int, confirm: bool = True) -> tuple[int, int, list[str]]:
+def fastest_setting(work: Workload, b: int, budget: int, *, card: Any, share: int,
+                    confirm: bool = True) -> tuple[int, int, list[tuple[float, int, int, str]]]:
     """The micro-batch and count of checkpointed blocks with the shortest predicted optimizer step of ``share`` samples
     on ``card``: ``b`` (found with every block checkpointed) and its halves down to an eighth, each split evenly over
-    the share and with the fewest blocks it needs (:func:`fewest_blocks`); and each candidate's words for the note.
-    The halving stops where no block is checkpointed (a smaller micro-batch recomputes nothing less)."""
-    options = _weighed(work, b, budget, card=card, share=share, confirm=confirm)
-    _, m, count, _ = min(options, key=lambda o: o[0])
-    return m, count, [words for *_, words in options]
-
-
-def _weighed(work: Workload, b: int, budget: int, *, card: Any, share: int, confirm: bool) -> list[tuple[float, int, int, str]]:
-    """:func:`fastest_setting`'s candidates, in the order weighed: ``(predicted seconds a step, micro-batch, count, words)``."""
+    the share and with the fewest blocks it needs (:func:`fewest_blocks`); and every candidate weighed, in order:
+    ``(predicted seconds a step, micro-batch, count, its words for the note)``. The halving stops where no block is
+    checkpointed (a smaller micro-batch recomputes nothing less)."""
     total, lower = len(blocks(work.model)), min_micro_batch(work.model)
     options: list[tuple[float, int, int, str]] = []
     for m in dict.fromkeys(b >> i for i in range(4) if b >> i >= lower):
@@ -138,7 +133,8 @@ def _weighed(work: Workload, b: int, budget: int, *, card: Any, share: int, conf
         options.append((step, m, count, f"micro-batch {m} with {count} of {total} blocks checkpointed: {seconds(step)} a step"))
         if count == 0:
             break
-    return options
+    _, fastest, fewest, _ = min(options, key=lambda o: o[0])
+    return fastest, fewest, options
 
 
 def _setting(count: int, total: int) -> bool | int:
@@ -200,8 +196,7 @@ def settle_auto(work: Workload, found: SearchResult, *, budget: int, snapshot: S
     confirm = not (verify and work.device.type == "cpu")
     options: list[tuple[float, int, int, str]] = []
     if card is not None and share:
-        options = _weighed(work, b, budget, card=card, share=share, confirm=confirm)
-        _, b, count, _ = min(options, key=lambda o: o[0])
+        b, count, options = fastest_setting(work, b, budget, card=card, share=share, confirm=confirm)
     else:
         count = fewest_blocks(work, b, budget, confirm=confirm)
     if len(options) > 1:

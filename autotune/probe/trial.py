@@ -37,8 +37,7 @@ __all__ = [
     "sample_batch",
     "phase_times",
     "sharded_trial_step",
-    "timed_micro_step",
-    "timed_optimizer_step",
+    "steady_times",
     "trial_step",
     "without_step_hooks",
     "zero_non_finite",
@@ -194,26 +193,22 @@ def trial_step(
     _stamp(clock)
 
 
-def timed_micro_step(model: nn.Module, loss_fn: LossFn, batch: Any, device_type: str, precision: Precision,
-                     sync: Callable[[], None]) -> float:
-    """Seconds of one micro-step of ``batch`` (forward and backward), ``sync`` waiting for the device's queued work."""
+def steady_times(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: Any, device_type: str,
+                 precision: Precision, sync: Callable[[], None], *, finite: bool = False) -> tuple[float, float]:
+    """Seconds of one more micro-step of ``batch`` (forward and backward) and one more optimizer step, each timed on its
+    own, ``sync`` waiting for the device's queued work (``finite`` as :func:`trial_step`'s, before the optimizer step's
+    timing: training's step has nothing to zero). After a trial, its gradients and optimizer state live: steady ones."""
     clock = Clock(sync)
     clock.stamp()
     forward_backward(model, loss_fn, batch, device_type=device_type, precision=precision)
     clock.stamp()
-    return clock.times[1] - clock.times[0]
-
-
-def timed_optimizer_step(optimizer: torch.optim.Optimizer, sync: Callable[[], None], *, finite: bool = False) -> float:
-    """Seconds of one optimizer step, ``sync`` waiting for the device's queued work (``finite`` as :func:`trial_step`'s,
-    before the timing: training's step has nothing to zero)."""
     if finite:
         zero_non_finite(optimizer)
-    clock = Clock(sync)
     clock.stamp()
     optimizer.step()
     clock.stamp()
-    return clock.times[1] - clock.times[0]
+    t = clock.times
+    return t[1] - t[0], t[3] - t[2]
 
 
 def _now() -> float:
