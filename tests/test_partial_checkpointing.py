@@ -384,6 +384,29 @@ def test_whether_a_count_fits_from_one_trace_is_the_estimators_own_search_at_eve
             assert needed(estimator_for(work, checkpointing=setting), b, budget)[0] == searched, (count, budget)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["for the cpu", "estimated for cuda"])  # "cuda" alone marks a test for a GPU
+def test_the_count_searchs_first_line_is_drawn_through_the_whole_models_bytes_with_none_and_every_block(device):
+    """The count search starts from the bytes of no block and of every block checkpointed, which copies of a few blocks
+    give without tracing the whole model. They are the bytes a trace of the whole model gives (a fresh estimator of it,
+    read as the search reads any count: the allocator's reserved bytes for CUDA, else the tensors' peak);
+    and a count of blocks, traced whole, gives none (a trace of it would cost what trying it does)."""
+    from autotune.probe.depth import DepthEstimator
+    from autotune.probe.estimate import estimator_for
+    from autotune.probe.partial import _copies_bytes, needed
+
+    layers = 24 if device == "cuda" else 12  # a CUDA target copies more blocks (see autotune.probe.depth)
+    model, batch = hf_models.llama(layers=layers, dim=16, mlp=64, vocab=32), tokens(8, 32, 32)
+    for setting in (False, True, 5):
+        work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                        device=torch.device(device), precision="bf16" if device == "cuda" else "fp32", checkpointing=setting)
+        copies = estimator_for(work, checkpointing=setting)
+        if setting == 5:
+            assert not isinstance(copies, DepthEstimator) and _copies_bytes(copies, 3) is None
+            continue
+        assert isinstance(copies, DepthEstimator)
+        assert _copies_bytes(copies, 5) == needed(Estimator(work), 5, 2**40)[1], setting
+
+
 def test_the_what_if_table_keeps_a_count_of_blocks_in_your_own_row_and_times_it_so():
     """Your own row of the what-if table is your setting: a count of checkpointed blocks stays that count (its words,
     its column, its LoRA row), and its step is timed with that many blocks recomputed, shorter than with every block."""
@@ -429,12 +452,14 @@ def test_a_sharded_estimate_keeps_a_count_of_blocks(capsys):
     assert json.loads(out)["setting"]["checkpointing"] == "activation checkpointing on the model's blocks"  # every block, as said
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["whole", "seeded"])
 @pytest.mark.parametrize("shape", ["affine", "convex", "floor", "steps"])
 @pytest.mark.parametrize("budget", [5, 40, 77, 99, 120])
-def test_the_count_search_finds_the_fewest_that_fit_in_no_more_than_twice_a_bisections_steps(shape, budget, monkeypatch):
+def test_the_count_search_finds_the_fewest_that_fit_in_no_more_than_twice_a_bisections_steps(shape, budget, seeded, monkeypatch):
     """``fewest_blocks`` tries counts where the line through two counts' bytes meets the budget: whatever the bytes'
     shape against the count (affine, convex, a floor that checkpointing does not lower, steps), the answer is the
-    fewest that fit, found by brute force here, in at most twice the steps a bisection takes."""
+    fewest that fit, found by brute force here, in at most twice the steps a bisection takes. Seeded: none and every
+    block's bytes come from copies of few blocks (cheap, not tried), and the line through them is the first try."""
     import math
 
     from autotune.probe import partial
@@ -456,6 +481,7 @@ def test_the_count_search_finds_the_fewest_that_fit_in_no_more_than_twice_a_bise
         return need(count) <= budget_, need(count)
 
     monkeypatch.setattr(partial, "needed", needed)
+    monkeypatch.setattr(partial, "_copies_bytes", lambda setting, b: need(total if setting is True else 0) if seeded and setting in (False, True) else None)
     work = dataclasses.make_dataclass("Work", ["model"])(None)
     found = partial.fewest_blocks(work, 8, budget)
     fitting = [k for k in range(total + 1) if need(k) <= budget]
@@ -464,4 +490,4 @@ def test_the_count_search_finds_the_fewest_that_fit_in_no_more_than_twice_a_bise
     bisection = math.ceil(math.log2(total + 2))
     assert len(tried) <= 2 * bisection, tried
     if shape == "affine":
-        assert len(tried) <= 4, tried  # the line lands on the answer: it, and the count below it
+        assert len(tried) <= (2 if seeded else 4), tried  # the line lands on the answer: it, and the count below it

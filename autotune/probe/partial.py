@@ -27,6 +27,7 @@ from typing import Any
 from autotune.memory.allocator import cublas_workspace, expandable_segments, replay, steady_state
 from autotune.memory.checkpointing import blocks
 from autotune.memory.timing import predict, seconds
+from autotune.probe.depth import DepthEstimator
 from autotune.probe.estimate import Estimator, estimator_for
 from autotune.probe.largest import probe
 from autotune.probe.search import SearchResult, timed_at
@@ -42,7 +43,9 @@ def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], 
 
     The peak does not rise with the count, so it is searched between 0 and every block, each step at the middle or,
     once two counts' bytes are estimated, where their line meets the budget (:func:`_next_count`), one estimate a step:
-    on the Llama-3-8B shape 4 steps where bisecting took 6, and never more than twice a bisection's.
+    on the Llama-3-8B shape 4 steps where bisecting took 6, and never more than twice a bisection's. The line's first
+    two points are none and every block checkpointed where shallow copies estimate them (:func:`_copies_bytes`, no
+    trace of the whole model): there the first count tried is the answer or next to it, 2-3 steps.
     Every block is taken to fit (the caller found ``b`` with them); the answer is every block's count where no fewer do.
 
     Args:
@@ -60,6 +63,7 @@ def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], 
         A count from 0 to ``most``.
     """
     total = len(blocks(work.model))
+    no, yes = -1, total if most is None else most  # fits(no) is taken as false, fits(yes) as true
     needs: dict[int, int | None] = {}  # the bytes each count tried needs, where its estimate gives them
     if fits is None:
 
@@ -67,7 +71,8 @@ def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], 
             ok, needs[count] = needed(estimator_for(work, checkpointing=_setting(count, total)), b, budget, confirm=confirm)
             return ok
 
-    no, yes = -1, total if most is None else most  # fits(no) is taken as false, fits(yes) as true
+        for count in (0, total):  # the line's first two points, where copies of few blocks give them (none, every block)
+            needs[count] = _copies_bytes(estimator_for(work, checkpointing=_setting(count, total)), b)
     tries, bound = 0, (yes - no).bit_length()  # past a bisection's steps, the middle: never more than twice its steps
     while yes - no > 1:
         mid = _next_count(no, yes, needs, budget) if tries < bound else (no + yes) // 2
@@ -91,6 +96,16 @@ def _next_count(no: int, yes: int, needs: dict[int, int | None], budget: int) ->
         return (no + yes) // 2
     at = k1 + math.ceil((n1 - budget) * (k2 - k1) / (n1 - n2))  # type: ignore[operator]
     return min(max(at, no + 1), yes - 1)
+
+
+def _copies_bytes(estimator: Any, b: int) -> int | None:
+    """The bytes micro-batch ``b`` needs by an estimate made of shallow copies (every block checkpointed, or none:
+    :class:`autotune.probe.depth.DepthEstimator`), as :func:`needed` reads a whole model's (the caching allocator's
+    reserved bytes for a CUDA target, else the tensors' peak); None for an estimate of the whole model, whose trace
+    at ``b`` would cost as much as trying the count."""
+    if not isinstance(estimator, DepthEstimator) or estimator._whole is not None:
+        return None
+    return int(estimator.allocator(b).reserved if estimator.target == "cuda" else estimator(b))
 
 
 def needed(estimator: Any, b: int, budget: int, *, confirm: bool = True) -> tuple[bool, int | None]:
