@@ -147,6 +147,7 @@ def test_a_verified_plan_measures_a_steady_micro_step_and_an_optimizer_step(monk
     t, k = plan.step_time, plan.accumulation_steps
     assert t is not None and t.basis.startswith("measured on this device (cpu") and t.basis.endswith(" over 1 trial step")
     assert ("the micro-step under the tensor ledger" in t.basis) == (not retimed)
+    assert ("the optimizer step the first of a fresh state (an upper bound)" in t.basis) == (not retimed)
     assert k > 1 and plan.effective_batch < k * plan.micro_batch  # the shape the test needs: a smaller last micro-batch
     assert f"timed at micro-batch {plan.micro_batch}, scaled by samples" in t.basis
     each, optimizer = (1.0, 10.0) if retimed else (6.0, 15.0)

@@ -78,7 +78,8 @@ def _own_step(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, mic
         where = str(device) if card is None else f"{device}, {card.title}"
         micro, optimizer, steps = timed
         if torch.device(device).type not in largest.RETIMED:
-            where = f"{where}; the micro-step under the tensor ledger, its host cost included"
+            where = (f"{where}; the micro-step under the tensor ledger, its host cost included; the optimizer step the first "
+                     "of a fresh state (an upper bound)")
         if samples < k * micro_batch:  # the window's micro-batches are smaller: a micro-step's time scaled by its samples
             micro, where = micro * samples / (k * micro_batch), f"{where}; timed at micro-batch {micro_batch}, scaled by samples"
         return measured(micro, optimizer, steps, accumulation=k, samples=samples, tokens=tokens, flops=float(k * traced), where=where)
