@@ -6,10 +6,12 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import autotune
 from autotune import Plan
 from autotune.cli.main import main
 from autotune.planning.report import equal_split
@@ -354,6 +356,36 @@ def test_the_cache_key_covers_the_models_code(capsys, tmp_path):
     code, b, _ = run(capsys, "report", f"{tmp_path}/b.py:make", *args)
     assert code == 0 and json.loads(b)["cached"] is False  # same layers, other forward: not the same entry
     assert json.loads(a)["plan"]["micro_batch"] > json.loads(b)["plan"]["micro_batch"]
+
+
+def test_the_cache_key_covers_autotunes_own_code(capsys, cache_home, monkeypatch, tmp_path):
+    """A plan made by other code is not an answer: a checkout updated in place keeps its version number, so the key
+    holds a hash of autotune's own source, which changes with any file's contents or name."""
+    import hashlib
+
+    from autotune.planning import cache
+
+    package = Path(autotune.__file__).parent
+    digest = hashlib.sha256()  # worked out here: every .py file, by its path under the package, then its bytes
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    assert cache.own_code() == digest.hexdigest()[:16]
+    copy = tmp_path / "autotune"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert cache.source_hash(copy) == cache.own_code()
+    step = copy / "step.py"
+    step.write_text(step.read_text() + "\n")
+    longer = cache.source_hash(copy)
+    assert longer != cache.own_code()  # one byte more
+    step.rename(copy / "steps.py")
+    assert cache.source_hash(copy) not in (cache.own_code(), longer)  # the same bytes, another name
+
+    run(capsys, "report", "--demo")
+    _, again, _ = run(capsys, "report", "--demo")
+    assert "answered from the cache" in again
+    monkeypatch.setattr(cache, "own_code", lambda: "other code")
+    code, other, err = run(capsys, "report", "--demo")
+    assert code == 0 and "answered from the cache" not in other and "real step" in err
 
 
 def test_the_cache_key_covers_the_free_memory_when_no_limit_is_given(capsys, monkeypatch):

@@ -397,7 +397,7 @@ def _cache_key(args: argparse.Namespace, model: Any, described: Any, *, lr: floa
         "checkpointing": args.checkpointing,
         "follow_batch": args.follow_batch,
         "torch": torch.__version__,
-        "autotune": autotune.__version__,
+        "autotune": [autotune.__version__, cache.own_code()],  # its own code too: a checkout updated in place
     })
 
 

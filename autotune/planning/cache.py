@@ -6,6 +6,7 @@ A file that cannot be read is ignored with a one-line warning on stderr, never f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "cache_key", "load", "store", "warn"]
+__all__ = ["cache_dir", "cache_key", "load", "own_code", "source_hash", "store", "warn"]
 
 
 def warn(message: str) -> None:
@@ -31,6 +32,21 @@ def cache_key(parts: dict[str, Any]) -> str:
     """A stable hash of ``parts`` (JSON with sorted keys; other values by ``str``)."""
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def own_code() -> str:
+    """A hash of autotune's own source (:func:`source_hash` of the package), part of every key: a checkout updated in
+    place, with the same version number, does not answer from a plan that other code made. Read once a process."""
+    return source_hash(Path(__file__).resolve().parents[1])
+
+
+def source_hash(root: Path) -> str:
+    """A hash of every ``.py`` file under ``root``: their names (relative to it) and contents."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def load(key: str) -> dict[str, Any] | None:
