@@ -160,6 +160,7 @@ def _transformers_own(model: nn.Module, options: dict[str, Any]) -> Iterator[Non
     # A wrapper (PEFT's) may lack the new methods yet forward the new flag; the old flag's name warns.
     was_on = bool(getattr(model, "is_activation_checkpointing") if hasattr(model, "is_activation_checkpointing")
                   else getattr(model, "is_gradient_checkpointing", False))
+    restore = _input_grads_kept(model)
     if not was_on:
         if new:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)  # type: ignore[operator]
@@ -170,6 +171,33 @@ def _transformers_own(model: nn.Module, options: dict[str, Any]) -> Iterator[Non
     finally:
         if not was_on:
             (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()  # type: ignore[operator]
+            restore()
+
+
+_HOOKS = ("_require_grads_hooks", "_require_grads_hook")  # transformers 5's list, and the one hook older ones keep
+
+
+def _input_grads_kept(model: nn.Module) -> Callable[[], None]:
+    """What puts back transformers' input-embedding hooks as they are now. Its checkpointing switch also makes the
+    input embeddings' output require grad (``enable_input_require_grads``: a forward hook, for any model fed
+    ``input_ids``), and its off switch leaves the hook on: a frozen embedding (LoRA) would then keep its output in
+    autograd's graph after the run, and every later step would hold more. The hooks added since are removed, and
+    each model's own attributes restored."""
+    owners = [m for m in model.modules() if any(name in vars(m) for name in _HOOKS) or callable(getattr(m, "enable_input_require_grads", None))]
+    before = [(m, {name: vars(m)[name] for name in _HOOKS if name in vars(m)}) for m in owners]
+
+    def restore() -> None:
+        for module, kept in before:
+            known = [*kept.get(_HOOKS[0], ()), kept.get(_HOOKS[1])]
+            now = [*vars(module).get(_HOOKS[0], ()), vars(module).get(_HOOKS[1])]
+            for hook in now:
+                if hook is not None and not any(hook is k for k in known):
+                    hook.remove()
+            for name in _HOOKS:
+                vars(module).pop(name, None)
+            vars(module).update(kept)
+
+    return restore
 
 
 @contextlib.contextmanager
