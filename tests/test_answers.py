@@ -319,11 +319,20 @@ def test_a_shard_count_that_does_not_fit_hears_what_would_each_row_a_command_tha
 
 
 def test_when_nothing_fits_shorter_samples_are_named_and_tokens_max_finds_one_that_fits(capsys, monkeypatch, tmp_path):
+    """The refusal names shorter samples, and ``--tokens max`` finds one that fits; its search asks only whether each
+    length fits, so the lengths that do not are refused without the table of what would (built for the refusal the
+    user reads: the table's estimates cost more than the search's own)."""
+    import autotune.planning.planner as planner
+
+    tables = []
+    made = planner.estimate_rows
+    monkeypatch.setattr(planner, "estimate_rows", lambda *a, **k: tables.append(k) or made(*a, **k))
     path = write_config(tmp_path, SMALL_LLAMA)
     asked = ("--hf-config", path, "--target-batch", "8", "--device", "cpu", "--memory-limit", "1.5MiB")
     code, data, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--tokens", "64")
     assert code == 1, err
     line = next(x for x in data["nothing_fits"]["message"].splitlines() if x.strip().startswith("--tokens max"))
-    assert "below 64 tokens" in line
+    assert "below 64 tokens" in line and len(tables) == 1
     code, data, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--tokens", "max")
     assert code == 0 and data["plan"]["micro_batch"] == 1 and 16 <= data["tokens"]["per_sample"] < 64, err
+    assert len(tables) == 1  # lengths refused in the search (64 among them), none with a table

@@ -158,6 +158,7 @@ def _longest_tokens(args: argparse.Namespace, base_batch: int, device: Any) -> s
     from autotune.errors import NothingFits
     from autotune.memory.optimizers import make_optimizer
     from autotune.planning.lengths import max_length
+    from autotune.planning.options import bare_refusals
 
     args.longest = True  # args.tokens is set below, to each length tried: not a length given
 
@@ -165,12 +166,11 @@ def _longest_tokens(args: argparse.Namespace, base_batch: int, device: Any) -> s
         args.tokens = tokens
         model, loader, loss_fn, _ = workload_from_args(args, base_batch)
         optimizer = make_optimizer(args.optimizer, [p for p in model.parameters() if p.requires_grad], 1e-3)
-        try:
+        with bare_refusals(), contextlib.suppress(NothingFits):  # whether it fits, not what would
             return autotune.plan(model, loader, target_batch=1, optimizer=optimizer, loss_fn=loss_fn, device=device,
                                  memory_limit=args.memory_limit, headroom=args.headroom, precision=args.precision, verify=False,
                                  progress=0.0, checkpointing=args.checkpointing, lengths=lengths)
-        except NothingFits:
-            return None
+        return None
 
     args.tokens = None
     model, loader, _, _ = workload_from_args(args, base_batch)

@@ -48,7 +48,7 @@ from autotune.parallel.ranks import bypass_nested, gather, group_broken, paralle
 from autotune.parallel.stops import on_every_rank
 from autotune.planning.advice import check_limit_above_context, nothing_fits, shards_that_fit, where_the_bytes_go
 from autotune.planning.lengths import shape_model_for
-from autotune.planning.options import Options, Probing, check_target, options
+from autotune.planning.options import EXPLAIN, Options, Probing, check_target, options
 from autotune.planning.plans import Plan, budget_of, largest_share, window_layout
 from autotune.planning.recipe import recipe_of
 from autotune.planning.scaling import (
@@ -478,7 +478,7 @@ def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, h
                        upper: int, shared: Options, setup: _Setup) -> NothingFits:
     """The error when not even the smallest micro-batch fits, with what would fit instead (estimated)."""
     table, held, shards, alone, reserved = None, None, [], False, None
-    if work.estimator is not None:  # say where the bytes go, and what would fit instead
+    if work.estimator is not None and EXPLAIN.get():  # say where the bytes go, and what would fit instead
         lower, card = min_micro_batch(work.model), setup.card
         table = estimate_rows(work, budget=budget, upper=upper, lower=lower, card=card, target=upper)
         held = where_the_bytes_go(work.estimator, lower)
