@@ -163,3 +163,23 @@ def test_the_step_time_case_predicts_and_measures_every_setting(fake_cuda):
     assert said["plan_s"] == pytest.approx(said["accumulation"] * said["plan_micro_step_s"] + said["plan_optimizer_s"])
     assert res.checks == {**{f"{name}: ran": True for name in settings}, "checkpointing 1 of 2 blocks: predicted faster than all": True,
                           "the plan's measured step: said measured, even micro-batches": True}
+
+
+def test_the_prepared_gpu_command_selects_the_cases_that_wait_for_a_card():
+    """docs/benchmarks.md's one prepared command: each name it gives selects a case, and together they run every case
+    whose figures the docs do not have yet (the reserved criterion, the allocator, fit's speed, the longest context and
+    the step time), its figures written where a run stopped from outside keeps them."""
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    section = text.split("## Prepared GPU checks", 1)[1].split("\n## ", 1)[0]
+    (command,) = re.findall(r"```bash\n(.+?)\n```", section, re.S)
+    words = shlex.split(command)
+    given = words[words.index("--cases") + 1].split(",")
+    selected = [n for n in gpu_validate.CASES if any(n == w or n.startswith(w) for w in given)]
+    assert all(any(n == w or n.startswith(w) for n in gpu_validate.CASES) for w in given), given
+    waiting = {"estimate-only: gpt2", "estimate-only: llama", "estimate-only: cnn", "allocator", "fit speed", "longest context", "step time"}
+    assert waiting <= set(selected), waiting - set(selected)
+    out = words[words.index("--out") + 1]
+    assert words[words.index("--json") + 1].startswith(out.split("/")[0] + "/")  # the traces and the figures in one folder
