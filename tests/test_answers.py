@@ -301,6 +301,7 @@ def test_a_sharded_answer_begins_with_the_question_as_the_unsharded_one(capsys, 
 
 
 def test_a_shard_count_that_does_not_fit_hears_what_would_each_row_a_command_that_fits(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:1")  # cuBLAS's workspace (each rank holds one) small for the 2 MiB cards
     path = write_config(tmp_path, SMALL_LLAMA)
     asked = ("--hf-config", path, "--target-batch", "8", "--device", "cuda", "--tokens", "64", "--cuda-context", "1B",
              "--memory-limit", "2MiB")

@@ -83,6 +83,34 @@ def test_nothing_fits_for_activations_alone_does_not_suggest_sharding():
     assert caught.value.shards == [] and "FSDP2" not in str(caught.value)
 
 
+def test_on_cuda_every_rank_counts_cublas_workspace_as_one_device_does(monkeypatch):
+    """A one-device CUDA estimate counts cuBLAS's workspace (32 MiB on Hopper) beside the tensors; so does every rank of
+    an FSDP2 estimate, and the offloaded row's size. With a 16 KiB workspace set (CUBLAS_WORKSPACE_CONFIG) a 4 MiB
+    budget fits over 2 and 4 ranks; with the default one the same micro-batches need the budget plus the difference,
+    each rank's peak exactly that much more, and at 4 MiB nothing fits. Where the workspace alone passes the budget,
+    neither more ranks nor offloading is offered: neither would shrink it."""
+    from autotune.memory.allocator import cublas_workspace
+
+    model, context = wide(), 781 * 2**20  # the CUDA context an estimate sets aside
+
+    def ranks(budget):
+        return shard_plan(model, data(), target_batch=64, ranks=[2, 4], device="cuda", memory_limit=context + budget, headroom=0)
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:1")
+    small = ranks(4 * 2**20)
+    assert all(r.fits and r.parts["cublas_workspace"] == 16 * 2**10 for r in small)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    more = cublas_workspace() - 16 * 2**10
+    assert cublas_workspace() == 32 * 2**20
+    for a, b in zip(small, ranks(4 * 2**20 + more)):
+        assert (b.micro_batch, b.peak - a.peak, b.parts["cublas_workspace"]) == (a.micro_batch, more, cublas_workspace())
+    assert not any(r.fits for r in ranks(4 * 2**20))
+    with pytest.raises(autotune.NothingFits) as caught:  # a budget of 17.1 MiB: the workspace alone is more
+        autotune.plan(model, data(), target_batch=64, device="cuda", memory_limit="800MiB", verify=False, progress=False)
+    assert caught.value.shards == [] and "FSDP2" not in str(caught.value)
+    assert not any(r.offload and r.micro_batch for r in caught.value.what_if.rows)
+
+
 def test_report_shard_prints_the_per_rank_plan(tmp_path, capsys):
     assert main(["report", "--demo", "--target-batch", "256", "--shard", "4", "--memory-limit", "64MiB"]) == 0
     out = capsys.readouterr().out

@@ -16,7 +16,9 @@ row is offered, never applied (:data:`APPLY` is the code that applies it).
 - the activations and temporaries of the micro-batch's forward and backward, as on one device without offloading
   (the estimator's steady-state peak less what it holds resident; under autocast they include the low-precision copies
   of the weights that autocast keeps for the backward);
-- no optimizer state and no optimizer step.
+- no optimizer state and no optimizer step;
+- on a CUDA target, cuBLAS's workspace, counted in what fits as a one-device estimate counts it (the allocator's
+  rounding of tensors into segments is left to the budget's headroom).
 
 **What the host holds**: the parameters, the gradients and the optimizer state (FSDP2 pins the parameters and the
 gradients, ``pin_memory=True`` by default: of the host's memory, those bytes cannot be swapped), plus the CPU
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.memory.allocator import cublas_workspace
 from autotune.memory.checkpointing import blocks
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.ledger import storage_bytes
@@ -172,7 +175,10 @@ def offloaded(estimator: Any, model: nn.Module, *, budget: int, upper: int, lowe
     def activations(b: int) -> int:
         return max(0, round(curve(b)) - resident)
 
-    size, _ = estimated_max(lambda b: sum(held.values()) + activations(b), budget, upper, lower=lower)
+    # What fits counts cuBLAS's workspace on a CUDA target too, as a one-device estimate's size does; the row's bytes
+    # are the tensors', as the other rows' are.
+    beside = cublas_workspace() if estimator.target == "cuda" else 0
+    size, _ = estimated_max(lambda b: sum(held.values()) + activations(b) + beside, budget, upper, lower=lower)
     at = {**held, "activations": activations(size or lower)}
     return Offload(micro_batch=size, device_peak=sum(at.values()), device=at, parameters=parameters, gradients=trainable_bytes(model),
                    optimizer_state=estimator.optimizer_state_bytes(), root_parameters=root,

@@ -17,7 +17,10 @@ each block, then on the model):
   prefetched) and the parameters outside any block (which the root gathers for the whole step); buffers whole;
 - the activations and temporaries of the micro-batch's forward and backward, as on one device;
 - or, when it is larger, the optimizer step: its shard of everything above and of the step's own
-  temporaries.
+  temporaries;
+- on a CUDA target, cuBLAS's workspace throughout (32 MiB), as a one-device estimate counts it. The caching
+  allocator's rounding of tensors into segments is not replayed here (the one-device estimate replays it): the
+  budget's headroom is what stands for it.
 
 The blocks are those of :func:`autotune.memory.checkpointing.blocks`, else the model's children. Every
 figure is an estimate from the same fake-tensor step as :class:`autotune.probe.estimate.Estimator`.
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.memory.allocator import cublas_workspace
 from autotune.memory.device import (
     cuda_context_allowance,
     default_headroom,
@@ -68,6 +72,8 @@ class ShardParts:
         largest_unit_gradients: the gradients of the block with the most trainable parameters.
         step_temporaries: what the optimizer step allocates beyond the state, on one device.
         units: each block's parameter and trainable gradient bytes, in order (what FSDP2's collectives move).
+        workspace: what each rank's libraries hold beside its tensors throughout the step: cuBLAS's workspace on a
+            CUDA target (as the one-device estimate counts it), 0 elsewhere.
     """
 
     parameters: int
@@ -79,6 +85,7 @@ class ShardParts:
     largest_unit_gradients: int = 0
     step_temporaries: int = 0
     units: tuple[tuple[int, int], ...] = ()
+    workspace: int = 0
 
     @property
     def resident(self) -> int:
@@ -93,6 +100,7 @@ class ShardParts:
             "gradients": -(-self.gradients // ranks) + (self.gradients if accumulating else 0),
             "reduce_scatter": self.largest_unit_gradients * (1 if accumulating else 2),
             "gathered": self.gathered_units + self.outside_units + self.buffers,
+            **({"cublas_workspace": self.workspace} if self.workspace else {}),
         }
 
     def peak(self, ranks: int, activations: int, *, accumulating: bool) -> int:
@@ -102,7 +110,7 @@ class ShardParts:
 
     def step_peak(self, ranks: int) -> int:
         """One rank's bytes during the optimizer step: shards of everything, buffers whole."""
-        return -(-(self.parameters + self.gradients + self.optimizer_state + self.step_temporaries) // ranks) + self.buffers
+        return -(-(self.parameters + self.gradients + self.optimizer_state + self.step_temporaries) // ranks) + self.buffers + self.workspace
 
 
 @dataclass(frozen=True)
@@ -224,6 +232,8 @@ def estimated(work: Any, lower: int) -> tuple[ShardParts, Callable[[int], int]]:
     estimator = estimator_for(work)
     cache: dict[int, int] = {}
     parts = shard_parts(work.model, estimator.optimizer_state_bytes(), estimator.step_transient())
+    if work.device.type == "cuda":  # every rank's cuBLAS holds its workspace, as one device's does
+        parts = replace(parts, workspace=cublas_workspace())
     resident = estimator.resident()
     curve: list[Any] = []  # made at the first size that reads it
 
