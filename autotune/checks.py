@@ -19,6 +19,7 @@ from torch import nn
 __all__ = [
     "check_callable",
     "check_count_value",
+    "check_count_values",
     "check_device_exists",
     "check_flag",
     "check_grad_mode",
@@ -254,12 +255,32 @@ def check_reiterable(loader: Iterable[Any], epochs: int) -> None:
         )
 
 
+def check_count_values(values: list[Any]) -> list[int]:
+    """:func:`check_count_value` of each of a window's counts, the tensors among them read from their device at once
+    (one stacked read a device: on a GPU each read waits for its queue, and one a micro-batch would stall it)."""
+    tensors: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            _check_count_tensor(value)
+            tensors.setdefault(value.device, []).append(i)
+    values = list(values)
+    for at in tensors.values():
+        for i, read in zip(at, torch.stack([values[i].reshape(()).to(torch.int64) for i in at]).tolist()):
+            values[i] = read
+    return [check_count_value(v) for v in values]
+
+
+def _check_count_tensor(value: torch.Tensor) -> None:
+    if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise ValueError(f"Invalid item count {value!r} ({type(value).__name__}) from count(batch): a tensor count must be "
+                         "a single integer, e.g. int((labels != -100).sum())")
+
+
 def check_count_value(value: Any) -> int:
     """An item count returned by ``count(batch)``: a whole number >= 0 (int or 0-d integer tensor)."""
     bad = f"Invalid item count {value!r} ({type(value).__name__}) from count(batch): "
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise ValueError(bad + "a tensor count must be a single integer, e.g. int((labels != -100).sum())")
+        _check_count_tensor(value)
         value = int(value.item())
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(bad + "count must return a whole number >= 0, e.g. int((labels != -100).sum())")

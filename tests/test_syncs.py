@@ -360,3 +360,24 @@ def test_on_a_gpu_the_meter_is_paced_by_its_time_on_the_device(monkeypatch):
     pacer.pace(step_seconds=0.1, agreed_pace=None)
     assert pacer.seconds == pytest.approx(0.006) and pacer.every == 6  # 6 ms a measurement: every 6th window of 100 ms
     assert pacer.events == []
+
+
+def test_a_count_of_batches_on_the_device_is_read_once_a_window():
+    """``count=`` on batches the loader keeps on the device: each micro-batch's count is a device value, read once for
+    the whole window (one stacked read), not once per micro-batch: the reads per window do not grow with the
+    micro-batches, and are at most one more than the plain loop's (which weights nothing by a count)."""
+
+    def per_window(k: int) -> list[int]:
+        model = _model(False)
+        marks: list[int] = []
+        with Reads(model) as reads:
+            on = torch.device("cpu")
+            loader = [(x, torch.ones(len(y), dtype=torch.long, device=on) * y) for x, y in _Loader(MICRO * k * WINDOWS)]
+            autotune.fit(model, loader, plan=_plan(k, "fp32"), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         loss_fn=_loss, count=lambda batch: batch[1].ne(-100).sum(), noise_scale=False, progress=False,
+                         callback=lambda record: marks.append(reads.count))
+        return _per_window(marks)
+
+    two, six = per_window(2), per_window(6)
+    plain = plain_loop(6, bn=False, precision="fp32", clip=None)[0]
+    assert two == six and max(six) <= plain + 1, (two, six, plain)

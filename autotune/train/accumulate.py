@@ -53,7 +53,7 @@ from typing import Any
 from autotune import batches as B
 from autotune.checks import (
     check_callable,
-    check_count_value,
+    check_count_values,
     check_flag,
     check_loader,
     check_positive_int,
@@ -163,7 +163,7 @@ class Window(Sequence[Micro]):
                 AutotuneWarning,
                 stacklevel=4,
             )
-        counts = [check_count_value(count(b)) if count is not None else n for b, n in zip(batches, sizes_of)]
+        counts = check_count_values([count(b) for b in batches]) if count is not None else list(sizes_of)
         self.items = int(sum(counts))
         self.total_samples = self.samples
         scale = 1.0
