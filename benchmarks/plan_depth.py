@@ -23,7 +23,15 @@ step at that size, from FLOP (6 x parameters x tokens per sample, at 989 TFLOP/s
 measurement), so the plan's cost reads in device steps. Then the 32- and 80-layer times over the 8-layer one
 (for CUDA, the timed plans').
 
+With ``--auto``, what ``checkpointing="auto"`` costs against ``checkpointing=True``: the Llama shapes of 8 and 32
+layers at 4096 tokens, a target of 64, planned for an H200 (``gpu="h200"``: its memory, less the default headroom;
+every block checkpointed fits a few samples, none fits fewer), alternated ``--repeat`` times; the medians, the traces
+of the whole model each made (the 32-layer model's copies of a few blocks apart), and the answer (micro-batch and
+count). A count of blocks is traced whole: the line through none and every block's bytes, which the copies give,
+decides which of the micro-batches weighed are searched (:func:`autotune.probe.partial.fastest_setting`).
+
     python benchmarks/plan_depth.py            # about three minutes on 2 cores
+    python benchmarks/plan_depth.py --auto     # about two minutes
 """
 
 from __future__ import annotations
@@ -129,11 +137,66 @@ def counted_plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], device:
     return seconds, made, plan.micro_batch, None if plan.step_time is None else spent[0]
 
 
+def auto_plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], checkpointing: bool | str) -> tuple[float, int, int, object]:
+    """Wall time, traces of the whole model (not of its shallow copies), micro-batch and checkpointing of a cold
+    estimate-only plan for an H200."""
+    estimate.forget()
+    gc.collect()
+    whole = 0
+    init, trace = estimate.Estimator.__init__, estimate.Estimator.trace
+    of_model: set[int] = set()  # the estimators of the whole model (not of its shallow copies)
+
+    def made(self, work, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, work, *args, **kwargs)
+        if work.model is model:
+            of_model.add(id(self))
+
+    def counting(self, b, template=None):  # type: ignore[no-untyped-def]
+        nonlocal whole
+        key = (estimate.template_key(self.batch if template is None else template), b)
+        whole += id(self) in of_model and self._source is None and key not in self._traces
+        return trace(self, b, template)
+
+    estimate.Estimator.__init__, estimate.Estimator.trace = made, counting  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        plan = autotune.plan(model, [batch], target_batch=64, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), gpu="h200",
+                             precision="bf16", checkpointing=checkpointing, verify=False, progress=False)
+        seconds = time.perf_counter() - start
+    finally:
+        estimate.Estimator.__init__, estimate.Estimator.trace = init, trace  # type: ignore[method-assign]
+    return seconds, whole, plan.micro_batch, plan.checkpointing
+
+
+def auto_table(repeat: int) -> None:
+    """``checkpointing="auto"`` against ``True`` on the Llama shapes of 8 and 32 layers for an H200."""
+    print(f"{'model':<20}{'True s':>8}{'auto s':>8}{'ratio':>7}{'whole traces (True, auto)':>27}   answer (True; auto)")
+    for layers in (8, 32):
+        model, batch = llama(layers), tokens(4096, 128256)
+        runs: dict[object, list[float]] = {True: [], "auto": []}
+        made: dict[object, set[int]] = {True: set(), "auto": set()}
+        answers: dict[object, set[tuple[int, object]]] = {True: set(), "auto": set()}
+        for i in range(repeat):
+            for setting in ((True, "auto") if i % 2 == 0 else ("auto", True)):
+                seconds, whole, micro, checkpointing = auto_plan(model, batch, setting)
+                runs[setting].append(seconds)
+                made[setting].add(whole)
+                answers[setting].add((micro, checkpointing))
+        plain, auto = statistics.median(runs[True]), statistics.median(runs["auto"])
+        said = "; ".join(", ".join(f"micro-batch {m}, checkpointing={c!r}" for m, c in sorted(answers[s], key=str)) for s in (True, "auto"))
+        traces = f"{max(made[True])}, {max(made['auto'])}"
+        print(f"{f'Llama x{layers} @4096':<20}{plain:>8.2f}{auto:>8.2f}{auto / plain:>7.2f}{traces:>27}   {said}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-cuda", action="store_true", help="the CPU target only")
     parser.add_argument("--repeat", type=int, default=5, help="runs of each plan, timed and untimed alternated (default 5)")
+    parser.add_argument("--auto", action="store_true", help='checkpointing="auto" against True, for an H200, instead')
     args = parser.parse_args()
+    if args.auto:
+        auto_table(args.repeat)
+        return 0
     cases = [(f"Llama x{n} @4096", lambda n=n: llama(n), 4096, 128256) for n in (8, 32, 80)]
     cases.append(("GPT-2 small @1024", gpt2_small, 1024, 50257))
     targets = [("cpu", "2TiB")] + ([] if args.no_cuda else [("cuda", "2TiB")])

@@ -542,3 +542,50 @@ def test_the_count_search_finds_the_fewest_that_fit_in_no_more_than_twice_a_bise
     assert len(tried) <= 2 * bisection, tried
     if shape == "affine":
         assert len(tried) <= (2 if seeded else 4), tried  # the line lands on the answer: it, and the count below it
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["for the cpu", "estimated for cuda"])  # "cuda" alone marks a test for a GPU
+def test_auto_searches_the_count_only_for_candidates_that_could_be_the_fastest(device, monkeypatch):
+    """``fastest_setting`` first reads each candidate's count off the line through none and every block's bytes (shallow
+    copies, no trace of the whole model) and searches the count only where the step predicted with ``SLACK`` blocks
+    fewer could be the fastest. On a compute-bound Llama shape (meta device, 2048 tokens, for an H100) it takes the
+    micro-batch and count that searching every candidate takes, searches fewer of them, and each count read lies
+    within ``SLACK`` blocks above the count searched (the premise of the slack)."""
+    import re
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autotune.memory.gpus import gpu_named
+    from autotune.probe import partial
+    from autotune.probe.estimate import estimator_for
+
+    layers = 16 if device == "cuda" else 12  # a CUDA target copies more blocks (see autotune.probe.depth)
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                         intermediate_size=8192, vocab_size=32000)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    batch = tokens(1, 2048, 32000)
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                    device=torch.device(device), precision="bf16")
+    none_1 = partial._copies_bytes(estimator_for(work, checkpointing=False), 1)
+    every_8 = partial._copies_bytes(estimator_for(work, checkpointing=True), 8)
+    budget = int(every_8 + 0.3 * (none_1 - every_8))
+    searched = []
+    fewest = partial.fewest_blocks
+    monkeypatch.setattr(partial, "fewest_blocks", lambda work, m, *a, **k: searched.append(m) or fewest(work, m, *a, **k))
+    card = gpu_named("h100-sxm")
+    m, count, weighed = partial.fastest_setting(work, 8, budget, card=card, share=32)
+    read_first = list(searched)
+    searched.clear()
+    monkeypatch.setattr(partial, "_read_counts", lambda *a: None)  # every candidate searched
+    every_m, every_count, every_weighed = partial.fastest_setting(work, 8, budget, card=card, share=32)
+    assert (m, count) == (every_m, every_count)
+    assert 1 < m < 8 and 0 < count < layers  # the shape the test needs: neither end is the fastest
+    assert len(read_first) < len(searched) == len(every_weighed) and len(weighed) == len(every_weighed)
+    exact = {o[1]: o[2] for o in every_weighed}
+    for step, size, k, words in weighed:
+        assert ("not searched" in words) == (size not in read_first), words
+        assert exact[size] <= k <= exact[size] + partial.SLACK, (size, k, exact[size])
+        if size not in read_first:
+            assert re.search(rf"micro-batch {size} with about {k} of {layers} blocks", words)
+            assert next(o[0] for o in every_weighed if o[1] == size) > min(o[0] for o in every_weighed)  # truly slower

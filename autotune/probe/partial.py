@@ -12,8 +12,10 @@ Where the plan is for a card whose step time can be predicted (:mod:`autotune.me
 with fewer blocks checkpointed may be the faster: the recomputed forwards are about a third more compute for every
 block checkpointed, against a matmul that runs a little less efficiently at fewer samples, and more micro-steps of
 the host's dispatch. "auto" then weighs the largest micro-batch and its halves down to an eighth, each with the fewest
-blocks it needs, and takes the shortest predicted optimizer step for the target (:func:`fastest_setting`). Where the
-plan runs real steps (a GPU here) and other candidates are predicted within :data:`CLOSE` of the fastest, closer than
+blocks it needs, and takes the shortest predicted optimizer step for the target (:func:`fastest_setting`). A count is
+traced on the whole model (its checkpointed and plain blocks are not alike), so a candidate's count is first read off
+the line through none and every block's bytes, which shallow copies give, and searched only where the candidate could
+then be the fastest. Where the plan runs real steps (a GPU here) and other candidates are predicted within :data:`CLOSE` of the fastest, closer than
 the prediction's error, each is confirmed at its micro-batch and count and timed by its real steps, and the fastest
 measured is taken; a note gives every figure.
 """
@@ -27,6 +29,7 @@ from typing import Any
 from autotune.memory.allocator import cublas_workspace, expandable_segments, replay, steady_state
 from autotune.memory.checkpointing import blocks
 from autotune.memory.timing import predict, seconds
+from autotune.memory.work import on_line
 from autotune.probe.depth import DepthEstimator
 from autotune.probe.estimate import Estimator, estimator_for
 from autotune.probe.largest import probe
@@ -131,25 +134,83 @@ def needed(estimator: Any, b: int, budget: int, *, confirm: bool = True) -> tupl
 CLOSE = 0.2
 
 
-def fastest_setting(work: Workload, b: int, budget: int, *, card: Any, share: int,
-                    confirm: bool = True) -> tuple[int, int, list[tuple[float, int, int, str]]]:
+def fastest_setting(work: Workload, b: int, budget: int, *, card: Any, share: int, confirm: bool = True,
+                    close: float = 0.0) -> tuple[int, int, list[tuple[float, int, int, str]]]:
     """The micro-batch and count of checkpointed blocks with the shortest predicted optimizer step of ``share`` samples
     on ``card``: ``b`` (found with every block checkpointed) and its halves down to an eighth, each split evenly over
     the share and with the fewest blocks it needs (:func:`fewest_blocks`); and every candidate weighed, in order:
     ``(predicted seconds a step, micro-batch, count, its words for the note)``. The halving stops where no block is
-    checkpointed (a smaller micro-batch recomputes nothing less)."""
+    checkpointed (a smaller micro-batch recomputes nothing less).
+
+    Where shallow copies give the bytes of none and every block checkpointed (:func:`_read_counts`), each candidate's
+    count is first read off their line, and its step predicted with :data:`SLACK` blocks fewer and more than read (the
+    work is on the line through none and every block's: each block recomputed adds the same). Only candidates that
+    could then be within ``close`` of the fastest (0: be the fastest) are searched, a trace of the whole model for each
+    count tried; the others are weighed at the count read, and their words say so.
+    """
     total, lower = len(blocks(work.model)), min_micro_batch(work.model)
-    options: list[tuple[float, int, int, str]] = []
+    sizes = []
     for m in dict.fromkeys(b >> i for i in range(4) if b >> i >= lower):
         steps = -(-share // m)
-        m = -(-share // steps)  # the even split of the share at that many micro-steps
-        count = fewest_blocks(work, m, budget, confirm=confirm, most=options[-1][2] if options else None)
+        sizes.append((-(-share // steps), steps))  # the even split of the share at that many micro-steps
+    read = _read_counts(work, sizes, budget, total)
+    searched = {m for m, _ in sizes}
+    if read is not None:
+        sizes = sizes[:len(read)]
+        span = {m: (_on_line_step(work, m, max(k - SLACK, 0), total, card, steps, share),
+                    _on_line_step(work, m, min(k + SLACK, total), total, card, steps, share)) for (m, steps), k in zip(sizes, read)}
+        best = min(hi for _, hi in span.values())
+        searched = {m for m, (lo, _) in span.items() if lo <= best * (1 + close)}
+    options: list[tuple[float, int, int, str]] = []
+    most = total
+    slower = f"over {close:.0%} slower than the fastest" if close else "slower than the fastest"
+    for i, (m, steps) in enumerate(sizes):
+        if m not in searched:
+            count = read[i]  # type: ignore[index]
+            step = _on_line_step(work, m, count, total, card, steps, share)
+            options.append((step, m, count, f"micro-batch {m} with about {count} of {total} blocks checkpointed (the count read "
+                                            f"off the line through none and all, not searched: {slower} even with {SLACK} "
+                                            f"blocks fewer): {seconds(step)} a step"))
+            continue
+        count = most = fewest_blocks(work, m, budget, confirm=confirm, most=most)
         step = predict(estimator_for(work, checkpointing=_setting(count, total)).work(m), card, accumulation=steps, samples=share).step
         options.append((step, m, count, f"micro-batch {m} with {count} of {total} blocks checkpointed: {seconds(step)} a step"))
         if count == 0:
             break
-    _, fastest, fewest, _ = min(options, key=lambda o: o[0])
+    _, fastest, fewest, _ = min((o for o in options if o[1] in searched), key=lambda o: o[0])
     return fastest, fewest, options
+
+
+# A candidate's count read off the line through none and every block's bytes was never below the count the search
+# found, and at most this many blocks above it: on the Llama-3-8B shape (bf16, AdamW, H200; 4096 and 2048 tokens,
+# micro-batches 16 to 1) 32 for 31, 23 for 22, 2 for 1, 0 for 0; on small Llama shapes of 12, 16 and 24 layers, CPU and
+# CUDA targets, budgets a quarter to three quarters of the way, up to 2 above (tests/test_partial_checkpointing.py).
+# A candidate's predicted step is taken as lying between those with this many blocks fewer and more than read.
+SLACK = 2
+
+
+def _read_counts(work: Workload, sizes: list[tuple[int, int]], budget: int, total: int) -> list[int] | None:
+    """Each micro-batch's count of blocks to checkpoint read off the line through the bytes of none and every block
+    checkpointed, as shallow copies give them (:func:`_copies_bytes`), down to the first that needs none; None where
+    the copies do not give them (the model is traced whole: trying a count costs what reading it would)."""
+    counts: list[int] = []
+    for m, _ in sizes:
+        none = _copies_bytes(estimator_for(work, checkpointing=False), m)
+        every = _copies_bytes(estimator_for(work, checkpointing=True), m)
+        if none is None or every is None:
+            return None
+        if none <= budget:
+            return counts + [0]
+        counts.append(total if every >= none else min(max(math.ceil((none - budget) * total / (none - every)), 1), total))
+    return counts
+
+
+def _on_line_step(work: Workload, m: int, count: int, total: int, card: Any, steps: int, share: int) -> float:
+    """The predicted optimizer step at micro-batch ``m`` with the first ``count`` blocks checkpointed, its work read off
+    the line through none and every block's (from the shallow copies)."""
+    none = estimator_for(work, checkpointing=False).work(m)
+    every = estimator_for(work, checkpointing=True).work(m)
+    return predict(on_line((0, none), (total, every), count), card, accumulation=steps, samples=share).step
 
 
 def _setting(count: int, total: int) -> bool | int:
@@ -211,7 +272,7 @@ def settle_auto(work: Workload, found: SearchResult, *, budget: int, snapshot: S
     confirm = not (verify and work.device.type == "cpu")
     options: list[tuple[float, int, int, str]] = []
     if card is not None and share:
-        b, count, options = fastest_setting(work, b, budget, card=card, share=share, confirm=confirm)
+        b, count, options = fastest_setting(work, b, budget, card=card, share=share, confirm=confirm, close=CLOSE if verify else 0.0)
     else:
         count = fewest_blocks(work, b, budget, confirm=confirm)
     if len(options) > 1:
