@@ -584,8 +584,11 @@ def test_auto_searches_the_count_only_for_candidates_that_could_be_the_fastest(d
     assert len(read_first) < len(searched) == len(every_weighed) and len(weighed) == len(every_weighed)
     exact = {o[1]: o[2] for o in every_weighed}
     for step, size, k, words in weighed:
-        assert ("not searched" in words) == (size not in read_first), words
+        assert (" about " in words) == (size not in read_first), words
         assert exact[size] <= k <= exact[size] + partial.SLACK, (size, k, exact[size])
         if size not in read_first:
             assert re.search(rf"micro-batch {size} with about {k} of {layers} blocks", words)
             assert next(o[0] for o in every_weighed if o[1] == size) > min(o[0] for o in every_weighed)  # truly slower
+    said = partial.weighed(weighed, close=0.0)
+    assert said.endswith("not searched: slower than the fastest even with 2 blocks fewer)") and "with about" in said
+    assert "about:" not in partial.weighed(every_weighed, close=0.0)

@@ -37,7 +37,7 @@ from autotune.probe.search import SearchResult, timed_at
 from autotune.probe.trial import Workload
 from autotune.step import Snapshot, min_micro_batch
 
-__all__ = ["fastest_setting", "fewest_blocks", "needed", "settle_auto"]
+__all__ = ["fastest_setting", "fewest_blocks", "needed", "settle_auto", "weighed"]
 
 
 def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], bool] | None = None,
@@ -146,7 +146,7 @@ def fastest_setting(work: Workload, b: int, budget: int, *, card: Any, share: in
     count is first read off their line, and its step predicted with :data:`SLACK` blocks fewer and more than read (the
     work is on the line through none and every block's: each block recomputed adds the same). Only candidates that
     could then be within ``close`` of the fastest (0: be the fastest) are searched, a trace of the whole model for each
-    count tried; the others are weighed at the count read, and their words say so.
+    count tried; the others are weighed at the count read, and their words say "about" (:func:`weighed`).
     """
     total, lower = len(blocks(work.model)), min_micro_batch(work.model)
     sizes = []
@@ -163,14 +163,11 @@ def fastest_setting(work: Workload, b: int, budget: int, *, card: Any, share: in
         searched = {m for m, (lo, _) in span.items() if lo <= best * (1 + close)}
     options: list[tuple[float, int, int, str]] = []
     most = total
-    slower = f"over {close:.0%} slower than the fastest" if close else "slower than the fastest"
     for i, (m, steps) in enumerate(sizes):
         if m not in searched:
             count = read[i]  # type: ignore[index]
             step = _on_line_step(work, m, count, total, card, steps, share)
-            options.append((step, m, count, f"micro-batch {m} with about {count} of {total} blocks checkpointed (the count read "
-                                            f"off the line through none and all, not searched: {slower} even with {SLACK} "
-                                            f"blocks fewer): {seconds(step)} a step"))
+            options.append((step, m, count, f"micro-batch {m} with about {count} of {total} blocks checkpointed: {seconds(step)} a step"))
             continue
         count = most = fewest_blocks(work, m, budget, confirm=confirm, most=most)
         step = predict(estimator_for(work, checkpointing=_setting(count, total)).work(m), card, accumulation=steps, samples=share).step
@@ -211,6 +208,17 @@ def _on_line_step(work: Workload, m: int, count: int, total: int, card: Any, ste
     none = estimator_for(work, checkpointing=False).work(m)
     every = estimator_for(work, checkpointing=True).work(m)
     return predict(on_line((0, none), (total, every), count), card, accumulation=steps, samples=share).step
+
+
+def weighed(options: list[tuple[float, int, int, str]], *, close: float) -> str:
+    """The note of the candidates :func:`fastest_setting` weighed, and what "about" means where a count was read, not
+    searched."""
+    said = f"checkpointing='auto' weighed, predicted: {'; '.join(words for *_, words in options)}"
+    if any(" with about " in words for *_, words in options):
+        slower = f"over {close:.0%} slower than the fastest" if close else "slower than the fastest"
+        said += (f" (about: the count read off the line through none and every block's bytes, not searched: {slower} even "
+                 f"with {SLACK} blocks fewer)")
+    return said
 
 
 def _setting(count: int, total: int) -> bool | int:
@@ -276,7 +284,7 @@ def settle_auto(work: Workload, found: SearchResult, *, budget: int, snapshot: S
     else:
         count = fewest_blocks(work, b, budget, confirm=confirm)
     if len(options) > 1:
-        work.notes.append(f"checkpointing='auto' weighed, predicted: {'; '.join(words for *_, words in options)}")
+        work.notes.append(weighed(options, close=CLOSE if verify else 0.0))
     kept = (work.estimator, work.curve, work.notes[:])
     timed: SearchResult | None = None
     fastest = min((o[0] for o in options), default=0.0)
