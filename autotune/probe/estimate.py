@@ -555,12 +555,9 @@ class Estimator:
 
     def _largest_allocated(self, budget: int, upper: int, *, confirm: bool, template: Any) -> tuple[int, Callable[[int], int]]:
         lower = min(self.lower, upper)
-
-        def traced(b: int) -> int:
-            return self(b, template)
-
-        if upper < max(2, lower) + 2:  # a few sizes: trace them
-            size, _ = estimated_max(traced, budget, upper, lower=lower)
+        traced = lambda b: self(b, template)  # noqa: E731
+        if upper < max(2, lower) + 2:  # a few sizes: trace them, the largest first (where it fits, the answer)
+            size, _ = estimated_max(traced, budget, upper, lower=lower, start=upper)
             return size, traced
         curve = self.curve(template)
         size = curve.largest(budget, lower, upper)
@@ -591,18 +588,20 @@ class Estimator:
     def micro_events(self, b: int, template: Any = None) -> tuple[tuple[int, ...], list[tuple[int, int]], tuple[int, ...]]:
         """For a CUDA target: the held tensors' sizes, the micro-step's allocations and frees at ``b`` samples,
         and where the marked blocks start and end among them (:attr:`Trace.event_marks`). They come from
-        the curve's two traces where those pair up, else from a trace at ``b``."""
+        the curve's two traces where those pair up, else from a trace at ``b``, which is also taken where it is made
+        and theirs are not (a count of checkpointed blocks decided at ``b``: no new traces)."""
         template = self.batch if template is None else template
         b1, b2 = self.sizes
-        # The traces the curve was made of, read again: not new trials (no on_trace for them).
-        told, self.on_trace = self.on_trace, None
-        try:
-            t1, t2 = self.trace(b1, template), self.trace(b2, template)
-        finally:
-            self.on_trace = told
-        events = scale_events((b1, list(t1.events)), (b2, list(t2.events)), b) if t1.held == t2.held else None
-        if events is not None and t1.event_marks == t2.event_marks:
-            return t1.held, events, t1.event_marks
+        made = {size for key, size in self._traces if key == template_key(template)}
+        if b not in made or {b1, b2} <= made:
+            told, self.on_trace = self.on_trace, None  # the curve's traces read again: not new trials (no on_trace)
+            try:
+                t1, t2 = self.trace(b1, template), self.trace(b2, template)
+            finally:
+                self.on_trace = told
+            events = scale_events((b1, list(t1.events)), (b2, list(t2.events)), b) if t1.held == t2.held else None
+            if events is not None and t1.event_marks == t2.event_marks:
+                return t1.held, events, t1.event_marks
         at = self.trace(b, template)
         return at.held, list(at.events), at.event_marks
 
