@@ -592,3 +592,20 @@ def test_auto_searches_the_count_only_for_candidates_that_could_be_the_fastest(d
     said = partial.weighed(weighed, close=0.0)
     assert said.endswith("not searched: slower than the fastest even with 2 blocks fewer)") and "with about" in said
     assert "about:" not in partial.weighed(every_weighed, close=0.0)
+
+
+def test_a_count_decided_at_two_samples_is_confirmed_on_its_own_trace_without_new_ones():
+    """``needed`` decides a count of blocks at micro-batch 2 from one trace there (for CUDA, the allocator's replay of its
+    allocations); the plan then asks the estimator's own search up to 2, which traces the largest size first and reads
+    the allocations at 2 off that same trace: no new trace, and the same answer at the count's own bytes and below."""
+    from autotune.probe.estimate import estimator_for
+    from autotune.probe.partial import needed
+
+    model, batch = hf_models.llama(layers=4, dim=32, mlp=256, vocab=32), tokens(8, 64, 32)
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                    device=torch.device("cuda"), precision="bf16")
+    fresh = Estimator(work, checkpointing=2)
+    ok, need = needed(fresh, 2, 2**40)
+    assert ok and len(fresh._traces) == 1
+    assert fresh.largest(need, 2)[0] == 2 and len(fresh._traces) == 1  # fits at its own bytes, read off its own trace
+    assert needed(fresh, 2, need - 2**20)[0] is False and fresh.largest(need - 2**20, 2)[0] < 2  # a MiB less: neither
