@@ -145,7 +145,7 @@ def test_a_verified_plan_measures_a_steady_micro_step_and_an_optimizer_step(monk
     loader = [(torch.randn(8, 32), torch.randint(0, 4, (8,)))] * 2
     plan = autotune.plan(model, loader, target_batch=64, optimizer=optimizer, memory_limit="32KiB", headroom=0.0, progress=False)
     t, k = plan.step_time, plan.accumulation_steps
-    assert t is not None and t.basis.startswith("measured on this device (cpu") and t.basis.endswith(" over 1 trial step")
+    assert t is not None and t.basis.split("; ")[0] == "measured on this device (cpu) over 1 trial step"
     assert ("the micro-step under the tensor ledger" in t.basis) == (not retimed)
     assert ("the optimizer step the first of a fresh state (an upper bound)" in t.basis) == (not retimed)
     assert k > 1 and plan.effective_batch < k * plan.micro_batch  # the shape the test needs: a smaller last micro-batch
@@ -186,6 +186,25 @@ def test_the_report_and_its_json_give_the_time_and_its_basis(capsys, config_file
     t = data["plan"]["step_time"]
     assert t["basis"].startswith("predicted for an H100 SXM") and t["tokens_per_second"] == pytest.approx(64 * 256 / t["step"])
     assert data["run"] == {"samples": 6400, "optimizer_steps": 100, "seconds": pytest.approx(100 * t["step"])}
+
+
+def test_a_measured_times_qualifications_are_rows_of_their_own_after_the_figures(capsys):
+    """The demo's plan ran a real step on the CPU: the section's title says how the time was found, and each of its
+    qualifications (the ledger's host cost, a fresh optimizer state, a micro-batch scaled) is a row after the figures,
+    every one of them the plan's own basis, in order."""
+    code, out, err = run(capsys, "report", "--demo", "--no-cache")
+    assert code == 0, err
+    title, *rows = out.split("\nTime (", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert title == "measured on this device (cpu) over 1 trial step)"
+    labels = [row[:24].strip() for row in rows]
+    assert labels[:3] == ["per micro-step", "per optimizer step", "throughput"]
+    first = labels.index("as measured")
+    assert all(not label for label in labels[first + 1:]) and first >= 3
+    said = [row[24:] for row in rows[first:]]
+    assert said[:2] == ["the micro-step under the tensor ledger, its host cost included",
+                        "the optimizer step the first of a fresh state (an upper bound)"]
+    code, out, err = run(capsys, "report", "--demo", "--no-cache", "--json")
+    assert "; ".join([title[:-1], *said]) == json.loads(out)["plan"]["step_time"]["basis"]
 
 
 @pytest.mark.parametrize("name", sorted(GPUS))
@@ -284,6 +303,6 @@ def test_a_step_measured_on_a_card_names_it_and_reads_the_trials_it_timed_outsid
               autotune.Trial(16, 1, False, 0.1, estimate=False))
     t = plan_step_time(work, card=gpu_named("h100-sxm"), device="cuda", micro_batch=8, micro_batches=(8, 7), verified=True,
                        trials=trials)
-    assert t.basis == "measured on this device (cuda, H100 SXM; timed at micro-batch 8, scaled by samples) over 2 trial steps"
+    assert t.basis == "measured on this device (cuda, H100 SXM) over 2 trial steps; timed at micro-batch 8, scaled by samples"
     assert (t.micro_step, t.optimizer) == (pytest.approx(0.2 * 15 / 16), 0.05)
     assert t.step == pytest.approx(0.2 * 15 / 8 + 0.05)

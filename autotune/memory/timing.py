@@ -35,6 +35,7 @@ loader, and CUDA graphs or compilation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -242,10 +243,11 @@ def predict(work: Work, card: Gpu, *, accumulation: int = 1, samples: int, token
 
 
 def measured(micro_step: float, optimizer: float, steps: int, *, accumulation: int, samples: int, tokens: int | None,
-             flops: float, where: str) -> StepTime:
+             flops: float, where: str, caveats: Sequence[str] = ()) -> StepTime:
     """A step time from real trial steps: the fastest steady micro-step (``micro_step`` seconds, the optimizer state
     live) and optimizer step (``optimizer`` seconds) of ``steps`` trial steps on the device named by ``where``; an
-    optimizer step is ``accumulation`` micro-steps and one optimizer step."""
-    basis = f"measured on this device ({where}) over {steps} trial step{'s' if steps != 1 else ''}"
+    optimizer step is ``accumulation`` micro-steps and one optimizer step. The basis says so, then each of ``caveats``
+    (how the trial's times differ from a training step's), after ``"; "``."""
+    basis = "; ".join([f"measured on this device ({where}) over {steps} trial step{'s' if steps != 1 else ''}", *caveats])
     return StepTime(micro_step=micro_step, optimizer=optimizer, accumulation=accumulation, samples=samples, tokens=tokens,
                     flops=flops, peak=None, basis=basis, bound="measured")

@@ -533,7 +533,8 @@ def time_lines(plan: Plan, run_samples: int | None = None) -> list[str]:
     t = plan.step_time
     if t is None:
         return [] if plan.verified else ["", "Time", "  not predicted: the estimate is for a device the catalogue of GPUs does not hold (give --gpu NAME)"]
-    lines = ["", f"Time ({t.basis})"]
+    basis, *caveats = t.basis.split("; ")  # how it was found; each of its qualifications on a row of its own, last
+    lines = ["", f"Time ({basis})"]
     bound = {"compute": "bound by compute", "memory": "bound by memory bandwidth", "host": "bound by the host's dispatch of kernels"}.get(t.bound)
     lines.append(_row("per micro-step", f"{seconds(t.micro_step)} (micro-batch {max(plan.micro_batches)}" + (f"; {bound})" if bound else ")")))
     lines.append(_row("per optimizer step", f"{seconds(t.step)} ({t.accumulation} micro-step{'s' if t.accumulation > 1 else ''}"
@@ -547,7 +548,8 @@ def time_lines(plan: Plan, run_samples: int | None = None) -> list[str]:
     if run_samples:
         steps = -(-run_samples // plan.effective_batch)
         lines.append(_row("run", f"{seconds(t.run(steps))} for {run_samples:,} samples ({steps:,} optimizer steps)"))
-    return lines
+    label = "as measured" if basis.startswith("measured") else "as predicted"
+    return lines + [_row(label if i == 0 else "", c) for i, c in enumerate(caveats)]
 
 
 def render_json(

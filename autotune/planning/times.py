@@ -77,12 +77,15 @@ def _own_step(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, mic
         traced = _work_at(estimator, micro_batch).flops if estimator is not None else 0.0
         where = str(device) if card is None else f"{device}, {card.title}"
         micro, optimizer, steps = timed
+        caveats = []
         if torch.device(device).type not in largest.RETIMED:
-            where = (f"{where}; the micro-step under the tensor ledger, its host cost included; the optimizer step the first "
-                     "of a fresh state (an upper bound)")
+            caveats += ["the micro-step under the tensor ledger, its host cost included",
+                        "the optimizer step the first of a fresh state (an upper bound)"]
         if samples < k * micro_batch:  # the window's micro-batches are smaller: a micro-step's time scaled by its samples
-            micro, where = micro * samples / (k * micro_batch), f"{where}; timed at micro-batch {micro_batch}, scaled by samples"
-        return measured(micro, optimizer, steps, accumulation=k, samples=samples, tokens=tokens, flops=float(k * traced), where=where)
+            micro = micro * samples / (k * micro_batch)
+            caveats.append(f"timed at micro-batch {micro_batch}, scaled by samples")
+        return measured(micro, optimizer, steps, accumulation=k, samples=samples, tokens=tokens, flops=float(k * traced),
+                        where=where, caveats=caveats)
     if estimator is None or card is None:
         return None
     return predict(_work_at(estimator, max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
