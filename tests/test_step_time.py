@@ -185,6 +185,7 @@ def test_the_report_and_its_json_give_the_time_and_its_basis(capsys, config_file
     data = json.loads(out)
     t = data["plan"]["step_time"]
     assert t["basis"].startswith("predicted for an H100 SXM") and t["tokens_per_second"] == pytest.approx(64 * 256 / t["step"])
+    assert ";" in t["basis"] and section.splitlines()[0] == t["basis"] + ")"  # the card's figures stay in the title
     assert data["run"] == {"samples": 6400, "optimizer_steps": 100, "seconds": pytest.approx(100 * t["step"])}
 
 
@@ -205,6 +206,25 @@ def test_a_measured_times_qualifications_are_rows_of_their_own_after_the_figures
                         "the optimizer step the first of a fresh state (an upper bound)"]
     code, out, err = run(capsys, "report", "--demo", "--no-cache", "--json")
     assert "; ".join([title[:-1], *said]) == json.loads(out)["plan"]["step_time"]["basis"]
+
+
+def test_a_long_window_counts_its_micro_batches_by_size(capsys):
+    """Ten or thirty micro-batches are counted by size, not listed (the plan's own sizes, counted here); a few are
+    listed."""
+    for target in (2560, 860, 256):
+        code, out, err = run(capsys, "report", "--demo", "--target-batch", str(target), "--no-cache")
+        assert code == 0, err
+        row = next(line for line in out.splitlines() if line.startswith("  accumulation steps"))
+        code, out, err = run(capsys, "report", "--demo", "--target-batch", str(target), "--json")
+        sizes = json.loads(out)["plan"]["micro_batches"]
+        runs = [(size, sizes.count(size)) for size in dict.fromkeys(sizes)]
+        assert sizes == [size for size, n in runs for _ in range(n)]  # runs of one size, in order
+        if len(sizes) > 8 and len(runs) == 1:
+            assert row.endswith(f"{len(sizes)}: micro-batches of {sizes[0]} each")
+        elif len(sizes) > 8:
+            assert len(runs) == 2 and row.endswith(f"{len(sizes)}: {runs[0][1]} micro-batches of {runs[0][0]}, then {runs[1][1]} of {runs[1][0]}")
+        else:
+            assert row.endswith(f"{len(sizes)}: micro-batches of {', '.join(map(str, sizes))}")
 
 
 @pytest.mark.parametrize("name", sorted(GPUS))
