@@ -447,6 +447,18 @@ def test_what_if_table_and_checkpointing_flag(capsys):
     assert code == 0 and json.loads(out)["plan"]["checkpointing"] is True
 
 
+def test_the_what_if_title_names_a_verified_row_only_where_one_ran(capsys):
+    """The demo's plan runs a real step on the CPU: its own row is verified, and the title says so; an estimate for a
+    card runs none, and its title says estimates alone."""
+    for argv, verified in ((("--demo",), True), (("--demo", "--gpu", "l4"), False)):
+        code, out, err = run(capsys, "report", *argv, "--what-if", "--no-cache")
+        assert code == 0, err
+        title = next(line for line in out.splitlines() if line.startswith("What if"))
+        assert (title == "What if (estimates; the verified row ran for real)") == verified
+        assert (title == "What if (estimates)") == (not verified)
+        assert any(line.rstrip().endswith(" verified") for line in out.split(title, 1)[1].splitlines()) == verified
+
+
 def test_noise_scale_line_needs_a_loader_and_gives_advice(capsys, tmp_path, monkeypatch):
     code, _, err = run(capsys, "report", "--demo", "--noise-scale")
     assert code == 2 and "--noise-scale measures gradients on real data: give --loader" in err

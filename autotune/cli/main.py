@@ -493,7 +493,7 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
                       run_samples=run_samples(args.samples, args.epochs, loader)))
     if table is not None:
         print()
-        print("What if (estimates; the verified row ran for real)")
+        print("What if (estimates; the verified row ran for real)" if any(r.verified for r in table.rows) else "What if (estimates)")
         print("\n".join("  " + line for line in str(table).splitlines()))
     if args.noise_scale:
         print()
