@@ -170,7 +170,10 @@ def fastest_setting(work: Workload, b: int, budget: int, *, card: Any, share: in
             options.append((step, m, count, f"micro-batch {m} with about {count} of {total} blocks checkpointed: {seconds(step)} a step"))
             continue
         count = most = fewest_blocks(work, m, budget, confirm=confirm, most=most)
-        step = predict(estimator_for(work, checkpointing=_setting(count, total)).work(m), card, accumulation=steps, samples=share).step
+        if count in (0, total) and read is not None:  # none or every block: the copies' line, as read
+            step = _on_line_step(work, m, count, total, card, steps, share)
+        else:  # a count between: the whole model's trace at m, made to decide it
+            step = predict(estimator_for(work, checkpointing=_setting(count, total)).work(m), card, accumulation=steps, samples=share).step
         options.append((step, m, count, f"micro-batch {m} with {count} of {total} blocks checkpointed: {seconds(step)} a step"))
         if count == 0:
             break
@@ -205,9 +208,15 @@ def _read_counts(work: Workload, sizes: list[tuple[int, int]], budget: int, tota
 def _on_line_step(work: Workload, m: int, count: int, total: int, card: Any, steps: int, share: int) -> float:
     """The predicted optimizer step at micro-batch ``m`` with the first ``count`` blocks checkpointed, its work read off
     the line through none and every block's (from the shallow copies)."""
-    none = estimator_for(work, checkpointing=False).work(m)
-    every = estimator_for(work, checkpointing=True).work(m)
+    none, every = (_work_of(estimator_for(work, checkpointing=setting), m) for setting in (False, True))
     return predict(on_line((0, none), (total, every), count), card, accumulation=steps, samples=share).step
+
+
+def _work_of(estimator: Any, m: int) -> Any:
+    """One micro-step's work at ``m`` samples: above the estimator's two traced sizes, read off their line (exact where
+    the step is linear in the samples, as :mod:`autotune.planning.times` reads a plan's), with no trace at ``m``."""
+    b1, b2 = estimator.sizes
+    return estimator.work(m) if m <= b2 else on_line((b1, estimator.work(b1)), (b2, estimator.work(b2)), m)
 
 
 def weighed(options: list[tuple[float, int, int, str]], *, close: float) -> str:
