@@ -132,6 +132,18 @@ class StepTime:
         above the model FLOP utilisation, whose FLOPs count each forward once)."""
         return None if not self.peak else self.flops / self.step / self.peak
 
+    @property
+    def qualified(self) -> list[str]:
+        """The basis cut at each ``"; "`` outside parentheses: how the time was found, then each of its qualifications
+        (a card's figures, in parentheses, stay with it)."""
+        parts, depth, start = [], 0, 0
+        for i, c in enumerate(self.basis):
+            depth += (c == "(") - (c == ")")
+            if depth == 0 and self.basis.startswith("; ", i):
+                parts.append(self.basis[start:i])
+                start = i + 2
+        return parts + [self.basis[start:]]
+
     def run(self, steps: int) -> float:
         """Seconds of ``steps`` optimizer steps."""
         return steps * self.step

@@ -9,6 +9,7 @@ first. For example 250 samples with at most 64 per micro-batch become 63, 63, 62
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from autotune.planning.scaling import OptimizerSettings
 from autotune.probe.search import Trial
 from autotune.units import format_bytes
 
-__all__ = ["Plan", "budget_of", "even_micro_batches", "largest_share", "peak_at", "rotated_share", "split_evenly", "window_layout"]
+__all__ = ["Plan", "budget_of", "even_micro_batches", "largest_share", "peak_at", "rotated_share", "split_evenly", "window_layout",
+           "window_words"]
 
 
 @dataclass(frozen=True)
@@ -407,3 +409,14 @@ def window_layout(
         )
     shares = split_evenly(target_batch, world_size)
     return tuple(even_micro_batches(share, cap) for share, cap in zip(shares, caps))
+
+
+def window_words(sizes: Sequence[int]) -> str:
+    """A window's micro-batches in words: each size where there are a few, else each run of one size counted
+    (``"micro-batches of 1 each"``, ``"8 micro-batches of 94, then 14 of 93"``)."""
+    if len(sizes) <= 8:
+        return f"micro-batches of {', '.join(map(str, sizes))}"
+    runs = [(size, len(list(group))) for size, group in itertools.groupby(sizes)]
+    if len(runs) == 1:
+        return f"micro-batches of {sizes[0]} each"
+    return ", then ".join(f"{n} micro-batches of {size}" if i == 0 else f"{n} of {size}" for i, (size, n) in enumerate(runs))

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from autotune.memory.timing import seconds
-from autotune.planning.plans import Plan
+from autotune.planning.plans import Plan, window_words
 from autotune.planning.recipe import Recipe
 from autotune.units import format_bytes
 
@@ -420,33 +420,6 @@ def _row(label: str, value: str) -> str:
     return f"  {label:<22}{value}"
 
 
-def _micro_batches(sizes: Sequence[int]) -> str:
-    """A window's micro-batches in words: each size where there are a few, else each run of one size counted
-    (``"micro-batches of 1 each"``, ``"8 micro-batches of 94, then 14 of 93"``)."""
-    if len(sizes) <= 8:
-        return f"micro-batches of {', '.join(map(str, sizes))}"
-    runs: list[list[int]] = []
-    for size in sizes:
-        if runs and runs[-1][0] == size:
-            runs[-1][1] += 1
-        else:
-            runs.append([size, 1])
-    if len(runs) == 1:
-        return f"micro-batches of {runs[0][0]} each"
-    return ", then ".join(f"{n} micro-batches of {size}" if i == 0 else f"{n} of {size}" for i, (size, n) in enumerate(runs))
-
-
-def _top_level(basis: str) -> list[str]:
-    """``basis`` cut at each ``"; "`` outside parentheses: how the time was found, then each of its qualifications."""
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(basis):
-        depth += (c == "(") - (c == ")")
-        if depth == 0 and basis.startswith("; ", i):
-            parts.append(basis[start:i])
-            start = i + 2
-    return parts + [basis[start:]]
-
-
 def setting_lines(setting: Sequence[tuple[str, str]]) -> list[str]:
     """The report's first section, the setting (what was planned), and a blank line; none when nothing was said."""
     if not setting:
@@ -496,7 +469,7 @@ def render_text(
                             headroom=plan.headroom, budget=plan.budget))
     lines.append("Plan" + ("" if plan.verified else " (estimate, not verified on a device)"))
     lines.append(_row("micro-batch", f"{plan.micro_batch} (largest that fits{'' if plan.verified else ', estimated'})"))
-    lines.append(_row("accumulation steps", f"{plan.accumulation_steps}: {_micro_batches(plan.micro_batches)}"))
+    lines.append(_row("accumulation steps", f"{plan.accumulation_steps}: {window_words(plan.micro_batches)}"))
     lines.append(_row("effective batch", f"{plan.effective_batch} ({plan.world_size} device{'s' if plan.world_size > 1 else ''})"))
     if lr_given:
         lines.append(_row("learning rate", f"{plan.lr:.6g} ({plan.lr_rule} rule, x{plan.lr_scale:.4g} from {plan.base_lr:.6g} at batch {plan.base_batch}; {plan.optimizer or 'optimizer'})"))
@@ -560,7 +533,7 @@ def time_lines(plan: Plan, run_samples: int | None = None) -> list[str]:
     t = plan.step_time
     if t is None:
         return [] if plan.verified else ["", "Time", "  not predicted: the estimate is for a device the catalogue of GPUs does not hold (give --gpu NAME)"]
-    basis, *caveats = _top_level(t.basis)  # how it was found; each of its qualifications on a row of its own, last
+    basis, *caveats = t.qualified  # how it was found; each of its qualifications on a row of its own, last
     lines = ["", f"Time ({basis})"]
     bound = {"compute": "bound by compute", "memory": "bound by memory bandwidth", "host": "bound by the host's dispatch of kernels"}.get(t.bound)
     lines.append(_row("per micro-step", f"{seconds(t.micro_step)} (micro-batch {max(plan.micro_batches)}" + (f"; {bound})" if bound else ")")))
