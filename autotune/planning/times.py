@@ -23,10 +23,9 @@ import torch
 from autotune import batches as B
 from autotune.memory.gpus import Gpu, gpu_for
 from autotune.memory.timing import StepTime, measured, predict, seconds
-from autotune.memory.work import Work
+from autotune.memory.work import work_at
 from autotune.parallel.exchange import synced_bytes
 from autotune.planning.collectives import all_reduce_seconds
-from autotune.planning.whatif import along
 from autotune.probe import largest
 from autotune.probe.search import timed_at
 
@@ -74,7 +73,7 @@ def _own_step(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, mic
     timed = timed_at(trials, micro_batch)
     estimator = getattr(work, "estimator", None)
     if verified and timed is not None:
-        traced = _work_at(estimator, micro_batch).flops if estimator is not None else 0.0
+        traced = work_at(estimator, micro_batch).flops if estimator is not None else 0.0
         where = str(device) if card is None else f"{device}, {card.title}"
         micro, optimizer, steps = timed
         caveats = []
@@ -88,7 +87,7 @@ def _own_step(work: Any, *, card: Gpu | None, device: Any, micro_batch: int, mic
                         where=where, caveats=caveats)
     if estimator is None or card is None:
         return None
-    return predict(_work_at(estimator, max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
+    return predict(work_at(estimator, max(micro_batches)), card, accumulation=k, samples=samples, tokens=tokens)
 
 
 def _synced(step: StepTime, card: Gpu | None, ranks: int, model: Any) -> StepTime:
@@ -103,15 +102,6 @@ def _synced(step: StepTime, card: Gpu | None, ranks: int, model: Any) -> StepTim
     sync = all_reduce_seconds(nbytes, ranks, card)
     return replace(step, sync=sync, basis=f"{step.basis}; with the gradients' all-reduce over {ranks} ranks after each window, "
                                           f"{seconds(sync)} predicted over {card.link_kind}")
-
-
-def _work_at(estimator: Any, b: int) -> Work:
-    """One micro-step's work at ``b`` samples, read off the line through the estimator's two traces (the curve the plan
-    was found on, and the what-if rows are timed on: no trace at ``b`` made for it); at or below them, the trace at ``b``
-    (a search over a few sizes traced each, not the line)."""
-    if b <= estimator.sizes[1]:
-        return estimator.work(b)  # type: ignore[no-any-return]
-    return along(estimator, b)
 
 
 def run_samples(samples: int | None, epochs: int | None, loader: Any) -> int | None:

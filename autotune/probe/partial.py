@@ -29,7 +29,7 @@ from typing import Any
 from autotune.memory.allocator import cublas_workspace, expandable_segments, replay, steady_state
 from autotune.memory.checkpointing import blocks
 from autotune.memory.timing import predict, seconds
-from autotune.memory.work import on_line
+from autotune.memory.work import on_line, work_at
 from autotune.probe.depth import DepthEstimator
 from autotune.probe.estimate import Estimator, estimator_for
 from autotune.probe.largest import probe
@@ -208,15 +208,8 @@ def _read_counts(work: Workload, sizes: list[tuple[int, int]], budget: int, tota
 def _on_line_step(work: Workload, m: int, count: int, total: int, card: Any, steps: int, share: int) -> float:
     """The predicted optimizer step at micro-batch ``m`` with the first ``count`` blocks checkpointed, its work read off
     the line through none and every block's (from the shallow copies)."""
-    none, every = (_work_of(estimator_for(work, checkpointing=setting), m) for setting in (False, True))
+    none, every = (work_at(estimator_for(work, checkpointing=setting), m) for setting in (False, True))
     return predict(on_line((0, none), (total, every), count), card, accumulation=steps, samples=share).step
-
-
-def _work_of(estimator: Any, m: int) -> Any:
-    """One micro-step's work at ``m`` samples: above the estimator's two traced sizes, read off their line (exact where
-    the step is linear in the samples, as :mod:`autotune.planning.times` reads a plan's), with no trace at ``m``."""
-    b1, b2 = estimator.sizes
-    return estimator.work(m) if m <= b2 else on_line((b1, estimator.work(b1)), (b2, estimator.work(b2)), m)
 
 
 def weighed(options: list[tuple[float, int, int, str]], *, close: float) -> str:
