@@ -193,6 +193,30 @@ def test_gpt2_small_estimate_only_plan_fits_cudas_rules():
     assert len(sizes) == len(set(sizes))  # the allocator's replay reads the curve's traces again: not new trials
 
 
+def test_a_cuda_estimates_trials_say_the_allocators_reserved_bytes_and_verdict(monkeypatch):
+    """For a CUDA target a size fits where the caching allocator's replay serves it, and what it reserves can be far
+    above its tensors' peak (cuBLAS's workspace, segments rounded up): each estimate trial gives those reserved bytes and
+    that verdict, the plan's own, so that no trial of more samples than the micro-batch planned reads "fits" (a small
+    GPT-2 under a 40 MiB card: its tensors fit 26 samples, the allocator 2)."""
+    monkeypatch.setenv("AUTOTUNE_CUDA_CONTEXT", "1MiB")
+    model = gpt2()
+    ids = torch.randint(0, 500, (8, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    plan = autotune.plan(model, [batch], target_batch=64, device="cuda", memory_limit="40MiB", headroom=0, verify=False,
+                         progress=False)
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=autotune.step.default_loss,
+                    batch=batch, device=torch.device("cuda"), precision="fp32")
+    tensors = Estimator(work)  # the tensors' peak alone, traced apart
+    larger = [t for t in plan.trials if t.batch_size > plan.micro_batch]
+    assert any(tensors(t.batch_size) <= plan.budget for t in larger)  # the shape the test needs
+    assert plan.trials and all(t.estimate for t in plan.trials)
+    for t in plan.trials:
+        assert t.fits == (t.batch_size <= plan.micro_batch) == (t.peak_memory <= plan.budget), t
+        assert t.peak_memory >= tensors(t.batch_size) + 32 * 2**20, t  # at least the tensors and cuBLAS's workspace
+        if t.batch_size == plan.micro_batch:
+            assert t.peak_memory == plan.peak_memory
+
+
 def test_rules_are_cudas_kernels_for_reductions_norms_and_powers():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

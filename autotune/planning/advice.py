@@ -79,13 +79,14 @@ def where_the_bytes_go(estimator: Any, lower: int) -> str:
 def nothing_fits(
     trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
     table: Any = None, shards: Sequence[Any] = (), out_of_memory_on: dict[int, str] | None = None, resident_too_big: bool = False,
-    held: str | None = None, setting: Any = (), reserved: int | None = None,
+    held: str | None = None, setting: Any = (), tensors: int | None = None,
 ) -> NothingFits:
     """The error for a probe that found no size: measured numbers when a real step ran.
     ``out_of_memory_on``: under FSDP2, for each size whose trial ran out of memory on some rank, which
     ranks and their errors (every rank abandons such a trial, so every rank's error names them). ``setting``: what was
-    planned (:func:`autotune.planning.setting.describe`), carried by the error. ``reserved``: for an estimate of a CUDA
-    target, what the caching allocator reserves at the smallest size (said where the tensors alone would fit)."""
+    planned (:func:`autotune.planning.setting.describe`), carried by the error. ``tensors``: for an estimate of a CUDA
+    target (whose trials give what the caching allocator reserves), the tensors' peak at the smallest size (said where
+    they alone would fit)."""
     said = {"setting": setting, "set_aside": tuple(set_aside), "headroom": headroom, "resident_too_big": resident_too_big}
     real = [t for t in trials if not t.estimate]
     pool = real or trials
@@ -114,11 +115,12 @@ def nothing_fits(
             "count); free it, or give a memory_limit below what is really free",
             needed=needed, budget=budget, limit=limit, micro_batch=smallest, measured=measured, what_if=table, shards=shards, **said,
         )
-    allocator, tensors = "", None
-    if not measured and reserved is not None and needed <= budget < reserved:
+    allocator = ""
+    if not measured and tensors is not None and tensors <= budget < needed:
         # The tensors fit; what the allocator reserves for them (cuBLAS's workspace, segments of 2 MiB and up) does not.
-        allocator = f" reserved by CUDA's caching allocator ({ALLOCATOR_WORDS.format(tensors=format_bytes(needed))})"
-        needed, tensors = reserved, needed
+        allocator = f" reserved by CUDA's caching allocator ({ALLOCATOR_WORDS.format(tensors=format_bytes(tensors))})"
+    else:
+        tensors = None
     return NothingFits(
         f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
         f"{format_bytes(needed)}{allocator}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "

@@ -212,14 +212,21 @@ def _note_compiled(work: Workload, *, verified: bool, at: int = 0, measured: int
 
 def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tuple[int, Callable[[int], int]]:
     """The largest micro-batch the estimates allow and the estimated peak at any size
-    (:meth:`autotune.probe.estimate.Estimator.largest`); every trace used is recorded as a trial."""
+    (:meth:`autotune.probe.estimate.Estimator.largest`); every trace used is recorded as a trial, for a CUDA target with
+    the caching allocator's reserved bytes at its size and whether its replay fits the budget (what the search decides
+    on; the tensors' peak alone can fit where the allocator's segments do not)."""
     estimator = estimator_for(work)
     work.estimator = estimator
-    estimator.on_trace = _recorder(work, budget)
+    cuda = work.device.type == "cuda"
+    told: list[tuple[Any, bool]] = []  # for a CUDA target, each trace told once the allocator's replay has decided
+    estimator.on_trace = (lambda trace, reused: told.append((trace, reused))) if cuda else _recorder(work, budget)
     try:
         size, peak = estimator.largest(budget, upper, confirm=confirm)
     finally:
         estimator.on_trace = None
+    for trace, reused in told:  # what decided, as the plan's peak: the bytes the allocator reserves, served under the budget
+        reserved = peak(trace.size)
+        work.record(Trial(trace.size, reserved, reserved <= budget, 0.0 if reused else trace.seconds, estimate=True))
     work.curve = peak if isinstance(peak, MemoryCurve) else (estimator.curve() if work.device.type == "cuda" else None)
     if work.device.type == "cuda":
         work.notes.append(_allocator_note(estimator, size or min(estimator.lower, upper), budget))

@@ -48,7 +48,7 @@ class Trial:
     Attributes:
         batch_size: samples in the micro-batch.
         peak_memory: peak bytes of the step (for a step that ran out of memory: the bytes in use when
-            it stopped, a lower bound).
+            it stopped, a lower bound; for an estimate for CUDA: what the caching allocator reserves).
         fits: whether the step stayed within the budget.
         seconds: wall time of the measurement.
         estimate: True for an estimate (fake tensors, no data), False for a real step on the device.
