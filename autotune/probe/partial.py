@@ -97,8 +97,13 @@ def _next_count(no: int, yes: int, needs: dict[int, int | None], budget: int) ->
     (k1, n1), (k2, n2) = (pair if len(pair) == 2 else known[-2:]) if len(known) >= 2 else ((0, 0), (0, 0))
     if k1 == k2 or n1 == n2:
         return (no + yes) // 2
-    at = k1 + math.ceil((n1 - budget) * (k2 - k1) / (n1 - n2))  # type: ignore[operator]
-    return min(max(at, no + 1), yes - 1)
+    return min(max(_where_line_meets(k1, n1, k2, n2, budget), no + 1), yes - 1)  # type: ignore[arg-type]
+
+
+def _where_line_meets(k1: int, n1: int, k2: int, n2: int, budget: int) -> int:
+    """The first count at which the line through two counts' bytes, ``(k1, n1)`` and ``(k2, n2)`` (``n1 != n2``), is
+    within ``budget``."""
+    return k1 + math.ceil((n1 - budget) * (k2 - k1) / (n1 - n2))
 
 
 def _copies_bytes(estimator: Any, b: int) -> int | None:
@@ -201,7 +206,7 @@ def _read_counts(work: Workload, sizes: list[tuple[int, int]], budget: int, tota
             return None
         if none <= budget:
             return counts + [0]
-        counts.append(total if every >= none else min(max(math.ceil((none - budget) * total / (none - every)), 1), total))
+        counts.append(total if every >= none else min(max(_where_line_meets(0, none, total, every, budget), 1), total))
     return counts
 
 
