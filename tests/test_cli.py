@@ -75,7 +75,7 @@ def test_per_sample_is_the_slope_of_the_plans_memory_line_in_text_json_and_plot(
     original = matplotlib.axes.Axes.plot
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **k: labels.append(k.get("label")) or original(ax, *a, **k))
     assert main(["report", "--demo", "--plot", str(tmp_path / "memory.png")]) == 0
-    assert f"estimated peak: {slope / 1024:.1f} KiB per sample at micro-batch {plan.micro_batch}" in labels
+    assert f"estimated peak: {format_bytes(slope)} per sample at micro-batch {plan.micro_batch}" in labels  # as the text says
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,9 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'torch-autotune[plot]'") from None
+    from autotune.planning.plans import peak_at
     from autotune.planning.report import fitted_line
+    from autotune.units import format_bytes
 
     if by_length:
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -70,10 +72,10 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
     top = max(max(t.batch_size for t in plan.trials), plan.micro_batch)
     if line:
         fixed, slope = line
-        label = f"estimated peak: {slope / 1024:.1f} KiB per sample at micro-batch {plan.micro_batch}"
-        if plan.memory_curve is not None:  # the whole curve: each trace lies on it
+        label = f"estimated peak: {format_bytes(slope)} per sample at micro-batch {plan.micro_batch}"  # the report's row
+        if plan.memory_curve is not None:  # the whole curve, through the plan's peak (for CUDA: the bytes reserved there)
             xs = list(range(1, int(top * 1.1) + 2))
-            ax.plot(xs, [plan.memory_curve(x) / mib for x in xs], "--", color="gray", label=label)
+            ax.plot(xs, [peak_at(plan, x) / mib for x in xs], "--", color="gray", label=label)
         else:
             ax.plot([0, top * 1.1], [fixed / mib, (fixed + slope * top * 1.1) / mib], "--", color="gray", label=label)
     ax.axhline(plan.memory_limit / mib, color="C3", label="limit")
