@@ -319,3 +319,21 @@ def test_for_cuda_the_size_found_is_confirmed_on_the_deepest_copy_alone_where_it
     assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
     whole = 3  # the whole model's: two sizes, and the size found
     assert len(made) - whole == (9 if workspace else 7)  # three copies at two sizes, and the size found: one copy or three
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["for the cpu", "estimated for cuda"])  # "cuda" alone marks a test for a GPU
+def test_a_plan_from_kept_copies_lists_their_traces_as_trials_made_earlier(device):
+    """A second plan of the same model reads the copies' traces the first made: its trials are the same sizes, each
+    made earlier (0 s), as a model traced whole lists its kept traces; not an empty table."""
+    estimate.forget()
+    layers = 16 if device == "cuda" else 12  # a CUDA target copies more blocks
+    model = hf_models.llama(layers=layers)
+    plans = [autotune.plan(model, [text_batch(8, 64)], target_batch=64, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                           device=device, memory_limit="1GiB", precision="bf16" if device == "cuda" else "fp32", headroom=0,
+                           verify=False, progress=False) for _ in range(2)]
+    first, second = plans
+    assert any(f"of its {layers} blocks" in n for n in first.notes), first.notes  # the copies, not the whole model
+    assert first.trials and any(t.seconds > 0 for t in first.trials)
+    assert [(t.batch_size, t.peak_memory, t.fits) for t in second.trials] == [(t.batch_size, t.peak_memory, t.fits) for t in first.trials]
+    assert all(t.seconds == 0 and t.estimate for t in second.trials)
+    assert (second.micro_batch, second.peak_memory) == (first.micro_batch, first.peak_memory)

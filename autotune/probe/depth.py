@@ -418,9 +418,9 @@ class DepthEstimator:
             at, made = self._counting(lambda: self._at_both(template, b1, b2))
         except Deviates as why:
             return self._fall_back(why).curve(template, sizes=sizes)
-        if made and self.on_trace is not None:
+        if self.on_trace is not None:  # told as the whole model's traces are, made now or earlier (a plan's trials)
             for b, pieces in zip((b1, b2), at):
-                self.on_trace(_Extended(b, _highest(pieces), sum(made) / 2, _highest(pieces[:-1])), False)
+                self.on_trace(_Extended(b, _highest(pieces), sum(made) / 2, _highest(pieces[:-1])), not made)
         traced = ((e.trace(b1, template), e.trace(b2, template)) for e in self._parts)  # kept: no trace made again
         paired = all(t1.ops == t2.ops and t1.marks == t2.marks for t1, t2 in traced)
         if not paired:  # other operations at the two sizes: only the peaks pair up
