@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Work", "WorkCounter", "combined", "on_line", "work_at"]
+__all__ = ["Work", "WorkCounter", "along", "combined", "on_line", "work_at"]
 
 Axis = Literal["phase", "dtype", "kind"]
 _AXES = {"phase": 0, "dtype": 1, "kind": 2}
@@ -133,15 +133,21 @@ def on_line(first: tuple[int, Work], second: tuple[int, Work], size: int) -> Wor
     return Work(tuple((*p[:3], p[3] // span, p[4] // span) for p in mixed.parts), tuple((phase, n // span) for phase, n in mixed.launches))
 
 
+def along(estimator: Any, size: int) -> Work:
+    """One micro-step's work at ``size`` samples read off the line through the work of ``estimator``'s two traced sizes
+    (``sizes``; :func:`on_line`), whatever the size: no trace at ``size`` made for it."""
+    b1, b2 = estimator.sizes
+    return on_line((b1, estimator.work(b1)), (b2, estimator.work(b2)), size)
+
+
 def work_at(estimator: Any, size: int) -> Work:
     """One micro-step's work at ``size`` samples by ``estimator`` (an estimate of the step, with ``sizes``, its two traced
-    sizes, and ``work(b)``): above those sizes, read off the line through their work (:func:`on_line`: no trace at
+    sizes, and ``work(b)``): above those sizes, read off the line through their work (:func:`along`: no trace at
     ``size`` made for it, the curve the plan was found on); at or below them, the trace at ``size`` (a search over a
     few sizes traced each, not the line)."""
-    b1, b2 = estimator.sizes
-    if size <= b2:
+    if size <= estimator.sizes[1]:
         return estimator.work(size)  # type: ignore[no-any-return]
-    return on_line((b1, estimator.work(b1)), (b2, estimator.work(b2)), size)
+    return along(estimator, size)
 
 
 # --- counting, operation by operation ---------------------------------------------------------------------

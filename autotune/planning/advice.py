@@ -10,9 +10,9 @@ from typing import Any
 
 from autotune.errors import NothingFits
 from autotune.memory.device import cuda_context_allowance
+from autotune.memory.work import along
 from autotune.planning.collectives import row_time, traffic
 from autotune.planning.sharding import estimated, shard_estimates
-from autotune.planning.whatif import along
 from autotune.probe.estimate import estimator_for
 from autotune.probe.search import Trial
 from autotune.probe.trial import Workload
@@ -119,8 +119,6 @@ def nothing_fits(
     if not measured and tensors is not None and tensors <= budget < needed:
         # The tensors fit; what the allocator reserves for them (cuBLAS's workspace, segments of 2 MiB and up) does not.
         allocator = f" reserved by CUDA's caching allocator ({ALLOCATOR_WORDS.format(tensors=format_bytes(tensors))})"
-    else:
-        tensors = None
     return NothingFits(
         f"Even micro_batch={smallest} needs {'at least ' if measured else 'an estimated '}"
         f"{format_bytes(needed)}{allocator}, the budget is {format_bytes(budget)} (limit {format_bytes(limit)},{aside} less "
@@ -134,7 +132,7 @@ def nothing_fits(
         what_if=table,
         shards=shards,
         held=held,
-        tensors=tensors,
+        tensors=tensors if allocator else None,
         **said,
     )
 

@@ -56,7 +56,7 @@ from autotune.memory.quantized import bitsandbytes, quantize
 from autotune.probe.depth import Stack, deepest_copy, repeated_stacks, truncated
 from autotune.probe.estimate import estimator_for
 from autotune.memory.timing import StepTime, predict, seconds
-from autotune.memory.work import Work, on_line
+from autotune.memory.work import along
 from autotune.planning.offload import host_optimizer, offload_time, offloaded
 from autotune.units import format_bytes
 
@@ -409,12 +409,6 @@ def _predicted(estimator: Any, size: int, card: Any, target: int | None) -> Step
     k = -(-target // size)
     micro = -(-target // k)
     return predict(along(estimator, micro), card, accumulation=k, samples=target)
-
-
-def along(estimator: Any, size: int) -> Work:
-    """One micro-step's work at ``size`` read off the line through the estimator's two traces (no new trace)."""
-    b1, b2 = estimator.sizes
-    return on_line((b1, estimator.work(b1)), (b2, estimator.work(b2)), size)
 
 
 def _tensors_curve(estimator: Any, work: Any, upper: int, peak: Callable[[int], int]) -> Callable[[int], int]:

@@ -227,8 +227,8 @@ def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tup
     for trace, reused in told:  # what decided, as the plan's peak: the bytes the allocator reserves, served under the budget
         reserved = peak(trace.size)
         work.record(Trial(trace.size, reserved, reserved <= budget, 0.0 if reused else trace.seconds, estimate=True))
-    work.curve = peak if isinstance(peak, MemoryCurve) else (estimator.curve() if work.device.type == "cuda" else None)
-    if work.device.type == "cuda":
+    work.curve = peak if isinstance(peak, MemoryCurve) else (estimator.curve() if cuda else None)
+    if cuda:
         work.notes.append(_allocator_note(estimator, size or min(estimator.lower, upper), budget))
     for said in (estimator.note, *estimator.assumed):
         if said and said not in work.notes:
