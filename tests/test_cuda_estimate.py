@@ -217,6 +217,18 @@ def test_a_cuda_estimates_trials_say_the_allocators_reserved_bytes_and_verdict(m
             assert t.peak_memory == plan.peak_memory
 
 
+@pytest.mark.parametrize("target", [1, 4])
+def test_a_cuda_estimate_lists_each_trace_it_used_once(target):
+    """The search traces a size, and the allocator's replay reads that same trace again: one trial for each size traced
+    (at a target of one sample the search's only size; it was listed twice)."""
+    model = gpt2()
+    ids = torch.randint(0, 500, (8, 64), generator=torch.Generator().manual_seed(0))
+    plan = autotune.plan(model, [{"input_ids": ids, "labels": ids}], target_batch=target, device="cuda", memory_limit="2GiB",
+                         verify=False, progress=False)
+    sizes = [t.batch_size for t in plan.trials]
+    assert target in sizes and len(sizes) == len(set(sizes)), plan.trials
+
+
 def test_rules_are_cudas_kernels_for_reductions_norms_and_powers():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

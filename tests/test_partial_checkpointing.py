@@ -9,6 +9,7 @@ on a real forward for the work a recomputed block adds.
 import copy
 import dataclasses
 import json
+import types
 import warnings
 
 import pytest
@@ -83,6 +84,29 @@ def test_auto_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits(deep
     assert any(f"the first {k} of {total} blocks checkpointed" in n and f"{k - 1} do not" in n for n in plan.notes)
     again = autotune.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.checkpointing == k and type(again.checkpointing) is int
+
+
+def test_an_auto_plans_trials_say_the_blocks_each_ran_with_and_hold_the_count_search(deep_llama):
+    """Every trial of an "auto" plan says the checkpointing it ran with, and its bytes are a fresh estimate's at its size
+    with those blocks: the search with every block, the count search's tries at the micro-batch (among them the count
+    below the answer, which does not fit), the answer's own. The report's Trials table gives the blocks beside each."""
+    from autotune.planning.report import render_text
+
+    model, batch, limit, plan = deep_llama
+    k = plan.checkpointing
+    assert {t.checkpointing for t in plan.trials} >= {True, k, k - 1 or False}
+    for t in plan.trials:
+        fresh = peak(model, batch, t.batch_size, t.checkpointing)
+        if t.checkpointing is True:  # traced on copies of few blocks (see autotune.probe.depth)
+            assert t.peak_memory == pytest.approx(fresh, rel=1e-3)
+        else:
+            assert t.peak_memory == fresh
+        assert t.fits == (t.peak_memory <= plan.budget)
+    assert any(t.batch_size == plan.micro_batch and t.checkpointing == (k - 1 or False) and not t.fits for t in plan.trials)
+    table = render_text(plan).split("\nTrials\n")[1].split("\n\n")[0].splitlines()
+    assert table[0].split()[-2:] == ["checkpointed", "blocks"]
+    said = {("all" if t.checkpointing is True else f"first {t.checkpointing}" if t.checkpointing else "none") for t in plan.trials}
+    assert {" ".join(row.split()[6:]) for row in table[1:]} == said  # batch, bytes and unit, fits, kind, seconds, blocks
 
 
 def test_auto_on_a_mixture_of_experts_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits():
@@ -524,17 +548,21 @@ def test_the_count_search_finds_the_fewest_that_fit_in_no_more_than_twice_a_bise
     }[shape]
     tried = []
     monkeypatch.setattr(partial, "blocks", lambda model: [None] * total)
-    monkeypatch.setattr(partial, "estimator_for", lambda work, checkpointing: checkpointing)
+    monkeypatch.setattr(partial, "estimator_for", lambda work, checkpointing: types.SimpleNamespace(setting=checkpointing, on_trace=None))
 
-    def needed(setting, b, budget_, confirm=True):
-        count = total if setting is True else int(setting)
+    def needed(estimator, b, budget_, confirm=True):
+        count = total if estimator.setting is True else int(estimator.setting)
         tried.append(count)
         return need(count) <= budget_, need(count)
 
     monkeypatch.setattr(partial, "needed", needed)
-    monkeypatch.setattr(partial, "_copies_bytes", lambda setting, b: need(total if setting is True else 0) if seeded and setting in (False, True) else None)
-    work = dataclasses.make_dataclass("Work", ["model"])(None)
+    monkeypatch.setattr(partial, "_copies_bytes", lambda estimator, b: need(total if estimator.setting is True else 0) if seeded and estimator.setting in (False, True) else None)
+    recorded = []
+    work = types.SimpleNamespace(model=None, record=recorded.append)
     found = partial.fewest_blocks(work, 8, budget)
+    # each count tried is a trial of the plan: its size, bytes, verdict and count
+    assert [(t.batch_size, t.peak_memory, t.fits, t.checkpointing) for t in recorded] == [
+        (8, need(k), need(k) <= budget, k or False) for k in tried]
     fitting = [k for k in range(total + 1) if need(k) <= budget]
     expected = fitting[0] if fitting else total  # every block is taken to fit
     assert found == expected
@@ -592,6 +620,27 @@ def test_auto_searches_the_count_only_for_candidates_that_could_be_the_fastest(d
     said = partial.weighed(weighed, close=0.0)
     assert said.endswith("not searched: slower than the fastest even with 2 blocks fewer)") and "with about" in said
     assert "about:" not in partial.weighed(every_weighed, close=0.0)
+
+
+def test_a_counts_bytes_for_cuda_are_what_the_allocator_reserves_under_the_budget():
+    """Where CUDA's caching allocator serves a count's step under the budget only by releasing its cached segments, the
+    bytes ``needed`` gives for it are what the allocator reserves under that cap: within the budget, as its verdict
+    (the count search's trial said 20.19 GiB "fits" for a 19.56 GiB budget); where it does not fit, over the budget.
+    A Llama shape of 1024 tokens and a 5000-word vocabulary, its first 2 of 4 blocks checkpointed, at 3 samples."""
+    from autotune.probe.partial import needed
+
+    model, batch = hf_models.llama(layers=4, dim=64, mlp=512, vocab=5000), tokens(8, 1024, 5000)
+    work = Workload(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=own_loss, batch=batch,
+                    device=torch.device("cuda"), precision="bf16")
+    estimator, mib = Estimator(work, checkpointing=2), 2**20
+    uncapped = needed(estimator, 3, 2**40)[1]
+    tensors = estimator.trace(3).peak
+    answers = {budget: needed(estimator, 3, budget) for budget in range(uncapped - 64 * mib, uncapped + mib, 4 * mib)}
+    assert any(ok for budget, (ok, _) in answers.items() if budget < uncapped)  # the shape the test needs
+    assert any(not ok for ok, _ in answers.values())
+    for budget, (ok, n) in answers.items():
+        assert ok == (n <= budget), (budget, ok, n)
+        assert n >= tensors + 32 * mib  # at least the tensors and cuBLAS's workspace
 
 
 def test_a_count_decided_at_two_samples_is_confirmed_on_its_own_trace_without_new_ones():

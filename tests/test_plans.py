@@ -69,7 +69,7 @@ def test_plan_is_frozen_and_json_ready():
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["micro_batches"] == [63, 63, 62, 62]
     assert data["trials"][0] == {"batch_size": 64, "peak_memory": 3 * 2**30, "fits": True, "seconds": 0.5, "estimate": False,
-                                 "micro_step": None, "optimizer_step": None}
+                                 "micro_step": None, "optimizer_step": None, "checkpointing": None}
     assert data["budget"] == int(4 * 2**30 * 0.9)
 
 

@@ -509,9 +509,11 @@ def render_text(
             lines.append(f"  {length:>8} {micro:>12} {-(-share // micro):>19}")
     lines.append("")
     lines.append("Trials")
-    lines.append(f"  {'batch':>7} {'peak':>12} {'fits':>5}  {'kind':<9}{'seconds':>8}")
+    blocks = len({t.checkpointing for t in plan.trials} - {None}) > 1  # checkpointing='auto' tried counts of blocks
+    lines.append(f"  {'batch':>7} {'peak':>12} {'fits':>5}  {'kind':<9}{'seconds':>8}" + ("  checkpointed blocks" if blocks else ""))
     for t in plan.trials:
-        lines.append(f"  {t.batch_size:>7} {format_bytes(t.peak_memory):>12} {'yes' if t.fits else 'no':>5}  {'estimate' if t.estimate else 'real':<9}{t.seconds:>8.3f}")
+        lines.append(f"  {t.batch_size:>7} {format_bytes(t.peak_memory):>12} {'yes' if t.fits else 'no':>5}  {'estimate' if t.estimate else 'real':<9}{t.seconds:>8.3f}"
+                     + (f"  {_checkpointed(t.checkpointing)}" if blocks else ""))
     if plan.notes:
         lines.append("")
         lines.append("Notes")
@@ -525,6 +527,13 @@ def render_text(
         lines.append(f"{titles[name]} (--format {name})")
         lines.extend("  " + line for line in configs[name].splitlines())
     return "\n".join(lines)
+
+
+def _checkpointed(setting: bool | int | None) -> str:
+    """A trial's checkpointing in the Trials table's words: every block, none, or the count of the first ones."""
+    if setting is None or isinstance(setting, bool):
+        return {None: "", True: "all", False: "none"}[setting]
+    return f"first {setting}"
 
 
 def time_lines(plan: Plan, run_samples: int | None = None) -> list[str]:

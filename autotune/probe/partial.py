@@ -33,7 +33,7 @@ from autotune.memory.work import on_line, work_at
 from autotune.probe.depth import DepthEstimator
 from autotune.probe.estimate import Estimator, estimator_for
 from autotune.probe.largest import probe
-from autotune.probe.search import SearchResult, timed_at
+from autotune.probe.search import SearchResult, Trial, timed_at
 from autotune.probe.trial import Workload
 from autotune.step import Snapshot, min_micro_batch
 
@@ -70,8 +70,17 @@ def fewest_blocks(work: Workload, b: int, budget: int, *, fits: Callable[[int], 
     needs: dict[int, int | None] = {}  # the bytes each count tried needs, where its estimate gives them
     if fits is None:
 
-        def fits(count: int) -> bool:
-            ok, needs[count] = needed(estimator_for(work, checkpointing=_setting(count, total)), b, budget, confirm=confirm)
+        def fits(count: int) -> bool:  # each count tried is a trial of the plan, at b with that count
+            estimator, told = estimator_for(work, checkpointing=_setting(count, total)), []
+            estimator.on_trace = lambda trace, reused: told.append(0.0 if reused else trace.seconds)
+            copies = needs.get(count)  # none or every block: the bytes shallow copies gave, where they did
+            try:
+                ok, needs[count] = needed(estimator, b, budget, confirm=confirm)
+            finally:
+                estimator.on_trace = None
+            said = copies if needs[count] is None else needs[count]
+            if said is not None:
+                work.record(Trial(b, said, ok, sum(told), estimate=True, checkpointing=_setting(count, total)))
             return ok
 
         for count in (0, total):  # the line's first two points, where copies of few blocks give them (none, every block)
@@ -118,8 +127,9 @@ def _copies_bytes(estimator: Any, b: int) -> int | None:
 
 def needed(estimator: Any, b: int, budget: int, *, confirm: bool = True) -> tuple[bool, int | None]:
     """Whether micro-batch ``b`` fits ``budget`` bytes by ``estimator``, and the bytes it needs: from its one trace at
-    ``b``, the tensors' peak and, for a CUDA target, the caching allocator's replay of that trace's own allocations (its
-    reserved bytes; it fits when the replay under a cap of ``budget`` serves every request), as
+    ``b``, the tensors' peak and, for a CUDA target, the caching allocator's replay of that trace's own allocations (it
+    fits when the replay under a cap of ``budget`` serves every request; the bytes are what it reserves under that cap,
+    else at least ``budget + 1``, as :func:`autotune.probe.search.within_allocator` says them), as
     :meth:`~autotune.probe.estimate.Estimator.largest` decides a size without the curve's two other traces (a count of
     blocks checkpointed is traced whole, its blocks not alike). An estimate made of shallow copies
     (:class:`autotune.probe.depth.DepthEstimator`) answers by its own ``largest``, without the bytes (None)."""
@@ -129,9 +139,10 @@ def needed(estimator: Any, b: int, budget: int, *, confirm: bool = True) -> tupl
     if estimator.target != "cuda":
         return at.peak <= budget, at.peak
     events = steady_state(at.held, list(at.events), estimator.step_events(), workspace=cublas_workspace())
-    reserved = replay(events, expandable=expandable_segments()).reserved
-    served = reserved <= budget or not replay(events, cap=budget, expandable=expandable_segments()).out_of_memory
-    return at.peak <= budget and served, reserved
+    capped = replay(events, cap=budget, expandable=expandable_segments())
+    if not capped.out_of_memory:  # what it reserves under the cap (it may release cached segments to stay within it)
+        return at.peak <= budget, capped.reserved
+    return False, max(budget + 1, replay(events, expandable=expandable_segments()).reserved)
 
 
 # Two settings whose predicted steps are within this fraction of each other are not told apart by the prediction: its

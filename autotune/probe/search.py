@@ -55,6 +55,8 @@ class Trial:
         micro_step: seconds of the real step's steady micro-step, the optimizer state live (None: an estimate, or a
             step that stopped early); see :func:`autotune.probe.trial.phase_times`.
         optimizer_step: seconds of the real step's optimizer step (None as ``micro_step``).
+        checkpointing: the activation checkpointing the step ran with: True on every block, a count on the first ones,
+            False on none (``checkpointing="auto"`` tries several); None where not said (a plan saved before it was).
     """
 
     batch_size: int
@@ -64,6 +66,7 @@ class Trial:
     estimate: bool
     micro_step: float | None = None
     optimizer_step: float | None = None
+    checkpointing: bool | int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The trial as a JSON-ready dict."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -156,7 +156,10 @@ class Workload:
     settled: int = 0
 
     def record(self, trial: Trial) -> None:
-        """Keep a trial and tell the ``on_trial`` callback, if any."""
+        """Keep a trial (with the checkpointing it ran with, where it does not say its own: the workload's) and tell the
+        ``on_trial`` callback, if any."""
+        if trial.checkpointing is None:
+            trial = replace(trial, checkpointing=self.checkpointing)
         self.trials.append(trial)
         if self.on_trial is not None:
             self.on_trial(trial)
