@@ -109,6 +109,24 @@ def test_an_auto_plans_trials_say_the_blocks_each_ran_with_and_hold_the_count_se
     assert {" ".join(row.split()[6:]) for row in table[1:]} == said  # batch, bytes and unit, fits, kind, seconds, blocks
 
 
+def test_an_auto_plans_plot_draws_the_trials_of_its_own_count(deep_llama, tmp_path, monkeypatch):
+    """``--plot`` draws the memory curve of the plan's setting: the trials made with its count of blocks, not those of
+    the search with every block or the counts tried."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from autotune.cli.render import plot_memory
+
+    _, _, _, plan = deep_llama
+    drawn = []
+    original = matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", lambda ax, x, y, *a, **k: drawn.extend(zip(x, y)) or original(ax, x, y, *a, **k))
+    plot_memory(plan, tmp_path / "memory.png")
+    own = [(t.batch_size, t.peak_memory / 2**20) for t in plan.trials if t.checkpointing == plan.checkpointing and type(t.checkpointing) is int]
+    assert own and sorted(drawn) == sorted(own)
+    assert len(own) < len(plan.trials)
+
+
 def test_auto_on_a_mixture_of_experts_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits():
     """A Mixtral shape (experts run one by one, estimated grouped: the note says so), its router's logits an output of
     every block, under a limit between micro-batch 8's peak with no block checkpointed and with every one: the count

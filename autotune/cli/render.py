@@ -64,8 +64,9 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
     else:
         fig, ax = plt.subplots(figsize=(7, 4.5))
     mib = 2**20
+    planned = [t for t in plan.trials if t.checkpointing is None or _same(t.checkpointing, plan.checkpointing)]  # not auto's other counts
     for estimate, marker, label in ((True, "o", "estimate"), (False, "s", "real step")):
-        pts = [t for t in plan.trials if t.estimate is estimate]
+        pts = [t for t in planned if t.estimate is estimate]
         if pts:
             ax.scatter([t.batch_size for t in pts], [t.peak_memory / mib for t in pts], marker=marker, label=label, alpha=0.8, facecolors="none" if estimate else None, edgecolors="C0" if estimate else None, color=None if estimate else "C1")
     line = fitted_line(plan)
@@ -88,6 +89,11 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _same(setting: bool | int, other: bool | int) -> bool:
+    """Two checkpointing settings alike: every block (True) is not a count of 1, nor none (False) a count of 0."""
+    return type(setting) is type(other) and setting == other
 
 
 def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:

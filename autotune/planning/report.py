@@ -509,7 +509,7 @@ def render_text(
             lines.append(f"  {length:>8} {micro:>12} {-(-share // micro):>19}")
     lines.append("")
     lines.append("Trials")
-    blocks = len({t.checkpointing for t in plan.trials} - {None}) > 1  # checkpointing='auto' tried counts of blocks
+    blocks = len({_checkpointed(t.checkpointing) for t in plan.trials} - {""}) > 1  # checkpointing='auto' tried counts
     lines.append(f"  {'batch':>7} {'peak':>12} {'fits':>5}  {'kind':<9}{'seconds':>8}" + ("  checkpointed blocks" if blocks else ""))
     for t in plan.trials:
         lines.append(f"  {t.batch_size:>7} {format_bytes(t.peak_memory):>12} {'yes' if t.fits else 'no':>5}  {'estimate' if t.estimate else 'real':<9}{t.seconds:>8.3f}"
