@@ -47,14 +47,17 @@ class NothingFits(AutotuneError, RuntimeError):
             the caching allocator reserves (cuBLAS's workspace, and the segments it rounds tensors into); else None.
         resident_too_big: whether the weights, gradients and optimizer state alone exceed the budget (estimated), so
             that no micro-batch and no shorter sample can fit on one device.
+        fsdp2_refused: why no FSDP2 answer (sharded over devices, or offloaded to host memory) is offered: the model's
+            weights are quantized by bitsandbytes, which FSDP2 does not keep; else None.
     """
 
     def __init__(
         self, message: str, *, needed: int, budget: int, limit: int, micro_batch: int = 1, measured: bool = True,
         what_if: Any = None, shards: Any = (), held: str | None = None, setting: Any = (), set_aside: Any = (),
-        headroom: float | None = None, tensors: int | None = None, resident_too_big: bool = False,
+        headroom: float | None = None, tensors: int | None = None, resident_too_big: bool = False, fsdp2_refused: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.fsdp2_refused = fsdp2_refused
         self.resident_too_big = resident_too_big
         self.held = held
         self.setting = tuple(setting)

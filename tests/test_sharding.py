@@ -141,3 +141,63 @@ def test_the_fewest_devices_is_searched_past_the_target_batch():
     # per device at n devices and one sample each (no accumulation): its shards of 4000 bytes, 20 gathered, 10 of activations
     expected = next(n for n in range(1, 1000) if -(-1000 // n) * 2 + -(-2000 // n) + 20 + 10 <= 300)
     assert (row.ranks, row.target_batch, row.micro_batch) == (expected, expected, 1) and expected > 4
+
+
+# --- weights quantized by bitsandbytes: FSDP2 does not keep them --------------------------------------------------------
+
+QUANTIZED_LLAMA = dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=8,
+                       vocab_size=8000, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def quantized_llama():
+    """A Llama of 8 small layers on the meta device, its linear layers quantized to nf4 (the head left as it is), so
+    that its embedding, norms and head train."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**QUANTIZED_LLAMA))
+    ids = torch.randint(0, QUANTIZED_LLAMA["vocab_size"], (4, 256), generator=torch.Generator().manual_seed(0))
+    return autotune.quantize(model, "nf4"), [{"input_ids": ids, "labels": ids}]
+
+
+def test_a_model_quantized_by_bitsandbytes_is_offered_no_fsdp2_and_the_answer_says_why():
+    """FSDP2's fully_shard turns each parameter into a plain sharded tensor: a bitsandbytes weight loses its quantization
+    state (bitsandbytes issue 1945). Where nothing fits an H100 limited to 1100 MiB, the quantized Llama's answer offers
+    neither FSDP2 counts nor offloading (its step fits 4 and 8 devices, and offloading, by the same estimate that sizes
+    them for an unquantized model), and says why, in the error and in the command line's words."""
+    from autotune.cli.render import nothing_fits_message
+
+    model, loader = quantized_llama()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    with pytest.raises(autotune.NothingFits) as caught:
+        autotune.plan(model, loader, target_batch=16, optimizer=optimizer, memory_limit="1100MiB", gpu="h100", verify=False, progress=False)
+    err = caught.value
+    assert err.shards == [] and not any(r.offload for r in err.what_if.rows)
+    assert "bitsandbytes (nf4)" in err.fsdp2_refused and "quantization state" in err.fsdp2_refused
+    assert f"(no --shard or offloading row: {err.fsdp2_refused})" in nothing_fits_message(err)
+
+
+def test_a_sharded_estimate_of_a_model_quantized_by_bitsandbytes_is_refused_before_anything_runs(capsys, monkeypatch, tmp_path):
+    """``shard_plan`` and ``report --shard`` refuse a bitsandbytes-quantized model, naming the quantization and the fix,
+    before estimating anything."""
+    from autotune.planning import sharding
+
+    model, loader = quantized_llama()
+    monkeypatch.setattr(sharding, "estimated", lambda *a, **k: pytest.fail("estimated after all"))
+    with pytest.raises(ValueError, match=r"bitsandbytes \(nf4\).*plan the quantized model on one device"):
+        shard_plan(model, loader, target_batch=16, ranks=2, memory_limit="80GiB")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **QUANTIZED_LLAMA}))
+    capsys.readouterr()
+    code = main(["report", "--hf-config", str(config), "--quantize", "nf4", "--lora", "8", "--tokens", "256", "--target-batch", "16",
+                 "--gpu", "h100", "--shard", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Invalid --shard 2: FSDP2 is not planned for weights quantized by bitsandbytes (nf4)" in err
+    assert "without --shard" in err and "without --quantize" in err
+    factory = tmp_path / "quantized.py"  # a MODEL quantized already, and one quantized by --quantize
+    factory.write_text("import autotune, torch\ndef build():\n    return autotune.quantize(torch.nn.Sequential(torch.nn.Linear(64, 64), "
+                       "torch.nn.Linear(64, 64)), 'int8')\ndef plain():\n    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))\n")
+    for model, flags, kind in ((f"{factory}:build", [], "int8"), (f"{factory}:plain", ["--quantize", "fp4"], "fp4")):
+        code = main(["report", model, *flags, "--input-shape", "64", "--target-batch", "16", "--memory-limit", "1GiB", "--shard", "2"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"Invalid --shard 2: FSDP2 is not planned for weights quantized by bitsandbytes ({kind})" in err, err

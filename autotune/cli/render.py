@@ -123,7 +123,8 @@ def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
         if table is not None:
             tried = ", ".join(dict.fromkeys(flag for r in table.rows if r.changes > 0 for flag in _flags(r, own)))
             shorter = f", or shorter samples than {tokens} tokens (--tokens max: the longest that fits at micro-batch 1)" if tokens else stays
-            return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model{shorter}"
+            refused = f" (no --shard or offloading row: {err.fsdp2_refused})" if getattr(err, "fsdp2_refused", None) else ""
+            return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model{shorter}{refused}"
         return text + ": try --precision bf16, --checkpointing, a larger --memory-limit, or shorter inputs (--input-shape)"
     from autotune.memory.timing import seconds
 
@@ -139,6 +140,8 @@ def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
                      f"{format_bytes(shard.peak)} a device (the fewest that fit)" + (f", {shard.time.brief()}" if shard.time else ""))
     if table is not None and len(table.rows) > len(fits) + 1:
         lines.append(f"  ({len(table.rows) - len(fits) - 1} other changes estimated do not fit; --what-if prints them all)")
+    if getattr(err, "fsdp2_refused", None):
+        lines.append(f"  (no --shard or offloading row: {err.fsdp2_refused})")
     if tokens is not None:
         lines.append(f"  {'--tokens max':<68} shorter samples: the longest that fits at micro-batch 1, below {tokens} tokens (a search, an estimate per length)")
     lines.append("  or a larger --memory-limit")
@@ -170,7 +173,7 @@ def nothing_fits_json(err: Any, device: dict[str, Any], *, tokens: int | None = 
         "device": {**device, "limit": err.limit, "set_aside": [{"for": name, "bytes": b} for name, b in err.set_aside],
                    "headroom": err.headroom, "budget": err.budget},
         "nothing_fits": {"micro_batch": err.micro_batch, "needed": err.needed, "measured": err.measured, "held": err.held,
-                         "message": nothing_fits_message(err, tokens=tokens)},
+                         "fsdp2_refused": getattr(err, "fsdp2_refused", None), "message": nothing_fits_message(err, tokens=tokens)},
         "would_fit": would,
         "what_if": err.what_if.to_dict() if err.what_if is not None else None,
         "fsdp2": [s.to_dict() for s in err.shards],

@@ -101,7 +101,19 @@ def _as_asked(args: argparse.Namespace, model: Any) -> Any:
             model = quantize(model, Quantization.named(args.quantize))
         except (ImportError, ValueError) as exc:  # bitsandbytes missing; a model with nothing to quantize
             raise UsageError(f"--quantize {args.quantize}: {exc}") from None
+    _refuse_shard(args, model=model)
     return model
+
+
+def _refuse_shard(args: argparse.Namespace, *, model: Any = None, quantization: Any = None) -> None:
+    """``--shard`` with weights quantized by bitsandbytes (``model``'s, or those ``quantization`` will make): refused
+    (:func:`autotune.memory.quantized.fsdp2_refused`)."""
+    from autotune.memory.quantized import fsdp2_refused
+
+    refused = None if args.shard is None else fsdp2_refused(model, quantization=quantization)
+    if refused:
+        raise UsageError(f"Invalid --shard {args.shard}: {refused}; plan the quantized model on one device (without --shard), or "
+                         "shard it unquantized (without --quantize, or a config without a quantization_config)")
 
 
 def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any, Any], Any], dict[str, Any]]:
@@ -130,6 +142,7 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         raise UsageError("--hf-config needs transformers: pip install 'torch-autotune[llm]' (or pip install transformers)") from None
     _check_shape(args, transformers, data)
     quantization = _quantization_of(args, data)
+    _refuse_shard(args, quantization=quantization)  # before the model is built
     dtype = getattr(torch, str(data.get("dtype") or data.get("torch_dtype") or "float32").replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UsageError(f"Invalid --hf-config {args.hf_config!r}: its dtype {data.get('dtype') or data.get('torch_dtype')!r} is not a floating-point dtype")

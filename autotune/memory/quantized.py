@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "bitsandbytes", "copy_memo", "fake_quantized", "is_quantized", "is_quantized_weight", "logical_numel", "quantization_of", "quantize", "quantized_layer_types"]
+__all__ = ["Quantization", "bitsandbytes", "copy_memo", "fake_quantized", "fsdp2_refused", "is_quantized", "is_quantized_weight", "logical_numel", "quantization_of", "quantize", "quantized_layer_types"]
 
 KINDS = ("nf4", "fp4", "int8")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp32": torch.float32,
@@ -224,6 +224,22 @@ def quantization_of(model: nn.Module) -> Quantization | None:
         return Quantization("int8", threshold=float(module.state.threshold))
     config = getattr(model, "config", None)
     return Quantization.from_config(getattr(config, "quantization_config", None)) if config is not None else None
+
+
+def fsdp2_refused(model: nn.Module | None = None, *, quantization: Quantization | None = None) -> str | None:
+    """Why FSDP2 (``fully_shard``: sharded over devices, or offloaded to host memory) is not planned for ``model``: its
+    weights are quantized by bitsandbytes (None: they are not); or for a model to be quantized by ``quantization``.
+
+    ``fully_shard`` makes each parameter a plain tensor sharded across the ranks. A bitsandbytes quantized weight
+    then loses what it is: an 8-bit or uint8-stored 4-bit weight cannot be made a parameter that takes a gradient,
+    and a 4-bit weight stored as a float (``bnb_4bit_quant_storage``, the FSDP-QLoRA setting for FSDP1) is gathered
+    as a plain tensor without its quantization state, computing wrong values (bitsandbytes issue 1945, open with
+    bitsandbytes 0.50, which gives its weights no FSDP2 hooks; Accelerate issue 3983)."""
+    quantization = quantization if model is None else quantization_of(model)
+    if quantization is None:
+        return None
+    return (f"FSDP2 is not planned for weights quantized by bitsandbytes ({quantization.kind}): its fully_shard drops their "
+            "quantization state (bitsandbytes issue 1945)")
 
 
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:

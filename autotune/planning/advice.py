@@ -10,6 +10,7 @@ from typing import Any
 
 from autotune.errors import NothingFits
 from autotune.memory.device import cuda_context_allowance
+from autotune.memory.quantized import fsdp2_refused
 from autotune.memory.work import along
 from autotune.planning.collectives import row_time, traffic
 from autotune.planning.sharding import estimated, shard_estimates
@@ -43,16 +44,20 @@ def check_limit_above_context(limit: int, *, given: str | None = None, fix: str 
         )
 
 
-def shards_that_fit(work: Workload, budget: int, target_batch: int, card: Any = None) -> tuple[list[Any], bool]:
+def shards_that_fit(work: Workload, budget: int, target_batch: int, card: Any = None) -> tuple[list[Any], bool, str | None]:
     """FSDP2 over 2, 4, 8 ranks and on, doubling (at most the target batch and 1024), estimated up to the first count
-    that fits (and at least 8), and whether the weights, gradients and optimizer state alone exceed ``budget``
-    (accumulation cannot help then). The counts are advice where those bytes alone are too many, or where one node's
-    8 devices fit (the rest held with activations); else, and when no count fits, there are none. With a ``card``,
-    each count that fits gets its step's time, FSDP2's collectives included (the work read off the estimate's two
-    traces: no new trace)."""
+    that fits (and at least 8), whether the weights, gradients and optimizer state alone exceed ``budget``
+    (accumulation cannot help then), and why FSDP2 is not offered at all, if it is not (weights quantized by
+    bitsandbytes: :func:`autotune.memory.quantized.fsdp2_refused`). The counts are advice where those bytes alone are
+    too many, or where one node's 8 devices fit (the rest held with activations); else, and when no count fits, there
+    are none. With a ``card``, each count that fits gets its step's time, FSDP2's collectives included (the work read
+    off the estimate's two traces: no new trace)."""
     lower = min_micro_batch(work.model)
     parts, activations = estimated(work, lower)
     alone = parts.resident > budget
+    refused = fsdp2_refused(work.model)
+    if refused:  # FSDP2 would not keep its quantized weights: no count to offer
+        return [], alone, refused
     rows: list[Any] = []
     n = 2
     while n <= min(target_batch, 1024 if alone else 8) and not (rows and rows[-1].fits and n > 8):
@@ -61,7 +66,7 @@ def shards_that_fit(work: Workload, budget: int, target_batch: int, card: Any = 
     if card is not None and any(r.fits for r in rows):
         estimator, flows = estimator_for(work), traffic(parts.units, parameters=parts.parameters, gradients=parts.gradients)
         rows = [replace(r, time=row_time(r, card=card, work_at=lambda b: along(estimator, b), flows=flows, batch=work.batch)) for r in rows]
-    return (rows if any(r.fits for r in rows) else []), alone
+    return (rows if any(r.fits for r in rows) else []), alone, None
 
 
 def where_the_bytes_go(estimator: Any, lower: int) -> str:
@@ -79,15 +84,16 @@ def where_the_bytes_go(estimator: Any, lower: int) -> str:
 def nothing_fits(
     trials: list[Trial], peak: int, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
     table: Any = None, shards: Sequence[Any] = (), out_of_memory_on: dict[int, str] | None = None, resident_too_big: bool = False,
-    held: str | None = None, setting: Any = (), tensors: int | None = None,
+    held: str | None = None, setting: Any = (), tensors: int | None = None, refused: str | None = None,
 ) -> NothingFits:
     """The error for a probe that found no size: measured numbers when a real step ran.
     ``out_of_memory_on``: under FSDP2, for each size whose trial ran out of memory on some rank, which
     ranks and their errors (every rank abandons such a trial, so every rank's error names them). ``setting``: what was
     planned (:func:`autotune.planning.setting.describe`), carried by the error. ``tensors``: for an estimate of a CUDA
     target (whose trials give what the caching allocator reserves), the tensors' peak at the smallest size (said where
-    they alone would fit)."""
-    said = {"setting": setting, "set_aside": tuple(set_aside), "headroom": headroom, "resident_too_big": resident_too_big}
+    they alone would fit). ``refused``: why no FSDP2 answer is offered (:func:`autotune.memory.quantized.fsdp2_refused`)."""
+    said = {"setting": setting, "set_aside": tuple(set_aside), "headroom": headroom, "resident_too_big": resident_too_big,
+            "fsdp2_refused": refused}
     real = [t for t in trials if not t.estimate]
     pool = real or trials
     smallest = min(t.batch_size for t in pool)

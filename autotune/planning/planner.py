@@ -477,17 +477,17 @@ def _set_aside(setup: _Setup, work: Workload, probing: Probing, limit_given: boo
 def _nothing_fits_here(work: Workload, found: Any, *, budget: int, limit: int, headroom: float, set_aside: list[tuple[str, int]],
                        upper: int, shared: Options, setup: _Setup) -> NothingFits:
     """The error when not even the smallest micro-batch fits, with what would fit instead (estimated)."""
-    table, held, shards, alone, tensors = None, None, [], False, None
+    table, held, shards, alone, tensors, refused = None, None, [], False, None, None
     if work.estimator is not None and EXPLAIN.get():  # say where the bytes go, and what would fit instead
         lower, card = min_micro_batch(work.model), setup.card
         table = estimate_rows(work, budget=budget, upper=upper, lower=lower, card=card, target=upper)
         held = where_the_bytes_go(work.estimator, lower)
         if setup.world_size == 1 and not setup.fsdp:
-            shards, alone = shards_that_fit(work, budget, shared.target_batch, card)  # type: ignore[arg-type]
+            shards, alone, refused = shards_that_fit(work, budget, shared.target_batch, card)  # type: ignore[arg-type]
         if setup.device.type == "cuda" and all(t.estimate for t in work.trials):  # the trials give what the allocator reserves
             tensors = work.estimator(lower)
     return nothing_fits(work.trials, found.peak, budget=budget, limit=limit, headroom=headroom, set_aside=set_aside, table=table,
-                        shards=shards, out_of_memory_on=work.oom_ranks, resident_too_big=alone, held=held, tensors=tensors,
+                        shards=shards, out_of_memory_on=work.oom_ranks, resident_too_big=alone, held=held, tensors=tensors, refused=refused,
                         setting=describe_setting(setup.model, setup.optimizer, device=setup.device, precision=setup.precision,
                                                  checkpointing=shared.checkpointing, batch=work.batch, loss_fn=work.loss_fn))
 

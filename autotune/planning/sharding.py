@@ -43,6 +43,7 @@ from autotune.memory.device import (
     default_limit,
 )
 from autotune.memory.ledger import storage_bytes
+from autotune.memory.quantized import fsdp2_refused
 from autotune.planning.collectives import ShardTime, card_and_limit, row_time, traffic
 from autotune.planning.offload import shard_units, trainable_bytes
 from autotune.planning.options import check_target
@@ -325,6 +326,9 @@ def shard_plan(
     if ranks != "auto" and (not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)):
         raise ValueError(f"Invalid ranks {ranks!r}: give how many devices to shard over, e.g. 8 or (2, 4, 8), or 'auto'")
     check_target(target_batch)  # as plan and fit check it
+    refused = fsdp2_refused(model)
+    if refused:
+        raise ValueError(f"{refused}: plan the quantized model on one device (autotune.plan), or shard it unquantized")
     device = torch.device(device)
     card, memory_limit = card_and_limit(gpu, device, memory_limit)
     if memory_limit is None:

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from autotune.memory.optimizers import make_optimizer, rebuilt
-from autotune.memory.quantized import bitsandbytes, quantize
+from autotune.memory.quantized import bitsandbytes, fsdp2_refused, quantize
 from autotune.probe.depth import Stack, deepest_copy, repeated_stacks, truncated
 from autotune.probe.estimate import estimator_for
 from autotune.memory.timing import StepTime, predict, seconds
@@ -377,6 +377,8 @@ def _offload_rows(work: Any, rows: list[WhatIfRow], *, budget: int, upper: int, 
     rows only where your own settings fit no micro-batch on a CUDA device and the optimizer can step on the CPU."""
     own = next((r for r in rows if r.changes == 0), None)
     if work.device.type != "cuda" or own is None or own.micro_batch >= lower or not host_optimizer(work.optimizer):
+        return []
+    if fsdp2_refused(work.model):  # FSDP2 would not keep its quantized weights (the answer says why)
         return []
     made = []
     for ckpt in (work.checkpointing, not work.checkpointing):
