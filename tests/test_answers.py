@@ -3,6 +3,7 @@ JSON), bad values refused before anything runs, every head of a config planned w
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -336,4 +337,11 @@ def test_when_nothing_fits_shorter_samples_are_named_and_tokens_max_finds_one_th
     assert "below 64 tokens" in line and len(tables) == 1
     code, data, err = _raw_json(capsys, monkeypatch, tmp_path, *asked, "--tokens", "max")
     assert code == 0 and data["plan"]["micro_batch"] == 1 and 16 <= data["tokens"]["per_sample"] < 64, err
+    # each length tried is said before its estimates' lines: the answer's and the one above it that does not fit among them
+    fit, miss = map(int, re.search(r"--tokens max: (\d+) tokens a sample is the longest .*\((\d+) tokens do not",
+                                   " ".join(data["plan"]["notes"])).groups())
+    tried = [int(n) for n in re.findall(r"^autotune: --tokens max: (\d+) tokens a sample, at micro-batch 1$", err, flags=re.M)]
+    assert {fit, miss} <= set(tried), err
+    lines = err.splitlines()
+    assert lines[0].startswith("autotune: --tokens max: ") and any(line.startswith("autotune: estimate at micro-batch 1") for line in lines)
     assert len(tables) == 1  # lengths refused in the search (64 among them), none with a table

@@ -163,6 +163,7 @@ def _longest_tokens(args: argparse.Namespace, base_batch: int, device: Any) -> s
     args.longest = True  # args.tokens is set below, to each length tried: not a length given
 
     def plan_at(tokens: int, lengths: list[int] | None = None) -> Any:
+        print(f"autotune: --tokens max: {tokens} tokens a sample, at micro-batch 1", file=sys.stderr, flush=True)  # the estimates' lines follow
         args.tokens = tokens
         model, loader, loss_fn, _ = workload_from_args(args, base_batch)
         optimizer = make_optimizer(args.optimizer, [p for p in model.parameters() if p.requires_grad], 1e-3)
@@ -183,8 +184,7 @@ def _longest_tokens(args: argparse.Namespace, base_batch: int, device: Any) -> s
         per_token = start / first  # the batch's numbers per token (ids, mask, labels)
         fits = [n for n in range(16, longest + 1, 16) if plan.shape_model.peak(1, n * per_token) <= plan.budget]
         guess = fits[-1] if fits else 16
-    fit, miss, step = 0, None, 1.05
-    tokens = min(max(guess, 1), longest)
+    fit, miss, step, tokens = 0, None, 1.05, min(max(guess, 1), longest)
     for _ in range(16):  # to a bracket of two estimated plans at most 5% apart: faster steps while on one side
         if plan_at(tokens) is not None:
             fit = tokens
