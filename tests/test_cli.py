@@ -243,6 +243,21 @@ def test_planning_for_a_gpu_this_machine_lacks(capsys):
     assert code == 2
 
 
+def test_a_module_of_the_current_directory_is_found_as_python_m_finds_it(capsys, tmp_path, monkeypatch):
+    """The ``autotune`` script's own directory, not the current one, starts its ``sys.path`` (``python -m autotune`` has
+    the current one): ``MODEL`` and ``--loader`` given as ``module:callable`` are looked for in the current directory too."""
+    (tmp_path / "my_cnn.py").write_text("from autotune.cli.demo import demo_model as build\n")
+    (tmp_path / "my_data.py").write_text(
+        "import torch\ndef batches():\n    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(4)]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])  # as the script starts
+    code, out, err = run(capsys, "report", "my_cnn:build", "--loader", "my_data:batches", "--target-batch", "32", "--memory-limit",
+                         "64MiB", "--format", "hf")
+    assert code == 0, err
+    assert "per_device_train_batch_size" in out
+
+
 def test_plot(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "memory.png"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -162,6 +163,8 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
             finally:
                 sys.path.pop(0)
         else:
+            if os.getcwd() not in sys.path and "" not in sys.path:  # a module of the current directory, as `python -m` finds it
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(target)
     except UsageError:
         raise
