@@ -267,7 +267,7 @@ def _once(told: list[tuple[Any, bool]]) -> list[tuple[Any, bool]]:
 
 
 def _recorder(work: Workload, budget: int) -> Callable[[Any, bool], None]:
-    """Record each trace an estimate uses as a trial, each size once (one made earlier, and kept, cost nothing now)."""
+    """Record each trace an estimate uses as a trial, once (one made earlier, and kept, cost nothing now)."""
     told: set[tuple[int, int]] = set()
 
     def record(trace: Any, reused: bool) -> None:
