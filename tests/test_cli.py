@@ -244,7 +244,7 @@ def test_planning_for_a_gpu_this_machine_lacks(capsys):
 
 
 def test_a_module_of_the_current_directory_is_found_as_python_m_finds_it(capsys, tmp_path, monkeypatch):
-    """The ``autotune`` script's own directory, not the current one, starts its ``sys.path`` (``python -m autotune`` has
+    """The ``autotune`` script's own directory, not the current one, starts its ``sys.path`` (``python -m autotune.cli`` has
     the current one): ``MODEL`` and ``--loader`` given as ``module:callable`` are looked for in the current directory too."""
     (tmp_path / "my_cnn.py").write_text("from autotune.cli.demo import demo_model as build\n")
     (tmp_path / "my_data.py").write_text(
