@@ -89,7 +89,8 @@ def test_auto_checkpoints_the_fewest_blocks_with_which_the_micro_batch_fits(deep
 def test_an_auto_plans_trials_say_the_blocks_each_ran_with_and_hold_the_count_search(deep_llama):
     """Every trial of an "auto" plan says the checkpointing it ran with, and its bytes are a fresh estimate's at its size
     with those blocks: the search with every block, the count search's tries at the micro-batch (among them the count
-    below the answer, which does not fit), the answer's own. The report's Trials table gives the blocks beside each."""
+    below the answer, which does not fit), the answer's own, each once. The report's Trials table gives the blocks
+    beside each."""
     from autotune.planning.report import render_text
 
     model, batch, limit, plan = deep_llama
@@ -103,6 +104,9 @@ def test_an_auto_plans_trials_say_the_blocks_each_ran_with_and_hold_the_count_se
             assert t.peak_memory == fresh
         assert t.fits == (t.peak_memory <= plan.budget)
     assert any(t.batch_size == plan.micro_batch and t.checkpointing == (k - 1 or False) and not t.fits for t in plan.trials)
+    # each trace once: the answer's count confirmed on the trace its search made is not listed again
+    tried = [(t.batch_size, type(t.checkpointing), t.checkpointing) for t in plan.trials]
+    assert len(tried) == len(set(tried)), plan.trials
     table = render_text(plan).split("\nTrials\n")[1].split("\n\n")[0].splitlines()
     assert table[0].split()[-2:] == ["checkpointed", "blocks"]
     said = {("all" if t.checkpointing is True else f"first {t.checkpointing}" if t.checkpointing else "none") for t in plan.trials}

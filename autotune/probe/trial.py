@@ -157,9 +157,12 @@ class Workload:
 
     def record(self, trial: Trial) -> None:
         """Keep a trial (with the checkpointing it ran with, where it does not say its own: the workload's) and tell the
-        ``on_trial`` callback, if any."""
+        ``on_trial`` callback, if any; not an estimate read again (made earlier: 0 s) that this workload kept already
+        (``checkpointing="auto"`` confirms its count on the trace its search made)."""
         if trial.checkpointing is None:
             trial = replace(trial, checkpointing=self.checkpointing)
+        if trial.estimate and trial.seconds == 0.0 and any(_alike(t, trial) for t in self.trials):
+            return
         self.trials.append(trial)
         if self.on_trial is not None:
             self.on_trial(trial)
@@ -167,6 +170,13 @@ class Workload:
     def held_tensors(self) -> Iterator[torch.Tensor]:
         """Tensors the training holds between steps (see :func:`held_tensors`)."""
         return held_tensors(self.model, self.optimizer)
+
+
+def _alike(kept: Trial, trial: Trial) -> bool:
+    """Two estimates of one size, with the same bytes, verdict and checkpointing (every block is not a count of 1)."""
+    setting, other = kept.checkpointing, trial.checkpointing
+    return (kept.estimate and type(setting) is type(other) and setting == other
+            and (kept.batch_size, kept.peak_memory, kept.fits) == (trial.batch_size, trial.peak_memory, trial.fits))
 
 
 def trial_step(
