@@ -453,6 +453,9 @@ CLI: list[tuple[str, list[str], int, str]] = [
     ("`--num-classes 3 --regression`", ["report", "--demo", "--num-classes", "3", "--regression"], 2, "ask for two kinds of targets"),
     ("`--demo` with a MODEL", ["report", "{models}:lm", "--demo"], 2, "each name a model: give one of them"),
     ("a limit nothing fits in", ["report", "--demo", "--memory-limit", "1MiB"], 1, "use a larger --memory-limit"),
+    ("`--checkpointing -1`", ["report", "--demo", "--checkpointing", "-1"], 2, "invalid value '-1': give auto, a number of blocks"),
+    ("`--checkpointing 99` for a model of 12 blocks", ["report", "--demo", "--checkpointing", "99"], 2, "Invalid --checkpointing 99: Sequential has 12 blocks; give a count from 0 to 12"),
+    ("`--checkpointing auto` for a model without blocks", ["report", "{models}:needs_values", "--input-shape", "4", "--target-batch", "8", "--checkpointing", "auto"], 2, "Invalid --checkpointing auto: NeedsValues has no nn.ModuleList of blocks"),
 ]
 
 

@@ -342,8 +342,11 @@ def test_bad_values_are_refused_before_anything_changes(value, error, match, ver
 @pytest.mark.parametrize("value", [1, "auto"])
 def test_a_count_for_a_model_without_blocks_is_refused(value):
     model = nn.Linear(4, 2)
-    with pytest.raises(ValueError, match=rf"Invalid checkpointing {value!r} for Linear: it has no nn.ModuleList of blocks"):
+    with pytest.raises(ValueError, match=rf"Invalid checkpointing {value!r} for Linear: it has no nn.ModuleList of blocks") as caught:
         autotune.plan(model, [(torch.randn(4, 4), torch.randn(4, 2))], target_batch=4, checkpointing=value, progress=False)
+    assert "give False, or wrap" in str(caught.value)  # not True: every block is refused too, for want of blocks
+    with pytest.raises(ValueError, match="Invalid checkpointing=True for Linear"):
+        autotune.plan(model, [(torch.randn(4, 4), torch.randn(4, 2))], target_batch=4, checkpointing=True, progress=False)
     with pytest.raises(ValueError, match="Invalid checkpointing 1 for Linear"), activation_checkpointing(model, 1):
         pass
 
@@ -370,7 +373,7 @@ def test_the_command_line_takes_auto_a_count_or_the_flag_alone(capsys):
     plan = json.loads(out)["plan"]
     assert any(n.startswith("checkpointing='auto'") for n in plan["notes"])
     assert main(["report", "--demo", "--checkpointing", "13", "--no-cache"]) == 2
-    assert "Invalid checkpointing 13 for Sequential: it has 12 blocks; give a count from 0 to 12" in capsys.readouterr().err
+    assert "Invalid --checkpointing 13: Sequential has 12 blocks; give a count from 0 to 12, auto" in capsys.readouterr().err
     parse = make_parser().parse_args
     assert parse(["report", "--checkpointing", "model.py:make"]).checkpointing is True  # MODEL after the flag stays MODEL
     assert parse(["report", "--checkpointing", "model.py:make"]).model == "model.py:make"

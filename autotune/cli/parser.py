@@ -49,9 +49,12 @@ def _checkpointing(value: str) -> bool | int | str:
     if value == "auto":
         return value
     try:
-        return int(value)
+        count = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give auto, a number of blocks (e.g. 12), or nothing for every block") from None
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give auto, a number of blocks (e.g. 12, 0 for none), or nothing for every block")
+    return count
 
 
 class _ReportParser(argparse.ArgumentParser):

@@ -59,7 +59,7 @@ def workload_from_args(args: argparse.Namespace, base_batch: int) -> tuple[Any, 
         args.precision = args.precision or "fp32"
         return made
     args.precision = args.precision or "fp32"
-    model = _with_lora(args, _as_asked(args, _model_from_args(args)))
+    model = _checked_blocks(args, _with_lora(args, _as_asked(args, _model_from_args(args))))
     if args.loader:
         return (model, *_loader_from_args(args))
     inputs, names, describe, g = _inputs_from_args(args, base_batch)
@@ -102,6 +102,25 @@ def _as_asked(args: argparse.Namespace, model: Any) -> Any:
         except (ImportError, ValueError) as exc:  # bitsandbytes missing; a model with nothing to quantize
             raise UsageError(f"--quantize {args.quantize}: {exc}") from None
     _refuse_shard(args, model=model)
+    return model
+
+
+def _checked_blocks(args: argparse.Namespace, model: Any) -> Any:
+    """The model, where ``--checkpointing N`` or ``auto`` can count its blocks (:func:`autotune.memory.checkpointing.settled`
+    in the command line's words)."""
+    from autotune.memory.checkpointing import blocks, own_switch
+
+    if args.checkpointing is False or args.checkpointing == 0 or (args.checkpointing is True and own_switch(model)):
+        return model
+    total = len(blocks(model))
+    if total == 0:
+        flag = "--checkpointing" + ("" if args.checkpointing is True else f" {args.checkpointing}")
+        raise UsageError(f"Invalid {flag}: {type(model).__name__} has no nn.ModuleList of blocks (or top-level nn.Sequential) to "
+                         f"{'count' if flag != '--checkpointing' else 'checkpoint'}; leave it out, or checkpoint the blocks in the "
+                         "model's own forward (torch.utils.checkpoint.checkpoint)")
+    if args.checkpointing != "auto" and args.checkpointing > total:
+        raise UsageError(f"Invalid --checkpointing {args.checkpointing}: {type(model).__name__} has {total} blocks; give a count from 0 "
+                         f"to {total}, auto, or --checkpointing alone for every block")
     return model
 
 
@@ -171,7 +190,7 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
 
     from autotune.planning.lengths import max_length
 
-    model = _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug))
+    model = _checked_blocks(args, _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug)))
     longest = max_length(model)
     tokens = args.tokens or min(2048, longest or 2048)
     if longest is not None and tokens > longest:

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["activation_checkpointing", "blocks", "check_setting", "chosen", "in_words", "settled"]
+__all__ = ["activation_checkpointing", "blocks", "check_setting", "chosen", "in_words", "own_switch", "settled"]
 
 # Keyword arguments a transformers layer takes for its cache of keys and values: a checkpointed layer runs without one
 # (as transformers' own checkpointing sets them), or the recomputation would write the cache a second time.
@@ -88,9 +88,10 @@ def settled(model: nn.Module, checkpointing: Any) -> bool | int | str:
         return bool(value)
     total = len(blocks(model))
     if total == 0:
+        own = "True (its own switch), " if own_switch(model) else ""
         raise ValueError(
             f"Invalid checkpointing {value!r} for {type(model).__name__}: it has no nn.ModuleList of blocks (or top-level "
-            "nn.Sequential) to count; give True or False, or wrap your blocks with torch.utils.checkpoint.checkpoint"
+            f"nn.Sequential) to count; give {own}False, or wrap your blocks with torch.utils.checkpoint.checkpoint"
         )
     if value == "auto":
         return value
@@ -99,6 +100,11 @@ def settled(model: nn.Module, checkpointing: Any) -> bool | int | str:
         raise ValueError(f"Invalid checkpointing {value!r} for {type(model).__name__}: it has {total} blocks; give a count "
                          f"from 0 to {total}, True (all) or 'auto'")
     return True if value == total else value
+
+
+def own_switch(model: nn.Module) -> bool:
+    """Whether ``model`` checkpoints its blocks by its own switch (a Transformers model's ``gradient_checkpointing_enable``)."""
+    return bool(getattr(model, "supports_gradient_checkpointing", False)) and callable(getattr(model, "gradient_checkpointing_enable", None))
 
 
 def in_words(checkpointing: Any, total: int | None = None) -> str:
@@ -136,7 +142,7 @@ def activation_checkpointing(model: nn.Module, checkpointing: bool | int = True,
     options: dict[str, Any] = {"use_reentrant": False}
     if recompute is not None:
         options["context_fn"] = lambda: (contextlib.nullcontext(), recompute())
-    hf = getattr(model, "supports_gradient_checkpointing", False) and callable(getattr(model, "gradient_checkpointing_enable", None))
+    hf = own_switch(model)
     # A checkpointed model trains without a cache of keys and values: transformers turns it off itself, with a
     # log line each step; turned off here for the run (what it does anyway), and back on after.
     config = getattr(model, "config", None)
