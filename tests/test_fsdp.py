@@ -197,16 +197,21 @@ def test_the_same_under_torchrun(tmp_path):
     launcher = shutil.which("torchrun")
     if launcher is None:
         pytest.skip("torchrun is not on PATH")
-    # 34 KiB: the plan's peak at micro-batch 2 is about 31.2 KiB and gloo's buffers move the count by up to 2 KiB; at
-    # 32 KiB the plan sometimes found 1 under load, where the error meets the smallest size and is retried, not lowered
-    config = {"n": 45, "target": 7, "lengths": [4, 9], "limits": ["34KiB", "34KiB"], "optimizer": "adamw",
+    # 36 KiB: the plan's peaks at micro-batches 2 and 3 are about 31.2 and 35.7 KiB, and gloo's buffers move the count by
+    # a few KiB under load, so the plan finds 3 or 2, and the error lowers either. Where it finds 1 (at 32 KiB under the
+    # whole suite's load; at 34 KiB the error's warning was missing once, likely the same) the error meets the smallest
+    # size and is retried, not lowered
+    config = {"n": 45, "target": 7, "lengths": [4, 9], "limits": ["36KiB", "36KiB"], "optimizer": "adamw",
               "oom_rank": 1, "oom_in": "backward", "oom_call": 2, "root_owned": True, "oom_module": "head"}
     done = subprocess.run([launcher, "--standalone", "--nproc_per_node=2", W.__file__, "fsdp", str(tmp_path), json.dumps(config)],
                           capture_output=True, text=True, timeout=90, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(W.__file__), os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 0, done.stderr[-2000:]
     outs = results(tmp_path, 2)
-    assert any("OutOfMemoryError raised on this rank" in w for w in outs[1]["warnings"])
-    assert outs[1]["final_plan"]["micro_batch"] < outs[1]["plan"]["micro_batch"]
+    said = (outs[1]["plan"]["micro_batch"], [(t["batch_size"], t["peak_memory"], t["fits"]) for t in outs[1]["plan"]["trials"]],
+            [w for w in outs[1]["warnings"] if "returned a view" not in w])
+    assert outs[1]["plan"]["micro_batch"] > 1, said
+    assert any("OutOfMemoryError raised on this rank" in w for w in outs[1]["warnings"]), said
+    assert outs[1]["final_plan"]["micro_batch"] < outs[1]["plan"]["micro_batch"], said
     assert_exact(outs, config, 2)
 
 
