@@ -258,6 +258,15 @@ def test_a_module_of_the_current_directory_is_found_as_python_m_finds_it(capsys,
     assert "per_device_train_batch_size" in out
 
 
+def test_python_m_autotune_runs_the_command(tmp_path):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "autotune", "report", "--demo", "--format", "hf"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "per_device_train_batch_size" in done.stdout and "Traceback" not in done.stderr
+
+
 def test_plot(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "memory.png"
