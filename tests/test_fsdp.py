@@ -414,6 +414,31 @@ def data():
     return [(torch.randn(4, 4), torch.randint(0, 2, (4,)))]
 
 
+def test_a_model_quantized_by_bitsandbytes_and_sharded_by_fsdp2_is_refused_before_anything_runs(one_rank):
+    """``fully_shard`` makes a bitsandbytes 4-bit weight (stored as bf16, the FSDP-QLoRA setting) a plain DTensor without
+    its quantization state, so its forward fails inside bitsandbytes: ``plan`` and ``fit`` say why first, and nothing
+    changes."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from torch.distributed.fsdp import fully_shard
+
+    import autotune
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", quant_storage=torch.bfloat16)
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False, quant_type="nf4",
+                                     quant_storage=torch.bfloat16).to("cpu")  # quantized on the CPU
+    model = nn.Sequential(layer, nn.Linear(64, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    assert not hasattr(model[0].weight, "quant_type")  # the premise: the sharded weight lost what it was
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    loader = [(torch.randn(4, 64), torch.randint(0, 2, (4,)))]
+    for verb in (autotune.plan, autotune.fit):
+        with pytest.raises(ValueError, match=r"FSDP2 is not planned for weights quantized by bitsandbytes \(4-bit\).*one device"):
+            verb(model, loader, target_batch=4, progress=False)
+    assert all(torch.equal(before[k], v.full_tensor()) for k, v in model.state_dict().items())
+
+
 @pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # torch's own, building FSDP1 on one rank
 def test_fsdp1_points_to_fully_shard(one_rank):
     from torch.distributed.fsdp import FullyShardedDataParallel

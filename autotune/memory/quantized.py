@@ -235,10 +235,16 @@ def fsdp2_refused(model: nn.Module | None = None, *, quantization: Quantization 
     and a 4-bit weight stored as a float (``bnb_4bit_quant_storage``, the FSDP-QLoRA setting for FSDP1) is gathered
     as a plain tensor without its quantization state, computing wrong values (bitsandbytes issue 1945, open with
     bitsandbytes 0.50, which gives its weights no FSDP2 hooks; Accelerate issue 3983)."""
-    quantization = quantization if model is None else quantization_of(model)
-    if quantization is None:
+    layer = None if model is None else next((m for m in model.modules() if is_quantized(m)), None)
+    if layer is not None:  # read from the layer: sharded by FSDP2 already, its weight is a plain tensor without its kind
+        kind = (getattr(layer.weight, "quant_type", None) or getattr(getattr(layer, "quant_state", None), "quant_type", None)
+                or ("int8" if hasattr(layer, "state") else "4-bit"))
+    else:  # a model to be quantized, or a config that asks for it
+        quantization = quantization if model is None else quantization_of(model)
+        kind = None if quantization is None else quantization.kind
+    if kind is None:
         return None
-    return (f"FSDP2 is not planned for weights quantized by bitsandbytes ({quantization.kind}): its fully_shard drops their "
+    return (f"FSDP2 is not planned for weights quantized by bitsandbytes ({kind}): its fully_shard drops their "
             "quantization state (bitsandbytes issue 1945)")
 
 

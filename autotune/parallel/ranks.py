@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.memory.quantized import fsdp2_refused
+
 __all__ = [
     "FAILED_KEY",
     "Parallel",
@@ -169,6 +171,9 @@ def parallel(model: nn.Module) -> Parallel:
         )
     fsdp = _fsdp_root(model)
     if fsdp is not None:
+        refused = fsdp2_refused(fsdp)
+        if refused:
+            raise ValueError(f"Invalid model: {refused}; plan and train the quantized model on one device, or shard it unquantized")
         return Parallel(fsdp, None, None, frozenset(), fsdp=True)
     top = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if isinstance(top, DistributedDataParallel):
