@@ -49,6 +49,7 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'torch-autotune[plot]'") from None
+    from autotune.memory.checkpointing import same_setting
     from autotune.planning.plans import peak_at
     from autotune.planning.report import fitted_line
     from autotune.units import format_bytes
@@ -64,7 +65,7 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
     else:
         fig, ax = plt.subplots(figsize=(7, 4.5))
     mib = 2**20
-    planned = [t for t in plan.trials if t.checkpointing is None or _same(t.checkpointing, plan.checkpointing)]  # not auto's other counts
+    planned = [t for t in plan.trials if t.checkpointing is None or same_setting(t.checkpointing, plan.checkpointing)]  # not auto's other counts
     for estimate, marker, label in ((True, "o", "estimate"), (False, "s", "real step")):
         pts = [t for t in planned if t.estimate is estimate]
         if pts:
@@ -89,11 +90,6 @@ def plot_memory(plan: Any, path: Path, by_length: Sequence[tuple[int, int]] = ()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _same(setting: bool | int, other: bool | int) -> bool:
-    """Two checkpointing settings alike: every block (True) is not a count of 1, nor none (False) a count of 0."""
-    return type(setting) is type(other) and setting == other
 
 
 def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:

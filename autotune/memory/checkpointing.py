@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["activation_checkpointing", "blocks", "check_setting", "chosen", "in_words", "own_switch", "settled"]
+__all__ = ["activation_checkpointing", "blocks", "check_setting", "chosen", "in_words", "own_switch", "same_setting", "settled"]
 
 # Keyword arguments a transformers layer takes for its cache of keys and values: a checkpointed layer runs without one
 # (as transformers' own checkpointing sets them), or the recomputation would write the cache a second time.
@@ -100,6 +100,11 @@ def settled(model: nn.Module, checkpointing: Any) -> bool | int | str:
         raise ValueError(f"Invalid checkpointing {value!r} for {type(model).__name__}: it has {total} blocks; give a count "
                          f"from 0 to {total}, True (all) or 'auto'")
     return True if value == total else value
+
+
+def same_setting(setting: Any, other: Any) -> bool:
+    """Two checkpointing settings alike: every block (``True``) is not a count of 1, nor none (``False``) a count of 0."""
+    return type(setting) is type(other) and setting == other
 
 
 def own_switch(model: nn.Module) -> bool:

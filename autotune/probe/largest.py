@@ -226,7 +226,7 @@ def _estimated(work: Workload, *, upper: int, budget: int, confirm: bool) -> tup
         size, peak = estimator.largest(budget, upper, confirm=confirm)
     finally:
         estimator.on_trace = None
-    for trace, reused in _once(told):  # what decided, as the plan's peak: the bytes the allocator reserves, served under the budget
+    for trace, reused in told:  # what decided, as the plan's peak: the bytes the allocator reserves, served under the budget
         reserved = peak(trace.size)
         work.record(Trial(trace.size, reserved, reserved <= budget, 0.0 if reused else trace.seconds, estimate=True))
     work.curve = peak if isinstance(peak, MemoryCurve) else (estimator.curve() if cuda else None)
@@ -257,23 +257,11 @@ def _allocator_note(estimator: Any, size: int, budget: int) -> str:
     )
 
 
-def _once(told: list[tuple[Any, bool]]) -> list[tuple[Any, bool]]:
-    """The traces one search was told of, each once (by its size and peak), in the order first told: the search and the
-    allocator's replay read the same trace again."""
-    first: dict[tuple[int, int], tuple[Any, bool]] = {}
-    for trace, reused in told:
-        first.setdefault((trace.size, trace.peak), (trace, reused))
-    return list(first.values())
-
-
 def _recorder(work: Workload, budget: int) -> Callable[[Any, bool], None]:
-    """Record each trace an estimate uses as a trial, once (one made earlier, and kept, cost nothing now)."""
-    told: set[tuple[int, int]] = set()
+    """Record each trace an estimate uses as a trial (one made earlier, and kept, cost nothing now; read again, it is
+    kept once: :meth:`~autotune.probe.trial.Workload.record`)."""
 
     def record(trace: Any, reused: bool) -> None:
-        if (trace.size, trace.peak) in told:
-            return
-        told.add((trace.size, trace.peak))
         work.record(Trial(trace.size, trace.peak, trace.peak <= budget, 0.0 if reused else trace.seconds, estimate=True))
 
     return record

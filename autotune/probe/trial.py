@@ -21,6 +21,7 @@ from torch import nn
 
 from autotune import batches as B
 from autotune.checks import is_one_shot
+from autotune.memory.checkpointing import same_setting
 from autotune.memory.ledger import held_tensors
 from autotune.parallel.ranks import set_gradient_sync
 from autotune.probe.search import Trial
@@ -173,9 +174,8 @@ class Workload:
 
 
 def _alike(kept: Trial, trial: Trial) -> bool:
-    """Two estimates of one size, with the same bytes, verdict and checkpointing (every block is not a count of 1)."""
-    setting, other = kept.checkpointing, trial.checkpointing
-    return (kept.estimate and type(setting) is type(other) and setting == other
+    """Two estimates of one size, with the same bytes, verdict and checkpointing."""
+    return (kept.estimate and same_setting(kept.checkpointing, trial.checkpointing)
             and (kept.batch_size, kept.peak_memory, kept.fits) == (trial.batch_size, trial.peak_memory, trial.fits))
 
 
