@@ -115,12 +115,13 @@ def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
         tokens = None
     else:
         stays = ""
+    refused = f"(no --shard or offloading row: {err.fsdp2_refused})" if getattr(err, "fsdp2_refused", None) else ""
     if not fits and shard is None:
         if table is not None:
             tried = ", ".join(dict.fromkeys(flag for r in table.rows if r.changes > 0 for flag in _flags(r, own)))
             shorter = f", or shorter samples than {tokens} tokens (--tokens max: the longest that fits at micro-batch 1)" if tokens else stays
-            refused = f" (no --shard or offloading row: {err.fsdp2_refused})" if getattr(err, "fsdp2_refused", None) else ""
-            return text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller model{shorter}{refused}"
+            return (text + f": none of these fits, alone or together (estimated): {tried}; use a larger --memory-limit or a smaller "
+                    f"model{shorter}" + (f" {refused}" if refused else ""))
         return text + ": try --precision bf16, --checkpointing, a larger --memory-limit, or shorter inputs (--input-shape)"
     from autotune.memory.timing import seconds
 
@@ -136,8 +137,8 @@ def nothing_fits_message(err: Any, *, tokens: int | None = None) -> str:
                      f"{format_bytes(shard.peak)} a device (the fewest that fit)" + (f", {shard.time.brief()}" if shard.time else ""))
     if table is not None and len(table.rows) > len(fits) + 1:
         lines.append(f"  ({len(table.rows) - len(fits) - 1} other changes estimated do not fit; --what-if prints them all)")
-    if getattr(err, "fsdp2_refused", None):
-        lines.append(f"  (no --shard or offloading row: {err.fsdp2_refused})")
+    if refused:
+        lines.append(f"  {refused}")
     if tokens is not None:
         lines.append(f"  {'--tokens max':<68} shorter samples: the longest that fits at micro-batch 1, below {tokens} tokens (a search, an estimate per length)")
     lines.append("  or a larger --memory-limit")
