@@ -295,6 +295,33 @@ def llama_shape(attention):
     return model
 
 
+SMALL_GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 500,
+                "max_position_embeddings": 256, "sliding_window": 32, "torch_dtype": "bfloat16"}
+
+
+def test_a_config_is_built_with_its_models_own_attention_and_a_kernel_it_lacks_is_refused_with_those_it_has(capsys, monkeypatch, tmp_path):
+    """Gemma-2 has no SDPA path in Transformers (its scores are soft-capped): left to itself the command line builds it
+    with eager attention, as ``from_pretrained`` would, where it used to force SDPA and stop on Transformers' error;
+    ``--attention sdpa`` is refused in one line naming the kernels it has, and FlashAttention-2, which it has, plans."""
+    assert transformers.Gemma2ForCausalLM._supports_sdpa is False  # what the test is about
+    common = ("--hf-config", write_config(tmp_path, SMALL_GEMMA2), "--target-batch", "8", "--device", "cuda", "--memory-limit", "1GiB",
+              "--tokens", "128", "--no-cache")
+    code, default, err = report(capsys, monkeypatch, tmp_path, *common)
+    assert code == 0, err
+    code, eager, err = report(capsys, monkeypatch, tmp_path, *common, "--attention", "eager")
+    assert code == 0, err
+    assert default["plan"]["setting"]["attention"] == eager["plan"]["setting"]["attention"] == "eager"
+    assert default["plan"]["peak_memory"] == eager["plan"]["peak_memory"]
+    code, _, err = report(capsys, monkeypatch, tmp_path, *common, "--attention", "sdpa")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "Invalid --attention sdpa" in err and "Gemma2ForCausalLM" in err and "give --attention flash_attention_2 or flex_attention or eager" in err
+    code, flash, err = report(capsys, monkeypatch, tmp_path, *common, "--attention", "flash_attention_2", "--precision", "bf16")
+    assert code == 0, err
+    assert flash["plan"]["setting"]["attention"] == "flash_attention_2"
+    assert any("attention flash_attention_2: estimated as SDPA's flash kernel" in n for n in flash["plan"]["notes"])
+
+
 def test_flash_attention_2_plans_as_sdpa_where_sdpa_runs_its_flash_kernel_and_eager_holds_the_scores():
     ids = torch.randint(0, 32000, (1, 1024), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}  # no padding: SDPA runs flash

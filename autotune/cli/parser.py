@@ -96,7 +96,8 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--master-weights", choices=("fp32",), help="keep the trained weights in fp32 under --precision's autocast "
                    "(default with --hf-config: the config's dtype, pure low precision)")
     r.add_argument("--attention", choices=("eager", "sdpa", "flash_attention_2", "flex_attention"), help="with --hf-config: the attention "
-                   "implementation (default sdpa); flash_attention_2 and flex_attention are estimated without their packages")
+                   "implementation (default: the model's own in Transformers, sdpa where it has it, else eager); "
+                   "flash_attention_2 and flex_attention are estimated without their packages")
     r.add_argument("--fused-ce", action="store_true", help="with --hf-config: the loss as Liger's fused linear cross-entropy "
                    "(use_liger_kernel=True): no logits held")
     r.add_argument("--packing", action="store_true", help="with --hf-config: padding-free packed batches (TRL's packing=True): each "

@@ -168,7 +168,6 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     weights = torch.float32 if args.master_weights == "fp32" else dtype
     if args.precision is None and args.master_weights == "fp32" and dtype in (torch.bfloat16, torch.float16):
         args.precision = "bf16" if dtype == torch.bfloat16 else "fp16"  # fp32 master weights under the config's dtype's autocast
-    attention = args.attention or "sdpa"
 
     def build() -> Any:
         if "model_type" not in data:
@@ -176,9 +175,11 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         fields = {k: v for k, v in data.items() if k != "quantization_config"}
         config = transformers.AutoConfig.for_model(**fields)
         cls = _model_class(transformers, data, config)
-        # FlashAttention-2 and FlexAttention need their kernels to build; the model is built with SDPA and told which
-        # it runs, and the estimate stands in for it (autotune.probe.attention)
-        config._attn_implementation = "sdpa" if attention in ("flash_attention_2", "flex_attention") else attention
+        attention = _attention(args, cls, transformers.__version__)
+        # FlashAttention-2 and FlexAttention need their kernels to build; the model is built with SDPA (eager where it
+        # has none) and told which it runs, and the estimate stands in for it (autotune.probe.attention)
+        fused = attention in ("flash_attention_2", "flex_attention")
+        config._attn_implementation = ("sdpa" if _supports(cls, "sdpa") is not False else "eager") if fused else attention
         with torch.device("meta"):
             model = cls(config).to(weights)
         model.config._attn_implementation = attention
@@ -189,8 +190,10 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         return model
 
     from autotune.planning.lengths import max_length
+    from autotune.planning.setting import attention_of
 
     model = _checked_blocks(args, _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug)))
+    attention = attention_of(model)
     longest = max_length(model)
     tokens = args.tokens or min(2048, longest or 2048)
     if longest is not None and tokens > longest:
@@ -210,6 +213,30 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     described = {"hf_config": data, "tokens": tokens, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
                  "master_weights": args.master_weights, "attention": attention, "fused_ce": args.fused_ce, "packing": args.packing}
     return model, [batch], loss_fn, described
+
+
+_SUPPORTS = {"sdpa": ("_supports_sdpa",), "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2"),
+             "flex_attention": ("_supports_flex_attn",)}
+
+
+def _supports(cls: Any, attention: str) -> bool | None:
+    """Whether Transformers has ``attention`` for the model class ``cls`` (eager: always), None where it does not say."""
+    for flag in _SUPPORTS.get(attention, ()):
+        if isinstance(getattr(cls, flag, None), bool):
+            return getattr(cls, flag)
+    return True if attention == "eager" else None
+
+
+def _attention(args: argparse.Namespace, cls: Any, version: str) -> str:
+    """The attention kernel to build ``cls`` with: ``--attention``, else Transformers' own default for the class (SDPA
+    where it has it, else eager: Gemma-2, BLOOM, MPT); a kernel the class lacks refused, with the ones it has."""
+    if args.attention is None:
+        return "eager" if _supports(cls, "sdpa") is False else "sdpa"
+    if _supports(cls, args.attention) is False:
+        has = " or ".join(a for a in ("sdpa", "flash_attention_2", "flex_attention", "eager") if _supports(cls, a))
+        raise UsageError(f"Invalid --attention {args.attention}: Transformers {version} has no {args.attention} for "
+                         f"{cls.__name__}; give --attention {has}, or leave it out for the model's default")
+    return args.attention
 
 
 # The fields that shape a model, by Transformers' common names (a config class may spell them its own way: its

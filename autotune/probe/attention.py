@@ -28,6 +28,7 @@ def _flash_like(module: nn.Module, query: Any, key: Any, value: Any, attention_m
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)
+    kwargs.pop("softcap", None)  # Gemma-2's capped scores: the kernel caps them in place, holding nothing more
     return sdpa_attention_forward(module, query, key, value, None, is_causal=getattr(module, "is_causal", True), **kwargs)
 
 

@@ -160,7 +160,8 @@ def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
             prefix -= 1
         if 3 * prefix + (12 if work.device.type == "cuda" else 9) >= len(module):  # no fewer blocks traced than the whole stack
             if prefix > len(module) // 2 and len(module) > 9:
-                why = f"the blocks of {path} are not alike ({prefix} of {len(module)} differ from the last)"
+                differ = sum(s != shapes[-1] for s in shapes)
+                why = f"the blocks of {path} are not alike ({differ} of {len(module)} differ from the last)"
             elif len(module) >= 8 and why is None:
                 why = (f"the {len(module)} blocks of {path} are too few to extend (the shallower copies would trace "
                        f"as many{f', {prefix} of them unlike the rest' if prefix else ''})")
