@@ -298,6 +298,7 @@ def llama_shape(attention):
 SMALL_GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 500,
                 "max_position_embeddings": 256, "sliding_window": 32, "torch_dtype": "bfloat16"}
+SMALL_ARGS = ("--target-batch", "8", "--device", "cuda", "--memory-limit", "1GiB", "--tokens", "128", "--no-cache")
 
 
 def test_a_config_is_built_with_its_models_own_attention_and_a_kernel_it_lacks_is_refused_with_those_it_has(capsys, monkeypatch, tmp_path):
@@ -305,8 +306,7 @@ def test_a_config_is_built_with_its_models_own_attention_and_a_kernel_it_lacks_i
     with eager attention, as ``from_pretrained`` would, where it used to force SDPA and stop on Transformers' error;
     ``--attention sdpa`` is refused in one line naming the kernels it has, and FlashAttention-2, which it has, plans."""
     assert transformers.Gemma2ForCausalLM._supports_sdpa is False  # what the test is about
-    common = ("--hf-config", write_config(tmp_path, SMALL_GEMMA2), "--target-batch", "8", "--device", "cuda", "--memory-limit", "1GiB",
-              "--tokens", "128", "--no-cache")
+    common = ("--hf-config", write_config(tmp_path, SMALL_GEMMA2), *SMALL_ARGS)
     code, default, err = report(capsys, monkeypatch, tmp_path, *common)
     assert code == 0, err
     code, eager, err = report(capsys, monkeypatch, tmp_path, *common, "--attention", "eager")
@@ -320,6 +320,28 @@ def test_a_config_is_built_with_its_models_own_attention_and_a_kernel_it_lacks_i
     assert code == 0, err
     assert flash["plan"]["setting"]["attention"] == "flash_attention_2"
     assert any("attention flash_attention_2: estimated as SDPA's flash kernel" in n for n in flash["plan"]["notes"])
+
+
+def test_a_config_without_architectures_is_built_as_its_causal_lm_with_its_attention_or_refused_with_a_class_to_name(capsys, monkeypatch, tmp_path):
+    """No ``architectures``: the config's causal LM is built (Gemma-2, with its eager attention, the plan of the config
+    that names the class); a config with no causal LM (T5) is refused in one line that names a class it has."""
+    named = tmp_path / "named"
+    named.mkdir()
+    code, with_class, err = report(capsys, monkeypatch, named, "--hf-config", write_config(named, SMALL_GEMMA2), *SMALL_ARGS)
+    assert code == 0, err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    unnamed = {k: v for k, v in SMALL_GEMMA2.items() if k != "architectures"}
+    code, without, err = report(capsys, monkeypatch, bare, "--hf-config", write_config(bare, unnamed), *SMALL_ARGS)
+    assert code == 0, err
+    assert without["plan"]["setting"]["model"] == "Gemma2ForCausalLM" and without["plan"]["setting"]["attention"] == "eager"
+    assert (without["plan"]["micro_batch"], without["plan"]["peak_memory"]) == (with_class["plan"]["micro_batch"], with_class["plan"]["peak_memory"])
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    config = {"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16, "vocab_size": 500}
+    code, _, err = report(capsys, monkeypatch, t5, "--hf-config", write_config(t5, config), *SMALL_ARGS)
+    assert code == 2 and err.count("\n") == 1, err
+    assert 'it names no "architectures" and T5Config has no causal LM' in err and '"architectures": ["T5ForConditionalGeneration"]' in err
 
 
 def test_flash_attention_2_plans_as_sdpa_where_sdpa_runs_its_flash_kernel_and_eager_holds_the_scores():

@@ -285,8 +285,16 @@ def _model_class(transformers: Any, data: dict[str, Any], config: Any) -> Any:
     """What makes the model of ``config``: the class the config names (``architectures``), else its causal LM; an
     unknown name refused whole, with the fix."""
     names = list(data.get("architectures") or [])
-    if not names:
-        return transformers.AutoModelForCausalLM.from_config
+    if not names:  # the config's causal LM, as AutoModelForCausalLM would build it
+        found = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+        if found is not None:
+            return found
+        others = [m.get(type(config), None) for m in (transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, transformers.MODEL_FOR_MASKED_LM_MAPPING,
+                                                      transformers.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
+                                                      getattr(transformers, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", {}))]
+        example = next((c.__name__ for c in others if c is not None), None)
+        raise UsageError(f"Invalid --hf-config: it names no \"architectures\" and {type(config).__name__} has no causal LM to build "
+                         f"in its place; add the model's class, e.g. \"architectures\": [\"{example or 'LlamaForCausalLM'}\"]")
     cls = getattr(transformers, names[0], None)
     if cls is None:
         raise UsageError(f"Invalid --hf-config: its architecture {names[0]!r} is not a class of this transformers "
