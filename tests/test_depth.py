@@ -298,7 +298,7 @@ def test_for_cuda_the_size_found_is_confirmed_on_the_deepest_copy_alone_where_it
     """For a CUDA target the curve of the full depth holds at the size found when every allocation the deepest copy
     makes there is the one its two traces' lines give: one trace at that size, not one of each copy. A workspace
     off its line (padded to a power of two) sends the confirmation back to every copy's trace there. Either way the
-    plan is the whole model's, to the byte."""
+    plan is the whole model's, to the byte, and so are its trials, the size found listed."""
     made = []
     trace = estimate.Trace
 
@@ -319,6 +319,9 @@ def test_for_cuda_the_size_found_is_confirmed_on_the_deepest_copy_alone_where_it
     assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
     whole = 3  # the whole model's: two sizes, and the size found
     assert len(made) - whole == (9 if workspace else 7)  # three copies at two sizes, and the size found: one copy or three
+    # the trials the plan lists are the whole model's, the size its curve found among them (left out where one copy confirmed it)
+    listed = [[(t.batch_size, t.peak_memory, t.fits) for t in p.trials] for p in (extended, reference)]
+    assert listed[0] == listed[1] and len(listed[0]) == 3, listed
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["for the cpu", "estimated for cuda"])  # "cuda" alone marks a test for a GPU

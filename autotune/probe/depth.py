@@ -479,9 +479,12 @@ class DepthEstimator:
         right for every copy and wrong for their extension, where something not affine in the size, such as a chunk
         rounded to a power of two, is multiplied by the depth)."""
         own = self.check.curve(template)
-        if not (own.exact and self.check(b, template) == own(b)):
+        there, made = self._counting(lambda: self.check(b, template))
+        if not (own.exact and there == own(b)):
             return False
         if self._on_its_lines(b, template):
+            if self.on_trace is not None:  # the size found is a trial too, as the whole model's confirming trace is
+                self.on_trace(_Extended(b, curve(b), sum(made)), not made)
             return True
         extended = self(b, template)
         return abs(extended - curve(b)) <= max(TOLERANCE_BYTES, TOLERANCE * extended)
