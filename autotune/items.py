@@ -34,7 +34,7 @@ from autotune.checks import is_one_shot
 from autotune.rng import RNGState
 from autotune.step import Precision, autocast, planning
 
-__all__ = ["RULES", "Items", "count_for", "first_batch", "label_tokens", "labelled", "loss_items", "shifted_label_tokens"]
+__all__ = ["RULES", "WORDS", "Items", "count_for", "first_batch", "label_tokens", "labelled", "loss_items", "shifted_label_tokens"]
 
 RULES = ("samples", "labels", "shifted labels")
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # relative; half precision: 1e-2
@@ -47,7 +47,7 @@ _KINDS = {  # a Transformers model's loss_type -> what its own loss averages ove
     "ForAudioClassification": "samples",
     "ForVideoClassification": "samples",
 }
-_WORDS = {
+WORDS = {  # each rule of RULES in words
     "samples": "samples",
     "labels": "label tokens (labels != -100)",
     "shifted labels": "label tokens shifted by one position (labels[..., 1:] != -100)",
@@ -286,7 +286,7 @@ def _decide(own: bool, known: str | None, found: _Measure | None, candidates: se
         if rule == "samples" or found is None:
             return Items("samples")
         return Items("samples", (
-            f"loss_fn is the mean over {_WORDS[rule]}, not over samples (measured on two samples of a "
+            f"loss_fn is the mean over {WORDS[rule]}, not over samples (measured on two samples of a "
             f"first batch: weighted by their samples they give {found.ratio:.6g} times their loss, {abs(found.ratio - 1):.1%} "
             f"off), and with count=None each micro-batch is weighted by its samples, so steps are not the big batch's: pass "
             f"count={_FIX[rule]} (to fit or accumulate) for the big batch's gradient"))
@@ -303,4 +303,4 @@ def _decide(own: bool, known: str | None, found: _Measure | None, candidates: se
     held = ""
     if rule != "samples" and first is not None and _labels(first) is not None:
         held = f", {_count(rule, first):,} in the first batch"
-    return Items(rule, f"{whose} is the mean over {_WORDS[rule]}: each micro-batch is weighted by its own{held} ({why})")
+    return Items(rule, f"{whose} is the mean over {WORDS[rule]}: each micro-batch is weighted by its own{held} ({why})")

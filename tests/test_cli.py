@@ -500,6 +500,45 @@ def test_noise_scale_line_needs_a_loader_and_gives_advice(capsys, tmp_path, monk
     assert noise is None or (noise["value"] > 0 and noise["steps"] >= 2)
 
 
+def test_the_noise_scale_of_a_causal_lm_is_told_in_its_label_tokens_with_the_target_in_them(capsys, tmp_path, monkeypatch):
+    """A causal LM's own loss averages its shifted label tokens, and the plan weighs micro-batches by them: the noise
+    scale is measured in them (it was measured in samples), and the target compared with it is the target's tokens."""
+    pytest.importorskip("transformers")
+    (tmp_path / "lm_data.py").write_text(
+        "import torch, transformers\n"
+        "def model():\n"
+        "    torch.manual_seed(0)\n"
+        "    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64))\n"
+        "def batches():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    out = []\n"
+        "    for _ in range(12):\n"
+        "        ids = torch.randint(0, 100, (8, 24), generator=g)\n"
+        "        mask = (torch.arange(24) < torch.randint(3, 25, (8, 1), generator=g)).long()\n"
+        "        out.append({'input_ids': ids, 'attention_mask': mask, 'labels': ids.masked_fill(mask == 0, -100)})\n"
+        "    return out\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import lm_data
+
+    batches = lm_data.batches()[:8]  # the batches the target's tokens are counted on
+    tokens = sum(int(b["labels"][:, 1:].ne(-100).sum()) for b in batches) / sum(len(b["labels"]) for b in batches)
+    argv = ("report", "lm_data:model", "--loader", "lm_data:batches", "--target-batch", "64", "--memory-limit", "256MiB",
+            "--device", "cpu", "--noise-scale", "--no-cache")
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["plan"]["items"] == "shifted labels"
+    noise = data["noise_scale"]
+    assert noise["items"] == "shifted labels" and noise["target_items"] == round(64 * tokens)
+    assert noise["micro_batch"] * 4 * 30 <= 12 * 8 or noise["micro_batch"] == 1  # one pass holds the windows asked
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    section = out.split("Gradient noise scale\n", 1)[1].splitlines()
+    assert section[0] == (f"  in label tokens shifted by one position (labels[..., 1:] != -100), what the loss averages over: the target "
+                          f"of 64 samples is ~{round(64 * tokens):,} of them")
+
+
 def test_a_ramp_in_the_report_says_what_each_stage_takes(capsys):
     code, out, _ = run(capsys, "report", "--demo", "--ramp", "64,128@5000,256@20000", "--samples", "40000", "--no-cache")
     assert code == 0

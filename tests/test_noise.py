@@ -142,6 +142,68 @@ def test_the_meter_and_the_advice():
     assert "at least ~700" in advice(NoiseScale(math.inf, math.inf, 50, -1, 600, 700, math.inf), 64)
 
 
+def test_a_window_trace_below_zero_reads_as_no_noise_never_as_a_negative_range_or_advice_to_shrink():
+    """|G|^2 told from its noise and tr(S) below zero (the first micro-batches' gradients smaller than their windows'):
+    the noise scale was read as infinite, its range ended below zero (-178), and the advice told a target of 64 to
+    shrink, "~0.0x the measured noise scale". Now: no noise told from the gradient (0), a range that stays at or above 0."""
+    g = torch.Generator().manual_seed(0)
+    beyond, within = NoiseMeter(), NoiseMeter()
+    for _ in range(30):
+        jitter = 0.01 * float(torch.randn((), generator=g))
+        beyond.add(0.9 + jitter, 10, 1.0 + jitter, 40)  # |G_b|^2 below |G_B|^2 beyond its error
+        within.add(1.0 + 4 * jitter, 10, 1.0, 40)  # about equal: tr(S) about 0, either side
+    for est in (beyond.estimate(), within.estimate()):
+        assert est.gradient_sq > 0 and 0 <= est.low <= est.high < math.inf and est.value >= 0, est
+        said = advice(est, 64)
+        assert said is None or ("~0.0x" not in said and "inf" not in said), said
+    est = beyond.estimate()
+    assert est.trace < 0 and est.value == 0 and est.high == 0 and str(est).startswith("not measured"), est
+    est = within.estimate()
+    assert est.high > 0 and (est.value == 0) == (est.trace <= 0)
+    said = advice(est, int(4 * est.high) + 1)  # a target far above the whole range: a smaller one is advised, in numbers
+    assert said is not None and "Consider a smaller target" in said and "inf" not in said, said
+
+
+def test_noise_scale_reads_a_loader_that_repeats_itself_once_and_a_shuffled_one_again():
+    """A window measured twice is no second measurement: a list of batches gives its windows once (8 here, of 50
+    asked), where they were cycled and counted as 50, narrowing the range; a shuffled loader's next pass is new windows."""
+    model, w_star, _ = problem()
+    x, y = samples(w_star, 64, seed=1)
+    listed = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
+    once = autotune.noise_scale(model, listed, micro_batch=4, micro_batches=2, windows=50, loss_fn=mse)
+    assert once.steps == pytest.approx(_steps(8, 50), rel=1e-9)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True,
+                                         generator=torch.Generator().manual_seed(2))
+    again = autotune.noise_scale(model, loader, micro_batch=4, micro_batches=2, windows=50, loss_fn=mse)
+    assert again.steps == pytest.approx(_steps(50, 50), rel=1e-9)
+
+
+def test_noise_scale_counts_a_causal_lms_own_loss_in_its_label_tokens_as_fit_does():
+    """The model's own loss of a Transformers causal LM is a mean over its shifted label tokens: without ``count=`` the
+    meter counts those, as ``fit`` weighs them (it counted samples, so each window's two gradients were compared in
+    the wrong units), and the report states the target in them too."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64))
+    g = torch.Generator().manual_seed(0)
+    loader = []
+    for _ in range(6):
+        ids = torch.randint(0, 100, (8, 24), generator=g)
+        mask = (torch.arange(24) < torch.randint(3, 25, (8, 1), generator=g)).long()
+        loader.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    found = autotune.noise_scale(model, loader, micro_batch=2, micro_batches=4, windows=6)
+    tokens = autotune.noise_scale(model, loader, micro_batch=2, micro_batches=4, windows=6, count=autotune.shifted_label_tokens)
+    by_samples = autotune.noise_scale(model, loader, micro_batch=2, micro_batches=4, windows=6, count=lambda b: len(b["input_ids"]))
+    assert found == tokens and found != by_samples
+
+
+def _steps(windows, asked):
+    """The effective windows of ``windows`` averaged at the meter's decay for ``asked``."""
+    beta = 1 - 1 / asked
+    weights = [(1 - beta) * beta**k for k in range(windows)]
+    return sum(weights) ** 2 / sum(w * w for w in weights)
+
+
 def test_noise_scale_before_training_measures_and_leaves_no_trace():
     model, w_star, truth = problem()
     x, y = samples(w_star, 4096, seed=4)

@@ -450,7 +450,6 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
     import autotune
     from autotune.planning.report import deepspeed_comments, framework_configs, render_json, render_text
     from autotune.planning.times import run_of, run_samples
-    from autotune.train.noise import advice
 
     table = None
     if args.what_if:
@@ -458,11 +457,9 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
                                  gpu=args.card.name if args.card else None)
     noise = None
     if args.noise_scale:
-        from autotune import batches as B
+        from autotune.cli.noise import measure
 
-        first_size = B.batch_size(next(iter(loader)))
-        noise = autotune.noise_scale(model, loader, micro_batch=max(1, min(plan.micro_batch, first_size)), micro_batches=4,
-                                     windows=30, loss_fn=loss_fn, device=device if on_device else None)
+        noise = measure(plan, model, loader, loss_fn, device if on_device else None, args.target_batch)
     if args.plot:
         plot_memory(plan, args.plot, by_length)
     if args.json:
@@ -476,7 +473,7 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         if table is not None:
             data["what_if"] = table.to_dict()
         if args.noise_scale:
-            data["noise_scale"] = None if noise is None else {**dataclasses.asdict(noise), "advice": advice(noise, args.target_batch)}
+            data["noise_scale"] = noise.to_dict()
         if ramp is not None:
             data["ramp"] = {"spec": repr(ramp), "stages": _ramp_lines(ramp, plan, args.samples)}
         if (run := run_of(plan, run_samples(args.samples, args.epochs, loader))) is not None:
@@ -495,15 +492,10 @@ def _print_report(args: argparse.Namespace, plan: Any, model: Any, loader: Any, 
         print()
         print("What if (estimates; the verified row ran for real)" if any(r.verified for r in table.rows) else "What if (estimates)")
         print("\n".join("  " + line for line in str(table).splitlines()))
-    if args.noise_scale:
+    if noise is not None:
         print()
         print("Gradient noise scale")
-        if noise is None:
-            print("  not measurable here: the loader holds too few samples for two windows of micro-batches")
-        else:
-            print(f"  {noise}")
-            said = advice(noise, args.target_batch)
-            print(f"  {said}" if said else f"  target {args.target_batch}: its range is not clearly 2x away from it, so no advice")
+        print("\n".join("  " + line for line in noise.lines(args.target_batch)))
     if ramp is not None:
         print()
         print(f"Batch ramp ({ramp!r}; the plan above is for its largest target)")

@@ -45,7 +45,7 @@ class NoiseScale:
     Attributes:
         value: ``B_simple``, in loss items (samples, or what ``count`` counts): the ratio of the
             averaged ``tr(S)`` and ``|G|^2`` estimates (``inf`` when ``|G|^2`` averages <= 0: the
-            gradient is not told apart from its noise).
+            gradient is not told apart from its noise; 0 when ``tr(S)`` does: no noise told from the gradient).
         error: its standard error (delta method over the averaged windows; ``inf`` with ``value``).
         steps: the effective number of windows the averages hold (``(sum w)^2 / sum w^2`` of their
             weights: for the moving average of many windows about 199, for a few their count).
@@ -55,7 +55,8 @@ class NoiseScale:
             errors, about 95%; Fieller's interval for a ratio of means, which stays honest when
             ``|G|^2`` is barely told from its noise).
         high: the upper end (``inf`` when ``|G|^2`` is not two standard errors above zero: then the
-            noise scale is only known to be at least ``low``).
+            noise scale is only known to be at least ``low``; 0 when ``tr(S)`` is below zero by more than
+            its errors, which micro-batches drawn alike do not give: then nothing is measured).
     """
 
     value: float
@@ -67,8 +68,13 @@ class NoiseScale:
     high: float = math.inf
 
     def __str__(self) -> str:
+        if math.isinf(self.high) and self.low <= 0:
+            return f"unknown: the gradient is not told from its noise over {self.steps:.0f} windows (more windows may tell it)"
         if math.isinf(self.high):
             return f"at least ~{self.low:,.0f} items (the gradient is not told from its noise; {self.steps:.0f} windows)"
+        if self.high <= 0:  # tr(S) below zero beyond its error: the first micro-batches are not drawn as the rest
+            return (f"not measured: the first micro-batch's gradient was smaller than its window's beyond the noise ({self.steps:.0f} "
+                    "windows), which micro-batches drawn alike do not give (are the windows' first micro-batches unlike the rest?)")
         return f"~{self.value:,.0f} items (between {self.low:,.0f} and {self.high:,.0f}; {self.steps:.0f} windows)"
 
 
@@ -131,8 +137,10 @@ class NoiseMeter:
         var_t = max(self._t2 / w1 - t * t, 0.0) * spread
         cov = (self._gt / w1 - g * t) * spread
         vg, vt, c = var_g / steps, var_t / steps, cov / steps  # of the averages
-        if g <= 0 or t <= 0:
+        if g <= 0:  # |G|^2 not above zero: the gradient is not told from its noise
             value, error = math.inf, math.inf
+        elif t <= 0:  # tr(S) not above zero: no noise told from the gradient, a noise scale of about 0
+            value, error = 0.0, math.sqrt(vt) / g  # the delta method at t = 0
         else:
             value = t / g
             error = value * math.sqrt(max(vt / (t * t) + vg / (g * g) - 2 * c / (t * g), 0.0))  # the delta method
@@ -276,11 +284,11 @@ def _fieller(t: float, g: float, vt: float, vg: float, c: float) -> tuple[float,
     upper end; its lower end is then the smallest ratio of ``t`` and ``g`` within their ranges."""
     z2 = Z * Z
     a = g * g - z2 * vg
-    if a > 0:
+    if a > 0 and g > 0:  # g is Z errors above zero (below it, far below: no gradient is told either)
         b = t * g - z2 * c
         disc = max(b * b - a * (t * t - z2 * vt), 0.0)
         root = math.sqrt(disc)
-        return max((b - root) / a, 0.0), (b + root) / a
+        return max((b - root) / a, 0.0), max((b + root) / a, 0.0)  # a noise scale is not below 0
     top = t - Z * math.sqrt(vt)
     return (max(top, 0.0) / (g + Z * math.sqrt(vg)) if g + Z * math.sqrt(vg) > 0 else 0.0), math.inf
 
@@ -299,11 +307,12 @@ def advice(noise: NoiseScale, target: int) -> str | None:
     """
     b = noise.value
     tail = f" ({noise.steps:.0f} windows; an SGD-theory quantity, advice for Adam)."
-    if noise.high < target / 2 and b > 0:
+    if 0 < noise.high < target / 2:
+        b = b if b > 0 else noise.high  # a noise scale not told from 0: its upper end, the least change
         samples = (1.0 + target / b) / 2.0
         steps = (1.0 + b / target) / 2.0
         return (
-            f"target {target} is ~{target / b:.1f}x the measured noise scale (~{b:,.0f}, between {noise.low:,.0f} and "
+            f"target {target} is ~{target / b:.1f}x the measured noise scale (~{noise.value:,.0f}, between {noise.low:,.0f} and "
             f"{noise.high:,.0f}): reaching the same loss takes ~{samples:.1f}x the samples of a target of {b:,.0f}, for "
             f"~{steps:.2f}x its optimizer steps. Consider a smaller target with more steps" + tail
         )
@@ -339,9 +348,14 @@ def noise_scale(
     """Measure the gradient noise scale at the model's current weights, before choosing a target.
 
     Runs ``windows`` windows of ``micro_batches`` micro-batches of ``micro_batch`` samples forward
-    and backward (cycling through ``loader``), without any optimizer step, and feeds the meter with
-    each window's first micro-batch against the whole window. Afterwards the model's parameters,
-    buffers and gradients and the RNG states (the loader's included) are bitwise as they were.
+    and backward, without any optimizer step, and feeds the meter with each window's first
+    micro-batch against the whole window. The windows go through ``loader``, and through it again
+    while a pass starts with other batches (a shuffled loader); a loader that repeats itself (a list,
+    an unshuffled ``DataLoader``) is read once, since a window measured twice is no second measurement
+    and would narrow the range it gives. Items are what the loss averages over: ``count``'s, else for
+    the model's own loss what :func:`autotune.fit` finds it averages over (a causal LM's label tokens),
+    else samples. Afterwards the model's parameters, buffers and gradients and the RNG states (the
+    loader's included) are bitwise as they were.
 
     Args:
         model: the model (on its device).
@@ -350,7 +364,7 @@ def noise_scale(
         micro_batches: micro-batches per window (at least 2).
         windows: windows to average.
         loss_fn: as for :func:`autotune.fit`.
-        count: as for :func:`autotune.fit` (the noise scale is then in those items).
+        count: as for :func:`autotune.fit` (the noise scale is then in those items; None: as ``fit`` finds them).
         device: default: the model's.
         precision: as for :func:`autotune.fit`.
 
@@ -365,6 +379,7 @@ def noise_scale(
     import torch
 
     from autotune.checks import check_grad_mode, check_reiterable, check_trainable
+    from autotune.items import count_for, first_batch, labelled, loss_items
     from autotune.parallel.ranks import parallel
     from autotune.step import (
         Snapshot,
@@ -388,13 +403,19 @@ def noise_scale(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     prec = normalize_precision(precision)
     loss_fn = loss_fn or default_loss
+    opening = first_batch(loader)
+    if count is None and loss_fn is default_loss and (labelled(opening) or isinstance(getattr(model, "loss_type", None), str)):
+        count = count_for(loss_items(model, None, loader, device=device, precision=prec).rule)  # as fit weighs the model's own loss
     params = [p for p in model.parameters() if p.requires_grad]
     snapshot = Snapshot(model, torch.optim.SGD(params, lr=0.0), loader)
     meter = NoiseMeter(beta=1.0 - 1.0 / windows)
     try:
         model.train()
-        done = 0
+        done = passes = 0
         while done < windows:
+            if passes and _same(first_batch(loader), opening):
+                break  # the loader repeats itself: its windows were measured
+            passes += 1
             seen = False
             for window in accumulate(loader, micro_batch, target_batch=micro_batch * micro_batches, count=count,
                                      drop_last=True, distributed=False):
@@ -423,6 +444,14 @@ def noise_scale(
     finally:
         snapshot.restore()
     return meter.estimate()
+
+
+def _same(batch: Any, other: Any) -> bool:
+    """Whether two batches hold the same tensors (shapes and values)."""
+    from autotune import batches as B
+
+    mine, theirs = B.tensors(batch), B.tensors(other)
+    return len(mine) == len(theirs) and all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
 def _to(batch: Any, device: Any) -> Any:
