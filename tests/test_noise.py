@@ -12,6 +12,7 @@ The parameters are held fixed (learning rate 0), so the answer does not move whi
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -158,6 +159,9 @@ def test_a_window_trace_below_zero_reads_as_no_noise_never_as_a_negative_range_o
         assert said is None or ("~0.0x" not in said and "inf" not in said), said
     est = beyond.estimate()
     assert est.trace < 0 and est.value == 0 and est.high == 0 and str(est).startswith("not measured"), est
+    from autotune.train.fit import _noise_note
+
+    assert _noise_note(est, SimpleNamespace(par=SimpleNamespace(fsdp=False)), True) == str(est)  # fit's result says so too
     est = within.estimate()
     assert est.high > 0 and (est.value == 0) == (est.trace <= 0)
     said = advice(est, int(4 * est.high) + 1)  # a target far above the whole range: a smaller one is advised, in numbers

@@ -617,6 +617,8 @@ def _noise_note(noise: Any, run: Run, asked: bool | int) -> str | None:
             f"only a lower bound: the window's gradient was not told apart from its noise over {noise.steps:.0f} windows "
             "(the noise scale is far above the target, or the run is short); it is at least noise_scale.low"
         )
+    if noise.high <= 0:
+        return str(noise)  # "not measured: ..." and why
     return None
 
 
