@@ -163,6 +163,31 @@ def test_the_cli_plans_from_a_config_without_weights_as_the_api_does_for_the_mod
     assert data["device"]["name"] == "estimated for a model without weights"
 
 
+def test_the_cli_plans_an_image_classifier_from_its_config_as_the_api_does_on_an_image_and_a_class(capsys, monkeypatch, tmp_path):
+    """A ViT config (its main input pixel_values): the batch is one image of the config's size and a class, where the
+    command line made token ids and stopped on the model's error; the plan is the API's for the model with weights on
+    that batch. --tokens, a setting of token ids, is refused in one line."""
+    config = {"architectures": ["ViTForImageClassification"], "model_type": "vit", "hidden_size": 64, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "intermediate_size": 128, "image_size": 64, "patch_size": 8, "num_channels": 3,
+              "torch_dtype": "float32", "id2label": {"0": "a", "1": "b", "2": "c"}}
+    path = write_config(tmp_path, config)
+    argv = ("--hf-config", path, "--target-batch", "64", "--device", "cpu", "--memory-limit", "30MiB", "--headroom", "0")
+    code, data, err = report(capsys, monkeypatch, tmp_path, *argv)
+    assert code == 0, err
+    from transformers import ViTConfig, ViTForImageClassification
+
+    model = ViTForImageClassification(ViTConfig(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}))
+    g = torch.Generator().manual_seed(0)
+    batch = {"pixel_values": torch.randn(1, 3, 64, 64, generator=g), "labels": torch.randint(0, 3, (1,), generator=g)}
+    reference = autotune.plan(model, [batch], target_batch=64, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              device="cpu", memory_limit="30MiB", headroom=0, verify=False, progress=False)
+    assert 2 < reference.micro_batch < 64
+    assert (data["plan"]["micro_batch"], data["plan"]["peak_memory"]) == (reference.micro_batch, reference.peak_memory)
+    assert "tokens" not in data and "tokens per sample" not in data["plan"]["setting"]
+    code, _, err = report(capsys, monkeypatch, tmp_path, *argv, "--tokens", "64")
+    assert code == 2 and err.count("\n") == 1 and "--tokens: ViTForImageClassification takes images (3x64x64 pixel_values)" in err, err
+
+
 @pytest.mark.slow  # about a minute: three plans of the 8B shape, the last with its what-if table
 def test_the_cli_answers_the_8b_question_from_a_config_directory_with_lora_and_with_8_shards(capsys, monkeypatch, tmp_path):
     pytest.importorskip("peft")

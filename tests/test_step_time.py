@@ -71,6 +71,23 @@ def test_the_prediction_follows_the_cards_datasheet_figures():
         predict(w, card, accumulation=0, samples=1)
 
 
+def test_bf16_on_a_card_without_its_tensor_cores_is_timed_at_its_fp32_rate_and_said_so():
+    """A T4 or a V100 has no bf16 tensor cores: bf16 matmuls are predicted at the card's fp32 rate, the utilisation is
+    of that rate, and the basis says so with the fp16 rate beside it (the report said nothing, and headed the time
+    with the card's fp16 figure)."""
+    w = Work((("forward", "bfloat16", "matmul", 10**14, 0), ("step", "float32", "memory", 0, 10**9)))
+    for name in ("t4", "v100-16gb"):
+        card = gpu_named(name)
+        t = predict(w, card, samples=8)
+        assert card.bf16 is None and t.micro_step == pytest.approx(1e14 / (card.fp32 * CALIBRATED.matmul), rel=1e-9)
+        assert t.peak == card.fp32
+        assert t.basis.endswith(f"; its bf16 matmuls at the card's fp32 rate ({card.fp32 / 1e12:.3g} TFLOP/s): {card.title} has no "
+                                f"bf16 tensor cores (fp16 {card.fp16 / 1e12:.3g} TFLOP/s)"), t.basis
+    fp16 = predict(Work((("forward", "float16", "matmul", 10**14, 0),)), gpu_named("t4"), samples=8)
+    assert "tensor cores" not in fp16.basis and fp16.peak == gpu_named("t4").fp16
+    assert "tensor cores" not in predict(w, gpu_named("a100-80gb-sxm"), samples=8).basis
+
+
 def test_a_plan_for_a_card_carries_its_predicted_time_and_keeps_it_in_its_dict():
     model = gpt2()
     plan = autotune.plan(model, lm_loader(), target_batch=16, optimizer=torch.optim.AdamW(model.parameters()), gpu="l4",

@@ -194,6 +194,11 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
 
     model = _checked_blocks(args, _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug)))
     attention = attention_of(model)
+    image = _image_batch(args, model)
+    if image is not None:  # a vision model: a sample is an image, not --tokens token ids
+        described = {"hf_config": data, "tokens": None, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
+                     "master_weights": args.master_weights, "attention": attention}
+        return model, [image], _own_loss, described
     longest = max_length(model)
     tokens = args.tokens or min(2048, longest or 2048)
     if longest is not None and tokens > longest:
@@ -331,10 +336,37 @@ def _batch_for_head(model: Any, tokens: int, vocab: int) -> tuple[dict[str, Any]
         head = "causal LM"
         batch["labels"] = ids.clone()
 
-    def loss_fn(model: Any, batch: Any) -> Any:
-        return model(**batch).loss
+    return batch, _own_loss, head
 
-    return batch, loss_fn, head
+
+def _own_loss(model: Any, batch: Any) -> Any:
+    """The model's own loss on a batch of its keywords."""
+    return model(**batch).loss
+
+
+def _image_batch(args: argparse.Namespace, model: Any) -> dict[str, Any] | None:
+    """For an image classifier (its main input ``pixel_values``): one image of the config's size and channels (224 and 3
+    where it names none) and a class; None for a model of token ids. The flags of token inputs are refused."""
+    import torch
+
+    base = getattr(model, "get_base_model", lambda: model)()  # under PEFT's wrapper
+    if getattr(base, "main_input_name", "input_ids") != "pixel_values":
+        return None
+    name = type(base).__name__
+    if not name.endswith("ForImageClassification"):
+        raise UsageError(f"Invalid --hf-config: {name} takes images, and only an image classifier's batch is made here (its "
+                         "pixel_values and a class); give the config of a ...ForImageClassification, or MODEL and --loader")
+    config = model.config
+    size = getattr(config, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    channels = int(getattr(config, "num_channels", 3))
+    given = [flag for flag, on in (("--tokens", args.tokens is not None), ("--fused-ce", args.fused_ce), ("--packing", args.packing)) if on]
+    if given:
+        raise UsageError(f"{', '.join(given)}: {name} takes images ({channels}x{height}x{width} pixel_values), not token ids; "
+                         f"leave {'them' if len(given) > 1 else 'it'} out")
+    g = torch.Generator().manual_seed(0)
+    labels = max(1, int(getattr(config, "num_labels", 2) or 2))
+    return {"pixel_values": torch.randn(1, channels, height, width, generator=g), "labels": torch.randint(0, labels, (1,), generator=g)}
 
 
 def _packed(loss_fn: Callable[[Any, Any], Any], tokens: int) -> Callable[[Any, Any], Any]:

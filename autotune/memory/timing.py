@@ -218,7 +218,19 @@ def _overlapped(kernels: float, host: float, p: float) -> float:
 
 def _main_peak(work: Work, card: Gpu) -> float | None:
     by_dtype = {dtype: flops for dtype, (flops, _) in work.of(kind=("matmul", "attention")).by("dtype").items() if flops}
-    return _peak(card, max(by_dtype, key=by_dtype.__getitem__)) if by_dtype else None
+    return (_peak(card, max(by_dtype, key=by_dtype.__getitem__)) or card.fp32) if by_dtype else None
+
+
+def _without_tensor_cores(work: Work, card: Gpu) -> str:
+    """What the basis adds where the step's matmuls are in a dtype the card has no peak for (bf16 on a T4 or a V100):
+    they are predicted at its fp32 rate, as :func:`_kernels` times them; else nothing."""
+    lacking = sorted({_PEAK_OF[dtype] for dtype, (flops, _) in work.of(kind=("matmul", "attention")).by("dtype").items()
+                      if flops and dtype in _PEAK_OF and _peak(card, dtype) is None})
+    if not lacking:
+        return ""
+    fast = ", ".join(f"{name} {card.peak(name) / 1e12:.3g}" for name in ("bf16", "fp16") if card.peak(name)) + " TFLOP/s"
+    return (f"; its {' and '.join(lacking)} matmuls at the card's fp32 rate ({card.fp32 / 1e12:.3g} TFLOP/s): {card.title} has no "
+            f"{' or '.join(lacking)} tensor cores ({fast})")
 
 
 def predict(work: Work, card: Gpu, *, accumulation: int = 1, samples: int, tokens: int | None = None,
@@ -251,7 +263,7 @@ def predict(work: Work, card: Gpu, *, accumulation: int = 1, samples: int, token
     optimizer = _overlapped(_kernels(step, card, efficiency)[0], step.launched() * efficiency.dispatch, efficiency.overlap)
     return StepTime(micro_step=_overlapped(kernels, host, efficiency.overlap), optimizer=optimizer, accumulation=accumulation, samples=samples,
                     tokens=tokens, flops=float(accumulation * micro.flops + step.flops), peak=_main_peak(micro, card),
-                    basis=f"predicted for {card.describe()}", bound=bound)
+                    basis=f"predicted for {card.describe()}{_without_tensor_cores(micro, card)}", bound=bound)
 
 
 def measured(micro_step: float, optimizer: float, steps: int, *, accumulation: int, samples: int, tokens: int | None,
