@@ -5,7 +5,9 @@ your step runs at all (:func:`check_step`).
 The default loss, used when ``loss_fn`` is None:
 
 - a dict batch is passed as ``model(**batch)``; the loss is the output itself when it is a scalar
-  tensor, else ``output["loss"]`` or ``output.loss``;
+  tensor, else ``output["loss"]`` or ``output.loss``. A value that is not a tensor (the document ids or
+  texts a collator left in the batch) is passed only where ``forward`` names it, as the Transformers
+  Trainer drops the columns its model does not take (they would reach a ``**kwargs`` meant for the loss);
 - an ``(inputs, targets)`` pair is passed as ``model(inputs)``; integer targets get cross-entropy
   (logits shaped ``targets.shape + (classes,)`` are flattened, as for sequence models; targets of
   -100 are ignored, as ``F.cross_entropy`` does), float targets get mean squared error;
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -131,12 +135,34 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
             f"{tuple(output.shape)}: pass loss_fn=lambda model, batch: ..."
         )
     if isinstance(batch, Mapping):
-        return _output_loss(model(**batch))
+        return _output_loss(model(**_taken(model, batch)))
     raise TypeError(
         f"No default loss for a batch of type {type(batch).__name__}: autotune knows dict batches "
         "(model(**batch) returning a loss) and (inputs, targets) pairs; pass "
         "loss_fn=lambda model, batch: ... returning the batch's mean loss"
     )
+
+
+def _taken(model: nn.Module, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The keywords of a dict batch the model takes: every tensor, and a value of another kind only where the model's
+    ``forward`` names it (see the module docstring)."""
+    if all(isinstance(v, torch.Tensor) for v in batch.values()):
+        return batch
+    named = _named_inputs(type(model))
+    if named is None:
+        return batch
+    return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) or k in named}
+
+
+@functools.lru_cache(maxsize=64)
+def _named_inputs(cls: type) -> frozenset[str] | None:
+    """The parameters a module class's ``forward`` names (not those it would take through ``**kwargs``); None where it
+    has no signature to read (every value is passed, as before)."""
+    try:
+        parameters = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def forward_backward(

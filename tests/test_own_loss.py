@@ -129,6 +129,19 @@ def test_fit_weights_the_models_own_loss_by_its_items(float64, kind, make, words
     assert result.plan.items == {"causal": "shifted labels", "token": "labels", "sequence": "samples"}[kind]
 
 
+def test_values_a_collator_left_beside_the_tensors_are_not_passed_to_a_model_that_does_not_name_them(float64):
+    """Document ids and a source string beside the tensors (a collator that keeps a dataset's text columns): the
+    model's own loss is taken without them, as the Trainer drops the columns its model does not take, and the step is
+    the big batch's. They used to reach the model's ``**kwargs`` and its loss function ("fixed_cross_entropy() got
+    multiple values for argument 'source'")."""
+    model = _llama(float64_loss=False)  # the stock loss, whose cross-entropy names its logits "source"
+    batches = _batches("causal")
+    reference = _gradient(model, batches, "causal")
+    kept = [{**b, "id": [f"doc{i}-{j}" for j in range(len(b["labels"]))], "source": "web"} for i, b in enumerate(batches)]
+    step, result = _fit_step(model, kept)
+    assert _relative(step, reference) < 1e-6 and result.plan.items == "shifted labels"  # float32 rounding, as the stock loss's
+
+
 def test_the_stock_causal_lm_loss_is_weighted_by_its_tokens_to_float32_rounding(float64):
     """Transformers computes the loss of a float64 causal LM in float32 (``logits.float()``): the step is
     the big batch's to that rounding, where weighting by samples is a hundred thousand times further off."""
