@@ -355,3 +355,10 @@ def dm():
             return DataLoader(images(), batch_size=self.batch_size, shuffle=True, drop_last=True)
 
     return Images()
+
+
+def test_the_readme_counts_the_bad_inputs_errors_md_numbers():
+    """The README's "lists N of them" is the number of numbered rows of docs/errors.md (it said 149 of 152)."""
+    said = re.search(r"docs/errors\.md\) lists (\d+) of them", (ROOT / "README.md").read_text())
+    rows = re.findall(r"^\| (\d+) \|", (ROOT / "docs" / "errors.md").read_text(), flags=re.M)
+    assert said is not None and int(said.group(1)) == len(rows) == int(rows[-1])
