@@ -344,6 +344,54 @@ def test_a_config_without_architectures_is_built_as_its_causal_lm_with_its_atten
     assert 'it names no "architectures" and T5Config has no causal LM' in err and '"architectures": ["T5ForConditionalGeneration"]' in err
 
 
+def gemma2_shape(attention, layers=4):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(num_hidden_layers=layers, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, vocab_size=4096, max_position_embeddings=4096, sliding_window=4096)
+    config._attn_implementation = "eager"  # Gemma-2's own in Transformers (it has no SDPA path)
+    with torch.device("meta"):
+        model = Gemma2ForCausalLM(config).to(torch.bfloat16)
+    model.config._attn_implementation = attention  # as --attention builds it (the estimate stands in for FlashAttention-2)
+    return model
+
+
+def test_an_eager_models_what_if_offers_the_kernel_its_class_has_as_a_model_built_with_it_plans():
+    """Eager attention holds each layer's scores. A Gemma-2 shape (eager: its own in Transformers) planned for CUDA in
+    bf16 gets a row with FlashAttention-2, which its class has: the micro-batch and bytes of the plan of the same model
+    built with it, more than eager's; the command line's flag for it. A model already on SDPA gets no such row."""
+    from autotune.cli.render import _flags
+
+    ids = torch.randint(0, 4096, (1, 1024), generator=torch.Generator().manual_seed(0))
+    loader = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+    common = dict(target_batch=64, device="cuda", memory_limit="6GiB", verify=False, progress=False)
+
+    def optimizer(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    eager = gemma2_shape("eager")
+    table = autotune.what_if(eager, loader, optimizer=optimizer(eager), **common)
+    rows = [r for r in table.rows if r.attention]
+    assert [r.attention for r in rows] == ["flash_attention_2"] and rows[0].changes == 1, str(table)
+    flash = gemma2_shape("flash_attention_2")
+    built = autotune.plan(flash, loader, optimizer=optimizer(flash), **common)
+    own = next(r for r in table.rows if r.changes == 0)
+    assert rows[0].micro_batch == built.micro_batch > own.micro_batch >= 1, str(table)
+    assert rows[0].per_sample < own.per_sample and rows[0].fixed == pytest.approx(own.fixed, rel=1e-3)
+    assert _flags(rows[0], own) == ["--attention flash_attention_2"] and "attention flash_attention_2" in rows[0].describe()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        sdpa = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096)).to(torch.bfloat16)
+    assert sdpa.config._attn_implementation == "sdpa"
+    table = autotune.what_if(sdpa, loader, optimizer=optimizer(sdpa), **common)
+    assert not any(r.attention for r in table.rows)
+    sdpa.config._attn_implementation = "eager"  # a model given eager where its class has SDPA: on the CPU, an SDPA row
+    table = autotune.what_if(sdpa, loader, optimizer=optimizer(sdpa), **{**common, "device": "cpu", "memory_limit": "2GiB"})
+    assert [r.attention for r in table.rows if r.attention] == ["sdpa"], str(table)
+
+
 def test_flash_attention_2_plans_as_sdpa_where_sdpa_runs_its_flash_kernel_and_eager_holds_the_scores():
     ids = torch.randint(0, 32000, (1, 1024), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}  # no padding: SDPA runs flash

@@ -194,6 +194,8 @@ def _flags(row: Any, own: Any) -> list[str]:
         from autotune.planning.whatif import LORA_RANK
 
         flags.append(f"{'--quantize nf4 ' if row.adapters.startswith('QLoRA') else ''}--lora {LORA_RANK} --lora-modules all-linear")
+    if getattr(row, "attention", None):
+        flags.append(f"--attention {row.attention}")
     if getattr(row, "offload", None):
         flags.append("FSDP2 CPUOffloadPolicy (API)")
     return flags

@@ -15,6 +15,7 @@ from autotune.cli.parser import (
     load_callable,
     parse_shape,
 )
+from autotune.probe.attention import supports
 
 __all__ = ["call_user", "describe_batch", "first_line", "logits_of", "workload_from_args"]
 
@@ -179,7 +180,7 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         # FlashAttention-2 and FlexAttention need their kernels to build; the model is built with SDPA (eager where it
         # has none) and told which it runs, and the estimate stands in for it (autotune.probe.attention)
         fused = attention in ("flash_attention_2", "flex_attention")
-        config._attn_implementation = ("sdpa" if _supports(cls, "sdpa") is not False else "eager") if fused else attention
+        config._attn_implementation = ("sdpa" if supports(cls, "sdpa") is not False else "eager") if fused else attention
         with torch.device("meta"):
             model = cls(config).to(weights)
         model.config._attn_implementation = attention
@@ -220,25 +221,13 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     return model, [batch], loss_fn, described
 
 
-_SUPPORTS = {"sdpa": ("_supports_sdpa",), "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2"),
-             "flex_attention": ("_supports_flex_attn",)}
-
-
-def _supports(cls: Any, attention: str) -> bool | None:
-    """Whether Transformers has ``attention`` for the model class ``cls`` (eager: always), None where it does not say."""
-    for flag in _SUPPORTS.get(attention, ()):
-        if isinstance(getattr(cls, flag, None), bool):
-            return getattr(cls, flag)
-    return True if attention == "eager" else None
-
-
 def _attention(args: argparse.Namespace, cls: Any, version: str) -> str:
     """The attention kernel to build ``cls`` with: ``--attention``, else Transformers' own default for the class (SDPA
     where it has it, else eager: Gemma-2, BLOOM, MPT); a kernel the class lacks refused, with the ones it has."""
     if args.attention is None:
-        return "eager" if _supports(cls, "sdpa") is False else "sdpa"
-    if _supports(cls, args.attention) is False:
-        has = " or ".join(a for a in ("sdpa", "flash_attention_2", "flex_attention", "eager") if _supports(cls, a))
+        return "eager" if supports(cls, "sdpa") is False else "sdpa"
+    if supports(cls, args.attention) is False:
+        has = " or ".join(a for a in ("sdpa", "flash_attention_2", "flex_attention", "eager") if supports(cls, a))
         raise UsageError(f"Invalid --attention {args.attention}: Transformers {version} has no {args.attention} for "
                          f"{cls.__name__}; give --attention {has}, or leave it out for the model's default")
     return args.attention

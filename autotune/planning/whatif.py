@@ -16,6 +16,9 @@ touching the model: for each combination of
   is run, where bitsandbytes is installed), estimated on a copy of the model on the meta device (no byte of
   its weights copied; a stack of repeated blocks cut to the blocks the estimate traces, and extended to its
   depth as the plan's is),
+- for a Hugging Face model that runs eager attention (its scores held, B x H x L x L a layer: Gemma-2's own, or a
+  model given it), your settings with FlashAttention-2 (on CUDA, for a step in bf16 or fp16, where its class has it)
+  or else SDPA, estimated on a copy of the model on the meta device told to run it, as a model built with it is,
 
 a precision only where it would change something (bf16 autocast for a model of fp32 weights trained in fp32;
 never back to fp32), it estimates the largest micro-batch and the peak per sample, with the same estimator as the plan
@@ -53,6 +56,7 @@ from torch import nn
 
 from autotune.memory.optimizers import make_optimizer, rebuilt
 from autotune.memory.quantized import bitsandbytes, fsdp2_refused, quantize
+from autotune.probe.attention import supports
 from autotune.probe.depth import Stack, deepest_copy, repeated_stacks, truncated
 from autotune.probe.estimate import estimator_for
 from autotune.memory.timing import StepTime, predict, seconds
@@ -84,6 +88,8 @@ class WhatIfRow:
         offload: what offloading to host memory changes, in words (:meth:`autotune.planning.offload.Offload.describe`),
             or None.
         host_bytes: bytes of host memory an offloading row needs (parameters, gradients and optimizer state), or None.
+        attention: the attention kernel the row runs instead of the model's eager one (``"flash_attention_2"``,
+            ``"sdpa"``), or None: the model's own.
     """
 
     precision: str
@@ -98,6 +104,7 @@ class WhatIfRow:
     step_time: float | None = None
     offload: str | None = None
     host_bytes: int | None = None
+    attention: str | None = None
 
     def describe(self) -> str:
         """The row's settings in words, e.g. ``"bf16 autocast, activation checkpointing, AdamW (given)"`` (``"no autocast"``
@@ -108,19 +115,22 @@ class WhatIfRow:
         parts.append(self.optimizer)
         if self.adapters:
             parts.append(self.adapters)
+        if self.attention:
+            parts.append(f"attention {self.attention}")
         if self.offload:
             parts.append(self.offload)
         return ", ".join(parts)
 
     @property
     def cost(self) -> int:
-        """What the row's changes cost a user, for ranking: a precision or checkpointing 1 each (time), another
-        optimizer 2 (its numerics), offloading 3 (FSDP2 to set up, the host memory it holds, a step bound by the host link
-        and the CPU's optimizer step), LoRA 3 and QLoRA 4 (another training: fewer weights learn)."""
+        """What the row's changes cost a user, for ranking: a precision, checkpointing or attention kernel 1 each (time;
+        a kernel, the same attention to rounding), another optimizer 2 (its numerics), offloading 3 (FSDP2 to set up, the
+        host memory it holds, a step bound by the host link and the CPU's optimizer step), LoRA 3 and QLoRA 4 (another
+        training: fewer weights learn)."""
         optimizer = 0 if "(given)" in self.optimizer else 2
         adapters = (4 if self.adapters.startswith("QLoRA") else 3) if self.adapters else 0
         offload = 3 if self.offload else 0
-        others = self.changes - bool(optimizer) - bool(adapters) - bool(offload)  # precision, checkpointing
+        others = self.changes - bool(optimizer) - bool(adapters) - bool(offload)  # precision, checkpointing, attention
         return others + optimizer + adapters + offload
 
 
@@ -145,7 +155,7 @@ class WhatIf:
     def without_checkpointing(self, row: WhatIfRow) -> WhatIfRow | None:
         """The row with ``row``'s precision, optimizer and adapters and checkpointing off (None if absent)."""
         return next((r for r in self.rows if not r.checkpointing and r.precision == row.precision and r.optimizer == row.optimizer
-                     and r.adapters == row.adapters and r.offload == row.offload), None)
+                     and r.adapters == row.adapters and r.offload == row.offload and r.attention == row.attention), None)
 
     def checkpointing_hurts(self, row: WhatIfRow) -> bool:
         """Whether ``row`` turns checkpointing on and fits fewer samples than without it: every block's
@@ -169,8 +179,10 @@ class WhatIf:
         width = max([len("every weight"), *(len(r.adapters) for r in self.rows if r.adapters)])
         trains = f" {'trains':<{width}}" if adapters else ""
         timed = any(r.step_time is not None for r in self.rows)
+        kernels = any(r.attention for r in self.rows)  # only an eager model's table has a row of another kernel
+        attention = f" {'attention':<17}" if kernels else ""
         lines = [  # "autocast": fp32 is no autocast, the weights' own dtype (bf16 for a model in bf16)
-            f"{'autocast':<10} {'checkpointing':<14} {'optimizer':<28}{trains} {'micro-batch':>11} {'per sample':>12} {'fixed':>12}"
+            f"{'autocast':<10} {'checkpointing':<14} {'optimizer':<28}{trains}{attention} {'micro-batch':>11} {'per sample':>12} {'fixed':>12}"
             + (f" {'step':>10}" if timed else "") + "  ",
         ]
         for r in self.rows:
@@ -182,9 +194,10 @@ class WhatIf:
             if r.offload:
                 tag += f", offloaded: {format_bytes(r.host_bytes or 0)} of host memory"
             what = f" {r.adapters or 'every weight':<{width}}" if adapters else ""
+            kernel = f" {r.attention or 'eager (yours)':<17}" if kernels else ""
             step = (f" {'-' if r.step_time is None else seconds(r.step_time):>10}" if timed else "")
-            lines.append(f"{'off' if r.precision == 'fp32' else r.precision:<10} {_on(r.checkpointing):<14} {r.optimizer:<28}{what} {r.micro_batch:>11} {per:>12} "
-                         f"{fixed:>12}{step}  {tag}")
+            lines.append(f"{'off' if r.precision == 'fp32' else r.precision:<10} {_on(r.checkpointing):<14} {r.optimizer:<28}{what}{kernel} "
+                         f"{r.micro_batch:>11} {per:>12} {fixed:>12}{step}  {tag}")
         hurt = [r for r in self.rows if self.checkpointing_hurts(r)]
         if hurt:
             r = hurt[0]
@@ -249,12 +262,7 @@ def _adapted(work: Any, quantized: bool, *, shallow: bool = True) -> tuple[Any, 
         import peft
     except ImportError:
         return None
-    stacks = repeated_stacks(work)[0] if shallow else []
-    stack = stacks[0] if len(stacks) == 1 else None
-    source = truncated(model, {stack.path: deepest_copy(stack, work.device.type)}) if stack is not None else model
-    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=True) for p in source.parameters()}
-    memo.update({id(b): torch.empty_like(b, device="meta") for b in source.buffers()})
-    copied = copy.deepcopy(source, memo)
+    copied, stack = _meta_copy(work, shallow, trained=True)
     if quantized:
         try:
             quantize(copied, "nf4")
@@ -275,6 +283,65 @@ def _adapted(work: Any, quantized: bool, *, shallow: bool = True) -> tuple[Any, 
             return _adapted(work, quantized, shallow=False)
         full = [Stack(path, stack.depth, stack.prefix)]
     return made, full
+
+
+def _meta_copy(work: Any, shallow: bool, *, trained: bool | None = None) -> tuple[nn.Module, Stack | None]:
+    """A copy of ``work``'s model on the meta device (no byte of its weights copied; each parameter trained as
+    ``trained`` says, else as it is), and, for a model of one stack of repeated blocks and ``shallow``, that stack cut in
+    the copy to the blocks the estimate traces (:func:`autotune.probe.depth.deepest_copy`) and returned (else None)."""
+    stacks = repeated_stacks(work)[0] if shallow else []
+    stack = stacks[0] if len(stacks) == 1 else None
+    source = truncated(work.model, {stack.path: deepest_copy(stack, work.device.type)}) if stack is not None else work.model
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad if trained is None else trained)
+                            for p in source.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in source.buffers()})
+    return copy.deepcopy(source, memo), stack
+
+
+def _kernel_for(work: Any) -> str | None:
+    """The attention kernel a row offers a Hugging Face model that runs eager attention (its scores held, B x H x L x L a
+    layer): FlashAttention-2 on CUDA for a step in bf16 or fp16, where its class has it; else SDPA, where it has that;
+    None for any other model (or a kernel the class has none of: BLOOM, MPT)."""
+    config = getattr(work.model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "eager":
+        return None
+    cls = type(getattr(work.model, "get_base_model", lambda: work.model)())
+    half = work.precision in ("bf16", "fp16") or any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+                                                      for p in work.model.parameters())
+    if work.device.type == "cuda" and half and supports(cls, "flash_attention_2"):
+        return "flash_attention_2"
+    return "sdpa" if supports(cls, "sdpa") else None
+
+
+def _attention_rows(work: Any, *, budget: int, upper: int, lower: int, given: str, card: Any = None, target: int | None = None) -> list[WhatIfRow]:
+    """Your settings with another attention kernel (:func:`_kernel_for`), estimated on a copy of the model on the meta
+    device told to run it, as a model built with it runs (its stack cut and extended as the plan's): one row, or none."""
+    kernel = _kernel_for(work)
+    if kernel is None:
+        return []
+
+    def made(shallow: bool) -> tuple[Any, Stack | None]:
+        copied, stack = _meta_copy(work, shallow)
+        for module in copied.modules():  # the model's config and any it holds for its parts (a text config)
+            config = getattr(module, "config", None)
+            if config is not None and getattr(config, "_attn_implementation", None) == "eager":
+                config._attn_implementation = kernel
+        trained = [p for p in copied.parameters() if p.requires_grad]
+        settings = {k: v for k, v in work.optimizer.param_groups[0].items() if k != "params"}
+        return dataclasses.replace(work, model=copied, optimizer=rebuilt(work.optimizer, [{**settings, "params": trained}]), trials=[],
+                                   notes=[], on_trial=None, on_start=None, estimator=None, curve=None, oom_ranks={}), stack
+
+    changed, stack = made(True)
+    full = [stack] if stack is not None else None
+    try:
+        estimator = estimator_for(changed, stands_for=(full, lambda: made(False)[0]) if full else None)
+        size, peak = estimator.largest(budget, upper, confirm=False)
+        peak = _tensors_curve(estimator, work, upper, peak)
+    except Exception:  # a loss or a model the kernel does not take: no such row
+        return []
+    per, fixed = _line(peak, size, lower)
+    return [WhatIfRow(work.precision, work.checkpointing, given, size, per, fixed, 1, attention=kernel,
+                      step_time=_timed(estimator if size and size >= lower else None, size, card, target))]
 
 
 def _precisions(work: Any) -> list[str]:
@@ -340,6 +407,7 @@ def estimate_rows(
         timed = _timed(estimator if size and size >= lower else None, size, card, target)
         rows.append(WhatIfRow(precision, ckpt, name, size, per, fixed, changes, verified and own, step_time=timed))  # type: ignore[arg-type]
     rows.extend(_adapter_rows(work, budget=budget, upper=upper, lower=lower, given=given, card=card, target=target))
+    rows.extend(_attention_rows(work, budget=budget, upper=upper, lower=lower, given=given, card=card, target=target))
     rows.extend(_offload_rows(work, rows, budget=budget, upper=upper, lower=lower, given=given, card=card, target=target))
     rows.sort(key=lambda r: (r.changes > 0, r.micro_batch < lower, r.step_time is None, r.step_time or 0.0, r.cost,
                              r.precision != work.precision, bool(r.checkpointing) != bool(work.checkpointing)))

@@ -17,10 +17,23 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["STAND_IN", "FUSED", "fused_attention"]
+__all__ = ["STAND_IN", "FUSED", "fused_attention", "supports"]
 
 FUSED = ("flash_attention_2", "flash_attention_3", "flex_attention")
 STAND_IN = "autotune_flash"  # the name the stand-in is registered under in transformers' AttentionInterface
+
+
+_SUPPORTS = {"sdpa": ("_supports_sdpa",), "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2"),
+             "flex_attention": ("_supports_flex_attn",)}
+
+
+def supports(cls: Any, attention: str) -> bool | None:
+    """Whether Transformers has the kernel ``attention`` for the model class ``cls`` (eager: always), by the class's flags
+    (``_supports_sdpa``, ``_supports_flash_attn``, ...); None where it does not say."""
+    for flag in _SUPPORTS.get(attention, ()):
+        if isinstance(getattr(cls, flag, None), bool):
+            return bool(getattr(cls, flag))
+    return True if attention == "eager" else None
 
 
 def _flash_like(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
