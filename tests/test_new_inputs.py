@@ -233,17 +233,24 @@ def test_the_setting_of_a_quantized_model_without_adapters_says_the_quantized_la
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == trained
 
 
-def test_the_setting_of_qlora_says_no_more_than_the_quantization():
+@pytest.mark.parametrize("kind, start", [("nf4", "bitsandbytes nf4, double quantization, compute bfloat16"),
+                                         ("int8", "bitsandbytes int8 (LLM.int8(), outlier threshold 6)")])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_setting_of_qlora_says_no_more_than_the_quantization(kind, start, device):
+    """On the meta device (a model built from a config) an int8 layer's weight stays unquantized until the estimate's
+    copy quantizes it: it was said to be "left unquantized", every linear layer of the model with it."""
     peft = pytest.importorskip("peft")
     from autotune.planning.setting import describe
 
+    with torch.device(device):
+        base = llama()
     with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns
         warnings.simplefilter("ignore")
-        model = peft.get_peft_model(quantize(llama(), "nf4"), peft.LoraConfig(r=4, target_modules="all-linear"))
+        model = peft.get_peft_model(quantize(base, kind), peft.LoraConfig(r=4, target_modules="all-linear"))
     setting = dict(describe(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), device=torch.device("cpu"),
                             precision="fp32", checkpointing=False))
     quantization = setting["quantization"]  # with adapters, nothing of what a base without them trains
-    assert quantization.startswith("bitsandbytes nf4, double quantization, compute bfloat16") and "what trains" not in quantization
+    assert quantization.startswith(start) and "what trains" not in quantization
     # what bitsandbytes left as it was (the embeddings, the head, the norms) is said, with its bytes
     base = llama()  # by hand: every weight but the decoder's linear layers (the head is left as it is)
     kept = sum(p.numel() for n, p in base.named_parameters() if not any(k in n for k in ("_proj.",)))

@@ -347,7 +347,11 @@ def quantize(model: nn.Module, quantization: Quantization | str) -> nn.Module:
 
 def is_quantized_weight(p: torch.Tensor) -> bool:
     """Whether ``p`` is a bitsandbytes quantized weight (its dtype is its packing's, not its values')."""
-    return hasattr(p, "quant_type") or (p.dtype == torch.int8 and (hasattr(p, "SCB") or hasattr(p, "CB")))
+    if hasattr(p, "quant_type"):  # 4-bit, packed or (on the meta device) to be
+        return True
+    if getattr(p, "has_fp16_weights", True) is False and hasattr(p, "SCB"):  # 8-bit, int8 or (on the meta device) to be
+        return True
+    return p.dtype == torch.int8 and (hasattr(p, "SCB") or hasattr(p, "CB"))
 
 
 def logical_numel(p: torch.Tensor) -> int:
