@@ -498,6 +498,11 @@ def test_noise_scale_line_needs_a_loader_and_gives_advice(capsys, tmp_path, monk
     assert code == 0, err
     noise = json.loads(out)["noise_scale"]
     assert noise is None or (noise["value"] > 0 and noise["steps"] >= 2)
+    code, out, err = run(capsys, "report", "autotune.cli.demo:demo_model", "--loader", "noisy_data:batches", "--target-batch", "4096",
+                         "--memory-limit", "128MiB", "--device", "cpu", "--noise-scale", "--no-cache")
+    assert code == 0, err
+    section = out.split("Gradient noise scale\n", 1)[1]
+    assert "label tokens" not in section  # a class label a sample: the target's items are its samples, nothing to restate
 
 
 def test_the_noise_scale_of_a_causal_lm_is_told_in_its_label_tokens_with_the_target_in_them(capsys, tmp_path, monkeypatch):

@@ -41,7 +41,7 @@ class Measured:
         from autotune.items import WORDS
 
         out = []
-        if self.items != "samples":
+        if self.target_items != target_batch:  # items other than samples (a class label a sample counts as one)
             out.append(f"in {WORDS[self.items]}, what the loss averages over: the target of {target_batch} samples is "
                        f"~{self.target_items:,} of them")
         out.append(str(self.noise))
