@@ -208,7 +208,7 @@ def test_the_cli_answers_the_8b_question_from_a_config_directory_with_lora_and_w
 @pytest.mark.parametrize("argv, message", [
     (("--tokens", "64"), "--tokens 64 shapes the model and batch of --hf-config"),
     (("--hf-config", "{config}", "--input-shape", "8"), "drop --input-shape"),
-    (("--hf-config", "{config}"), "give the device's memory with --memory-limit"),
+    (("--hf-config", "{config}"), "give the card with --gpu NAME .* or the device.s memory with --memory-limit"),
     (("--hf-config", "{missing}", "--memory-limit", "1GiB"), "Invalid --hf-config .*no such file"),
     (("--hf-config", "{config}", "--memory-limit", "1GiB", "--tokens", "100000"), "Invalid --tokens 100000: the model takes 1 to 256"),
     (("--hf-config", "{config}", "--memory-limit", "1GiB", "--lora", "0"), "Invalid --lora 0"),

@@ -227,7 +227,8 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
         if clash:
             raise UsageError(f"--hf-config makes its own batch of --tokens token ids (a model without weights); drop {', '.join(clash)}")
         if args.memory_limit is None:
-            raise UsageError("--hf-config estimates a model without its weights: give the device's memory with --memory-limit (e.g. 80GiB)")
+            raise UsageError("--hf-config estimates a model without its weights: give the card with --gpu NAME (e.g. --gpu h100, "
+                             "which also predicts the step's time), or the device's memory with --memory-limit (e.g. 80GiB)")
     else:
         given = [f for f, on in ((f"--tokens {args.tokens}", args.tokens is not None), (f"--attention {args.attention}", args.attention),
                                  ("--fused-ce", args.fused_ce), ("--packing", args.packing)) if on]
@@ -518,7 +519,7 @@ def _report_shards(args: argparse.Namespace, model: Any, loader: Any, loss_fn: A
     from autotune.units import format_bytes
 
     if not on_device and args.memory_limit is None:
-        raise UsageError("No such device here: give each device's memory with --memory-limit (e.g. 80GiB)")
+        raise UsageError("No such device here: give the card with --gpu NAME (e.g. --gpu h100), or each device's memory with --memory-limit (e.g. 80GiB)")
     blocks = True if args.checkpointing == "auto" else args.checkpointing  # in the setting; shard_plan says what 'auto' did
     def estimate(ranks: Any, checkpointing: bool | int | str) -> Any:
         (found,) = shard_plan(model, loader, target_batch=args.target_batch, ranks=ranks, optimizer=optimizer, loss_fn=loss_fn,
