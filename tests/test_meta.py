@@ -212,13 +212,16 @@ def test_the_cli_answers_the_8b_question_from_a_config_directory_with_lora_and_w
     (("--hf-config", "{missing}", "--memory-limit", "1GiB"), "Invalid --hf-config .*no such file"),
     (("--hf-config", "{config}", "--memory-limit", "1GiB", "--tokens", "100000"), "Invalid --tokens 100000: the model takes 1 to 256"),
     (("--hf-config", "{config}", "--memory-limit", "1GiB", "--lora", "0"), "Invalid --lora 0"),
+    (("--hf-config", "{unknown}", "--memory-limit", "1GiB"), "its model_type 'qwen9' is not one this transformers .* knows; upgrade"),
 ])
 def test_the_config_path_refuses_bad_input_naming_the_fix(argv, message, capsys, monkeypatch, tmp_path):
     import re as _re
 
     config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 500, "n_positions": 256}
     path = write_config(tmp_path, config)
-    argv = [a.format(config=path, missing=str(tmp_path / "nothing")) for a in argv]
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text('{"model_type": "qwen9", "architectures": ["Qwen9ForCausalLM"], "hidden_size": 64}')
+    argv = [a.format(config=path, missing=str(tmp_path / "nothing"), unknown=str(unknown)) for a in argv]
     if "--hf-config" not in argv:
         argv = ["tests/hf_models.py:gpt2", *argv]
     code, _, err = report(capsys, monkeypatch, tmp_path, *argv, "--target-batch", "8", "--device", "cpu")

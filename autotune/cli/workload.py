@@ -160,6 +160,11 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         import transformers
     except ImportError:
         raise UsageError("--hf-config needs transformers: pip install 'torch-autotune[llm]' (or pip install transformers)") from None
+    kind = data.get("model_type")
+    if isinstance(kind, str) and kind not in transformers.CONFIG_MAPPING:
+        raise UsageError(f"Invalid --hf-config {args.hf_config!r}: its model_type {kind!r} is not one this transformers "
+                         f"({transformers.__version__}) knows; upgrade transformers (pip install -U transformers), or give the "
+                         "config of a model it has")
     _check_shape(args, transformers, data)
     quantization = _quantization_of(args, data)
     _refuse_shard(args, quantization=quantization)  # before the model is built
