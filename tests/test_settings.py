@@ -379,6 +379,10 @@ def test_an_eager_models_what_if_offers_the_kernel_its_class_has_as_a_model_buil
     assert rows[0].micro_batch == built.micro_batch > own.micro_batch >= 1, str(table)
     assert rows[0].per_sample < own.per_sample and rows[0].fixed == pytest.approx(own.fixed, rel=1e-3)
     assert _flags(rows[0], own) == ["--attention flash_attention_2"] and "attention flash_attention_2" in rows[0].describe()
+    adapted = lora(gemma2_shape("eager"))  # fp32 adapters over the bf16 base, no autocast: the attention still runs in bf16
+    table = autotune.what_if(adapted, loader, optimizer=torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad],
+                                                                          lr=1e-4, fused=True), **common)
+    assert [r.attention for r in table.rows if r.attention] == ["flash_attention_2"], str(table)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):

@@ -306,8 +306,8 @@ def _kernel_for(work: Any) -> str | None:
     if getattr(config, "_attn_implementation", None) != "eager":
         return None
     cls = type(getattr(work.model, "get_base_model", lambda: work.model)())
-    half = work.precision in ("bf16", "fp16") or any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
-                                                      for p in work.model.parameters())
+    # the attention's inputs in half precision: under autocast, or from weights in it (a bf16 base under fp32 adapters)
+    half = work.precision in ("bf16", "fp16") or any(p.dtype in (torch.bfloat16, torch.float16) for p in work.model.parameters())
     if work.device.type == "cuda" and half and supports(cls, "flash_attention_2"):
         return "flash_attention_2"
     return "sdpa" if supports(cls, "sdpa") else None
