@@ -271,11 +271,7 @@ def _adapted(work: Any, quantized: bool, *, shallow: bool = True) -> tuple[Any, 
     with warnings.catch_warnings():  # PEFT reads transformers' old checkpointing flag, which warns
         warnings.simplefilter("ignore")
         adapted = peft.get_peft_model(copied, peft.LoraConfig(r=LORA_RANK, target_modules="all-linear"))
-    trained = [p for p in adapted.parameters() if p.requires_grad]
-    settings = {k: v for k, v in work.optimizer.param_groups[0].items() if k != "params"}
-    optimizer = rebuilt(work.optimizer, [{**settings, "params": trained}])
-    made = dataclasses.replace(work, model=adapted, optimizer=optimizer, trials=[], notes=[], on_trial=None, on_start=None,
-                               estimator=None, curve=None, oom_ranks={})
+    made = _with_model(work, adapted)
     full = None
     if stack is not None:  # where PEFT's wrapper puts the model: the stack's path under it
         path = next((name for name, m in adapted.named_modules() if name.endswith("." + stack.path) and name.count(".") == stack.path.count(".") + 2), None)
@@ -283,6 +279,15 @@ def _adapted(work: Any, quantized: bool, *, shallow: bool = True) -> tuple[Any, 
             return _adapted(work, quantized, shallow=False)
         full = [Stack(path, stack.depth, stack.prefix)]
     return made, full
+
+
+def _with_model(work: Any, model: nn.Module) -> Any:
+    """``work`` for another model (a what-if's copy): an optimizer of the same class and settings over its trained
+    parameters, and nothing of the plan's own (trials, notes, callbacks, estimator, curve)."""
+    settings = {k: v for k, v in work.optimizer.param_groups[0].items() if k != "params"}
+    optimizer = rebuilt(work.optimizer, [{**settings, "params": [p for p in model.parameters() if p.requires_grad]}])
+    return dataclasses.replace(work, model=model, optimizer=optimizer, trials=[], notes=[], on_trial=None, on_start=None,
+                               estimator=None, curve=None, oom_ranks={})
 
 
 def _meta_copy(work: Any, shallow: bool, *, trained: bool | None = None) -> tuple[nn.Module, Stack | None]:
@@ -326,10 +331,7 @@ def _attention_rows(work: Any, *, budget: int, upper: int, lower: int, given: st
             config = getattr(module, "config", None)
             if config is not None and getattr(config, "_attn_implementation", None) == "eager":
                 config._attn_implementation = kernel
-        trained = [p for p in copied.parameters() if p.requires_grad]
-        settings = {k: v for k, v in work.optimizer.param_groups[0].items() if k != "params"}
-        return dataclasses.replace(work, model=copied, optimizer=rebuilt(work.optimizer, [{**settings, "params": trained}]), trials=[],
-                                   notes=[], on_trial=None, on_start=None, estimator=None, curve=None, oom_ranks={}), stack
+        return _with_model(work, copied), stack
 
     changed, stack = made(True)
     full = [stack] if stack is not None else None
