@@ -216,16 +216,20 @@ def _overlapped(kernels: float, host: float, p: float) -> float:
     return float((kernels**p + host**p) ** (1 / p)) if kernels or host else 0.0
 
 
+def _matmul_flops(work: Work) -> dict[str, float]:
+    """The FLOPs of ``work``'s matmuls and attention kernels by dtype (the dtypes that have any)."""
+    return {dtype: flops for dtype, (flops, _) in work.of(kind=("matmul", "attention")).by("dtype").items() if flops}
+
+
 def _main_peak(work: Work, card: Gpu) -> float | None:
-    by_dtype = {dtype: flops for dtype, (flops, _) in work.of(kind=("matmul", "attention")).by("dtype").items() if flops}
+    by_dtype = _matmul_flops(work)
     return (_peak(card, max(by_dtype, key=by_dtype.__getitem__)) or card.fp32) if by_dtype else None
 
 
 def _without_tensor_cores(work: Work, card: Gpu) -> str:
     """What the basis adds where the step's matmuls are in a dtype the card has no peak for (bf16 on a T4 or a V100):
     they are predicted at its fp32 rate, as :func:`_kernels` times them; else nothing."""
-    lacking = sorted({_PEAK_OF[dtype] for dtype, (flops, _) in work.of(kind=("matmul", "attention")).by("dtype").items()
-                      if flops and dtype in _PEAK_OF and _peak(card, dtype) is None})
+    lacking = sorted({_PEAK_OF[dtype] for dtype in _matmul_flops(work) if dtype in _PEAK_OF and _peak(card, dtype) is None})
     if not lacking:
         return ""
     fast = ", ".join(f"{name} {card.peak(name) / 1e12:.3g}" for name in ("bf16", "fp16") if card.peak(name)) + " TFLOP/s"
