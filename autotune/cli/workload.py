@@ -199,11 +199,10 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     from autotune.planning.setting import attention_of
 
     model = _checked_blocks(args, _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug)))
-    attention = attention_of(model)
+    described = {"hf_config": data, "tokens": None, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
+                 "master_weights": args.master_weights, "attention": attention_of(model), "fused_ce": args.fused_ce, "packing": args.packing}
     image = _image_batch(args, model)
     if image is not None:  # a vision model: a sample is an image, not --tokens token ids
-        described = {"hf_config": data, "tokens": None, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
-                     "master_weights": args.master_weights, "attention": attention}
         return model, [image], _own_loss, described
     longest = max_length(model)
     tokens = args.tokens or min(2048, longest or 2048)
@@ -221,9 +220,7 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         if head != "causal LM":
             raise UsageError(f"--packing packs a causal LM's sequences; {type(model).__name__} is a {head} model")
         loss_fn = _packed(loss_fn, tokens)
-    described = {"hf_config": data, "tokens": tokens, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
-                 "master_weights": args.master_weights, "attention": attention, "fused_ce": args.fused_ce, "packing": args.packing}
-    return model, [batch], loss_fn, described
+    return model, [batch], loss_fn, {**described, "tokens": tokens}
 
 
 def _attention(args: argparse.Namespace, cls: Any, version: str) -> str:
