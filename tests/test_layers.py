@@ -27,7 +27,7 @@ WINGS = {
               "train.retry", "train.stepping", "train.single", "train.data_parallel", "train.sharded", "train.fit", "train.tune"],
     # the surfaces
     "surfaces": ["integrations", "integrations.common", "integrations.rows", "integrations.loss_rules", "integrations.router_loss", "integrations.hf", "integrations.lightning", "integrations.accelerate",
-                 "__init__", "cli.demo", "cli.parser", "cli.render", "cli.workload", "cli.noise", "cli.main", "cli", "cli.__main__", "__main__"],
+                 "__init__", "cli.demo", "cli.parser", "cli.render", "cli.images", "cli.workload", "cli.noise", "cli.main", "cli", "cli.__main__", "__main__"],
 }
 LAYERS = [module for modules in WINGS.values() for module in modules]
 PURE = {"units", "errors", "memory.curve", "memory.shapes", "memory.allocator", "memory.deeper", "memory.timing", "probe.search", "planning.scaling", "planning.plans", "planning.report",

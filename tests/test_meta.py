@@ -226,3 +226,101 @@ def test_the_config_path_refuses_bad_input_naming_the_fix(argv, message, capsys,
         argv = ["tests/hf_models.py:gpt2", *argv]
     code, _, err = report(capsys, monkeypatch, tmp_path, *argv, "--target-batch", "8", "--device", "cpu")
     assert code == 2 and _re.search(message, err), err
+
+
+_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
+_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
+# Small configs of three vision-language families, and the tokens an image of 56x56 becomes by each one's published rule:
+# LLaVA, the tower's patches less its CLS token ((56 / 14)^2); Gemma-3, its mm_tokens_per_image; Mistral-3, Pixtral's
+# patches merged 2x2 ((56 / 14 / 2)^2).
+VISION_LANGUAGE = {
+    "llava": ({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 299, "torch_dtype": "float32",
+               "text_config": {"model_type": "llama", **_TEXT}, "vision_config": {"model_type": "clip_vision_model", **_TOWER}}, 16),
+    "gemma3": ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "image_token_index": 299, "boi_token_index": 297,
+                "eoi_token_index": 298, "mm_tokens_per_image": 4, "torch_dtype": "float32",
+                "text_config": {"model_type": "gemma3_text", **_TEXT, "head_dim": 16}, "vision_config": {"model_type": "siglip_vision_model", **_TOWER}}, 4),
+    "mistral3": ({"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "image_token_index": 299, "spatial_merge_size": 2,
+                  "torch_dtype": "float32", "text_config": {"model_type": "mistral", **_TEXT}, "vision_config": {"model_type": "pixtral", **_TOWER}}, 4),
+}
+
+
+def _config_dir(tmp_path, name, config):
+    import json as _json
+
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(_json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("family", sorted(VISION_LANGUAGE))
+def test_the_cli_plans_a_vision_language_model_on_an_image_and_its_tokens_as_the_api_does(capsys, monkeypatch, tmp_path, family):
+    """A vision-language config (LLaVA, Gemma-3, Mistral-3): each sample holds an image of the tower's size, its tokens
+    (by the family's own rule) among --tokens, where the command line planned text alone and said nothing; the plan is
+    the API's for the model with weights on that batch, to the byte, and more than text alone holds. --images 0 plans
+    the text alone."""
+    config, per_image = VISION_LANGUAGE[family]
+    path = _config_dir(tmp_path, family, config)
+    argv = ("--hf-config", path, "--tokens", "64", "--target-batch", "64", "--device", "cpu", "--memory-limit", "40MiB", "--headroom", "0")
+    code, data, err = report(capsys, monkeypatch, tmp_path, *argv)
+    assert code == 0, err
+    assert data["plan"]["setting"]["images per sample"] == f"1 (3x56x56 pixels), {per_image} of the 64 tokens"
+
+    made = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")})
+    torch.manual_seed(0)
+    model = getattr(transformers, config["architectures"][0])(made)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 297, (1, 64), generator=g)
+    ids[0, :per_image] = 299
+    labels = ids.clone()
+    labels[0, :per_image] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(1, 3, 56, 56, generator=g), "labels": labels}
+    if family == "mistral3":
+        batch["image_sizes"] = torch.tensor([[56, 56]])
+    if family == "gemma3":
+        batch["token_type_ids"] = (ids == 299).long()
+    assert model(**batch).loss.isfinite()  # the batch is one the model takes
+    reference = autotune.plan(model, [batch], target_batch=64, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              loss_fn=lambda m, b: m(**b).loss, device="cpu", memory_limit="40MiB", headroom=0, verify=False, progress=False)
+    assert 2 < reference.micro_batch < 64
+    assert (data["plan"]["micro_batch"], data["plan"]["peak_memory"]) == (reference.micro_batch, reference.peak_memory)
+    assert dict(reference.setting)["images per sample"] == f"1 (3x56x56 pixels), {per_image} of the 64 tokens"  # said for the API's batch too
+
+    code, text, err = report(capsys, monkeypatch, tmp_path, *argv, "--images", "0")
+    assert code == 0, err
+    assert "images per sample" not in text["plan"]["setting"]
+    assert text["plan"]["micro_batch"] > data["plan"]["micro_batch"]
+
+
+def test_the_cli_refuses_images_a_batch_cannot_hold_and_says_when_it_plans_text_alone(capsys, monkeypatch, tmp_path):
+    """Each in one line, exit 2, before a plan: two images a sample (LLaVA takes every image in one tensor, which a
+    micro-batch cannot be cut from), a sample too short for its image, --tokens max and --images on a model of text or
+    with MODEL. A Qwen2-VL config (its images' patches in one tensor) is planned on text alone, and a note says so;
+    --images 1 for it is refused with the same reason."""
+    llava = _config_dir(tmp_path, "llava", VISION_LANGUAGE["llava"][0])
+    llama = _config_dir(tmp_path, "llama", {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_TEXT})
+    qwen = _config_dir(tmp_path, "qwen2vl", {
+        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "image_token_id": 299, "vision_start_token_id": 297,
+        "video_token_id": 298, "torch_dtype": "float32",
+        "text_config": {"model_type": "qwen2_vl_text", **_TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "mlp_ratio": 2}})
+    common = ("--target-batch", "64", "--device", "cpu", "--memory-limit", "40MiB", "--headroom", "0")
+    cases = [
+        ((llava, "--images", "2", "--tokens", "64"), "Invalid --images 2: LlavaForConditionalGeneration takes its images as one tensor"),
+        ((llava, "--tokens", "16"), "Invalid --tokens 16: an image of LlavaForConditionalGeneration takes 16 tokens of the sample, which leaves no text; give --tokens 528"),
+        ((llava, "--tokens", "max"), "--tokens max plans text samples; LlavaForConditionalGeneration's samples hold an image here: give --images 0"),
+        ((llama, "--images", "1"), "Invalid --images 1: LlamaForCausalLM takes no images (its config has no vision tower)"),
+        ((qwen, "--images", "1", "--tokens", "64"), "Invalid --images 1: Qwen2VLForConditionalGeneration takes every image's patches in one tensor"),
+    ]
+    for args, words in cases:
+        code, _, err = report(capsys, monkeypatch, tmp_path, "--hf-config", *args, *common)
+        assert code == 2 and err.count("\n") == 1 and words in err, (args, err)
+    code, _, err = report(capsys, monkeypatch, tmp_path, "--demo", "--images", "1")
+    assert code == 2 and err.count("\n") == 1 and "--images 1 shapes the model and batch of --hf-config" in err, err
+
+    code, data, err = report(capsys, monkeypatch, tmp_path, "--hf-config", qwen, "--tokens", "64", *common)
+    assert code == 0, err
+    assert "images per sample" not in data["plan"]["setting"]
+    assert any(n.startswith("planned on text alone (no image in the batch): Qwen2VLForConditionalGeneration takes every image's patches")
+               for n in data["plan"]["notes"]), data["plan"]["notes"]

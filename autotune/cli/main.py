@@ -135,11 +135,11 @@ def _report(args: argparse.Namespace) -> int:
     if args.shard is not None:
         return _report_shards(args, model, loader, loss_fn, optimizer, device, on_device)
     facts, key_limit, limit_note = _device_facts(args, model, device, on_device)
-    limit_note = "; ".join(n for n in (longest_note, limit_note) if n) or None
+    notes = tuple(n for n in ("; ".join(n for n in (longest_note, limit_note) if n), described.get("note")) if n)
     key = _cache_key(args, model, described, lr=lr, facts=facts, key_limit=key_limit, base_batch=base_batch, lengths=lengths)
     try:
         plan, breakdown, cached = _plan_or_cached(args, key, model, loader, loss_fn, optimizer, device, on_device=on_device,
-                                                  base_batch=base_batch, lengths=lengths, facts=facts, limit_note=limit_note)
+                                                  base_batch=base_batch, lengths=lengths, facts=facts, notes=notes)
     except NothingFits as exc:  # the answer still begins with the question; the error follows (main)
         print_nothing_fits(args, exc, facts)
         raise
@@ -231,7 +231,7 @@ def _checked_report_args(args: argparse.Namespace) -> tuple[int, list[int], Any,
                              "which also predicts the step's time), or the device's memory with --memory-limit (e.g. 80GiB)")
     else:
         given = [f for f, on in ((f"--tokens {args.tokens}", args.tokens is not None), (f"--attention {args.attention}", args.attention),
-                                 ("--fused-ce", args.fused_ce), ("--packing", args.packing)) if on]
+                                 ("--fused-ce", args.fused_ce), ("--packing", args.packing), (f"--images {args.images}", args.images is not None)) if on]
         if given:
             raise UsageError(f"{', '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the model and batch of --hf-config; with MODEL "
                              "give --input-shape (or --loader) and build the model as it should run")
@@ -403,7 +403,7 @@ def _cache_key(args: argparse.Namespace, model: Any, described: Any, *, lr: floa
 
 
 def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any, loss_fn: Any, optimizer: Any, device: Any, *,
-                    on_device: bool, base_batch: int, lengths: list[int], facts: dict[str, Any], limit_note: str | None) -> tuple[Any, Any, bool]:
+                    on_device: bool, base_batch: int, lengths: list[int], facts: dict[str, Any], notes: tuple[str, ...]) -> tuple[Any, Any, bool]:
     """The plan and its memory breakdown: from the cache, or planned (and stored); and whether it was cached."""
     import autotune
     from autotune.memory.ledger import storage_bytes
@@ -425,8 +425,8 @@ def _plan_or_cached(args: argparse.Namespace, key: str, model: Any, loader: Any,
     )
     if args.card and plan.notes and plan.notes[0].startswith("planned for"):  # said below in the command's words (--memory-limit)
         plan = dataclasses.replace(plan, notes=plan.notes[1:])
-    if limit_note:
-        plan = dataclasses.replace(plan, notes=(limit_note, *plan.notes))
+    if notes:
+        plan = dataclasses.replace(plan, notes=(*notes, *plan.notes))
     work = Workload(model=model, optimizer=optimizer, loss_fn=loss_fn or autotune.step.default_loss, batch=next(iter(loader)),
                     device=device, precision=plan.precision, checkpointing=plan.checkpointing)  # type: ignore[arg-type]
     try:  # the plan's own estimator, kept: no new trace; what the device holds (quantized weights packed, with their state)

@@ -57,6 +57,17 @@ def _checkpointing(value: str) -> bool | int | str:
     return count
 
 
+def _images(value: str) -> int:
+    """An argparse type: a count of images a sample, 0 or more."""
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give the images of a sample (e.g. 1, 0 for text alone)")
+    return count
+
+
 class _ReportParser(argparse.ArgumentParser):
     """The report's parser: ``--checkpointing`` takes an optional value, so argparse would hand it the word after it
     even when that word is MODEL (``report --checkpointing model.py:make``); such a word is put back before the flag."""
@@ -87,6 +98,9 @@ def make_parser() -> argparse.ArgumentParser:
                    "holding one); the model is built from it on the meta device, without weights, and estimated (give --memory-limit)")
     r.add_argument("--tokens", type=_tokens, metavar="N|max", help="with --hf-config: tokens per sample of the synthetic batch (default "
                    "2048, or the model's longest if less); max: the longest sample that fits at micro-batch 1, planned at it")
+    r.add_argument("--images", type=_images, metavar="N", help="with --hf-config of a vision-language model (LLaVA, Gemma-3, "
+                   "PaliGemma, Mistral-3, Idefics-3): images per sample, of its vision tower's size, their tokens among --tokens "
+                   "(default 1; 0: text alone)")
     r.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R on the frozen model (PEFT) instead of every weight")
     r.add_argument("--lora-modules", metavar="NAMES", help="with --lora: the modules to adapt, comma-separated (e.g. q_proj,v_proj), or "
                    "all-linear (default: PEFT's default for the architecture)")

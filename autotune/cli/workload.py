@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from autotune.cli.images import classifier_batch, tokens_per_image, vision_language_batch
 from autotune.cli.parser import (
     UsageError,
     load_callable,
@@ -175,6 +176,8 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     if args.precision is None and args.master_weights == "fp32" and dtype in (torch.bfloat16, torch.float16):
         args.precision = "bf16" if dtype == torch.bfloat16 else "fp16"  # fp32 master weights under the config's dtype's autocast
 
+    counted: dict[str, tuple[int | None, str | None]] = {}
+
     def build() -> Any:
         if "model_type" not in data:
             raise ValueError("the config has no model_type")
@@ -189,6 +192,8 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         with torch.device("meta"):
             model = cls(config).to(weights)
         model.config._attn_implementation = attention
+        if args.images != 0:  # an image's tokens, counted while every layer still runs on the meta device
+            counted["image"] = tokens_per_image(model)
         if quantization is not None:
             from autotune.memory.quantized import quantize
 
@@ -201,15 +206,18 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     model = _checked_blocks(args, _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug)))
     described = {"hf_config": data, "tokens": None, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
                  "master_weights": args.master_weights, "attention": attention_of(model), "fused_ce": args.fused_ce, "packing": args.packing}
-    image = _image_batch(args, model)
-    if image is not None:  # a vision model: a sample is an image, not --tokens token ids
+    image = classifier_batch(args, model)
+    if image is not None:  # an image classifier: a sample is an image, not --tokens token ids
         return model, [image], _own_loss, described
     longest = max_length(model)
     tokens = args.tokens or min(2048, longest or 2048)
     if longest is not None and tokens > longest:
         raise UsageError(f"Invalid --tokens {tokens}: the model takes 1 to {longest} tokens a sample")
-    vocab = int(getattr(model.config, "vocab_size", None) or args.vocab_size)
+    text = getattr(model.config, "get_text_config", lambda: model.config)()  # a vision-language model's: its language model's
+    vocab = int(getattr(text, "vocab_size", None) or args.vocab_size)
     batch, loss_fn, head = _batch_for_head(model, tokens, vocab)
+    batch, note = vision_language_batch(args, model, batch, counted.get("image"))
+    described = {**described, "images": args.images, "note": note}
     if args.fused_ce:
         if head != "causal LM":
             raise UsageError(f"--fused-ce fuses a causal LM's head and loss; {type(model).__name__} is a {head} model")
@@ -333,31 +341,6 @@ def _batch_for_head(model: Any, tokens: int, vocab: int) -> tuple[dict[str, Any]
 def _own_loss(model: Any, batch: Any) -> Any:
     """The model's own loss on a batch of its keywords."""
     return model(**batch).loss
-
-
-def _image_batch(args: argparse.Namespace, model: Any) -> dict[str, Any] | None:
-    """For an image classifier (its main input ``pixel_values``): one image of the config's size and channels (224 and 3
-    where it names none) and a class; None for a model of token ids. The flags of token inputs are refused."""
-    import torch
-
-    base = getattr(model, "get_base_model", lambda: model)()  # under PEFT's wrapper
-    if getattr(base, "main_input_name", "input_ids") != "pixel_values":
-        return None
-    name = type(base).__name__
-    if not name.endswith("ForImageClassification"):
-        raise UsageError(f"Invalid --hf-config: {name} takes images, and only an image classifier's batch is made here (its "
-                         "pixel_values and a class); give the config of a ...ForImageClassification, or MODEL and --loader")
-    config = model.config
-    size = getattr(config, "image_size", 224)
-    height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-    channels = int(getattr(config, "num_channels", 3))
-    given = [flag for flag, on in (("--tokens", args.tokens is not None), ("--fused-ce", args.fused_ce), ("--packing", args.packing)) if on]
-    if given:
-        raise UsageError(f"{', '.join(given)}: {name} takes images ({channels}x{height}x{width} pixel_values), not token ids; "
-                         f"leave {'them' if len(given) > 1 else 'it'} out")
-    g = torch.Generator().manual_seed(0)
-    labels = max(1, int(getattr(config, "num_labels", 2) or 2))
-    return {"pixel_values": torch.randn(1, channels, height, width, generator=g), "labels": torch.randint(0, labels, (1,), generator=g)}
 
 
 def _packed(loss_fn: Callable[[Any, Any], Any], tokens: int) -> Callable[[Any, Any], Any]:

@@ -100,6 +100,9 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     tokens = tokens_per_sample(batch)
     if tokens is not None:
         out.append(("tokens per sample", str(tokens)))
+        images = _images_words(config, batch, tokens)
+        if images:
+            out.append(("images per sample", images))
     attention = attention_of(model)
     if attention is not None:
         out.append(("attention", attention))
@@ -110,6 +113,21 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     out.append(("optimizer", describe_optimizer(optimizer, device.type)))
     out.append(("device", str(device)))
     return tuple(out)
+
+
+def _images_words(config: Any, batch: Any, tokens: int) -> str | None:
+    """A vision-language batch's images, as ``"1 (3x896x896 pixels), 256 of the 1024 tokens"``: its ``pixel_values`` beside
+    ``input_ids`` whose image placeholder (the config's ``image_token_id``) marks where each image's features go."""
+    pixels = batch.get("pixel_values") if isinstance(batch, dict) else None
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    placeholder = next((v for v in (getattr(config, "image_token_id", None), getattr(config, "image_token_index", None)) if v is not None), None)
+    if not isinstance(pixels, torch.Tensor) or not isinstance(ids, torch.Tensor) or placeholder is None or pixels.dim() not in (4, 5) \
+            or ids.device.type == "meta":
+        return None
+    samples = max(int(ids.shape[0]), 1)
+    each = pixels.shape[1] if pixels.dim() == 5 else pixels.shape[0] // samples
+    held = int((ids == placeholder).sum()) // samples
+    return f"{each} ({'x'.join(str(int(n)) for n in pixels.shape[-3:])} pixels), {held:,} of the {tokens:,} tokens"
 
 
 def _frozen_words(model: nn.Module, numel: Any) -> str:
