@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.probe import depth, estimate
+from autotune.probe import depth, estimate, stacks
 
 transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402
@@ -24,7 +24,7 @@ def plan_both(make, loader, monkeypatch, device="cpu", **kw):
         estimate.forget()
         with monkeypatch.context() as m:
             if not extend:
-                m.setattr(depth, "repeated_stacks", lambda work: ([], None))
+                m.setattr(stacks, "repeated_stacks", lambda work: ([], None))
             model = make()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             plans.append(autotune.plan(model, loader, optimizer=opt, device=device, headroom=0, verify=False, progress=False, **kw))
@@ -160,15 +160,15 @@ def test_blocks_that_differ_or_grow_with_depth_are_traced_whole_and_a_note_says_
 
 def test_the_copies_share_the_model_s_parameters_and_leave_it_as_it_was():
     model = hf_models.gpt2(layers=12)
-    cut = depth.truncated(model, {"transformer.h": 3})
+    cut = stacks.truncated(model, {"transformer.h": 3})
     assert len(cut.transformer.h) == 3 and len(model.transformer.h) == 12
     assert cut.transformer.h[2].attn.c_attn.weight is model.transformer.h[2].attn.c_attn.weight
     assert cut.lm_head.weight is cut.transformer.wte.weight  # the tie kept
-    stacks, why = depth.repeated_stacks(SimpleNamespace(model=model, device=torch.device("cpu")))
-    assert [(s.path, s.depth, s.prefix) for s in stacks] == [("transformer.h", 12, 0)] and why is None
-    short, why = depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=8), device=torch.device("cpu")))
+    found, why = stacks.repeated_stacks(SimpleNamespace(model=model, device=torch.device("cpu")))
+    assert [(s.path, s.depth, s.prefix, s.kinds) for s in found] == [("transformer.h", 12, 0, ())] and why is None
+    short, why = stacks.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=8), device=torch.device("cpu")))
     assert short == [] and "8 blocks of transformer.h are too few to extend" in why  # 9 blocks traced would save none: said
-    assert depth.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=4), device=torch.device("cpu"))) == ([], None)
+    assert stacks.repeated_stacks(SimpleNamespace(model=hf_models.gpt2(layers=4), device=torch.device("cpu"))) == ([], None)
 
 
 def rebound_checkpointing(model, blocks):
@@ -205,11 +205,11 @@ def test_blocks_changed_on_the_instance_are_not_taken_for_alike(change, monkeypa
     extended, reference = plan_both(make, loader, monkeypatch, target_batch=4096, memory_limit="100MiB")
     assert any("traced the whole model" in n and "6 of them unlike the rest" in n for n in extended.notes), extended.notes
     assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
-    stacks, _ = depth.repeated_stacks(SimpleNamespace(model=change(hf_models.gpt2(layers=24), []), device=torch.device("cpu")))
-    assert [s.depth for s in stacks] == [24]  # the same change on no block, or (below) on every block: alike, extended
+    found, _ = stacks.repeated_stacks(SimpleNamespace(model=change(hf_models.gpt2(layers=24), []), device=torch.device("cpu")))
+    assert [s.depth for s in found] == [24]  # the same change on no block, or (below) on every block: alike, extended
     every = hf_models.gpt2(layers=24)
-    stacks, _ = depth.repeated_stacks(SimpleNamespace(model=change(every, every.transformer.h), device=torch.device("cpu")))
-    assert [(s.depth, s.prefix) for s in stacks] == [(24, 0)]
+    found, _ = stacks.repeated_stacks(SimpleNamespace(model=change(every, every.transformer.h), device=torch.device("cpu")))
+    assert [(s.depth, s.prefix) for s in found] == [(24, 0)]
 
 
 def bert_large():
@@ -235,29 +235,90 @@ def test_bert_large_s_shape_is_extended_and_plans_as_traced_whole(device, precis
     assert 1 < extended.micro_batch < 64
 
 
-def test_per_layer_attention_types_are_traced_whole_and_the_note_says_why(monkeypatch):
-    """Qwen3 with a sliding window on every other layer (``layer_types``): the layers differ in a setting (the
-    window), so no copy of the first ones stands for the rest."""
+def qwen3_alternating(layers):
+    """Qwen3 with a sliding window on every other layer (``layer_types``): the layers differ in a setting alone."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    def make():
-        torch.manual_seed(0)
-        return Qwen3ForCausalLM(Qwen3Config(
-            num_hidden_layers=12, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            vocab_size=500, max_position_embeddings=256, use_sliding_window=True, sliding_window=16, max_window_layers=0,
-            layer_types=["sliding_attention", "full_attention"] * 6))
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=500, max_position_embeddings=256, use_sliding_window=True, sliding_window=16, max_window_layers=0,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2)))
 
+
+def gemma3_text(layers):
+    """Gemma-3's text model: five sliding-window layers to one full-attention layer."""
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=500, max_position_embeddings=256, sliding_window=16))
+
+
+@pytest.mark.parametrize("make, layers, device, kinds", [
+    (qwen3_alternating, 12, "cpu", "self_attn.layer_type, self_attn.sliding_window"),
+    (qwen3_alternating, 18, "cuda", "self_attn.layer_type, self_attn.sliding_window"),
+    (gemma3_text, 18, "cuda", "self_attn.is_sliding, self_attn.layer_type, self_attn.sliding_window"),
+], ids=["qwen3-layer-types-cpu", "qwen3-layer-types-estimated-for-cuda", "gemma3-estimated-for-cuda"])
+def test_layers_of_two_attention_types_are_extended_where_each_kind_holds_the_same(make, layers, device, kinds, monkeypatch):
+    """Layers alike but for their attention type (sliding window or full): extended from copies of the first ones, with
+    a copy whose last block is one of the other kind checked to hold the same, figure for figure; the plan is the one
+    the whole model's trace gives, to the byte (for CUDA the allocator's reserved bytes). They used to be traced whole
+    ("not alike")."""
     loader = [text_batch(8, 64, seed=s) for s in range(2)]
-    extended, reference = plan_both(make, loader, monkeypatch, target_batch=4096, memory_limit="100MiB")
-    assert any(n == "the estimate traced the whole model: the blocks of model.layers are not alike (6 of 12 differ from the last)"
-               for n in extended.notes), extended.notes
+    model = make(layers)
+    types = {layer.self_attn.sliding_window is None for layer in model.model.layers}
+    assert types == {True, False}  # both kinds in the stack, the test's premise
+    extended, reference = plan_both(lambda: make(layers), loader, monkeypatch, device=device, target_batch=4096,
+                                    memory_limit="100MiB" if device == "cpu" else "1GiB", **({"precision": "bf16"} if device == "cuda" else {}))
+    note = next(n for n in extended.notes if n.startswith("the estimate traced model.layers"))
+    assert f"(2 kinds of blocks, alike but for {kinds}: each checked to add the same bytes" in note, note
+    assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
+    assert 4 < extended.micro_batch < 4096
+
+
+class Gated(nn.Module):
+    """A block whose setting picks what its forward saves: gated (SiLU times a gate: more saved for the backward) or not."""
+
+    def __init__(self, gated):
+        super().__init__()
+        self.gated = gated
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.up(x)
+        return x + self.down(nn.functional.silu(h) * torch.sigmoid(h) if self.gated else torch.relu(h))
+
+
+class Kinds(nn.Module):
+    def __init__(self, n=14):
+        super().__init__()
+        self.blocks = nn.ModuleList(Gated(i % 6 == 5) for i in range(n))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_kinds_of_blocks_that_hold_other_bytes_are_traced_whole_and_the_note_says_why(monkeypatch):
+    """Blocks alike but for a setting (gated every sixth, past the copies) whose kinds save different bytes: the copy with a gated block
+    last holds more than the deepest copy, so the whole model is traced, and the note says so."""
+    found, _ = stacks.repeated_stacks(SimpleNamespace(model=Kinds(), device=torch.device("cpu")))
+    assert [(s.depth, s.prefix, len(s.kinds)) for s in found] == [(14, 0, 2)]
+    loader = [(torch.randn(16, 32), torch.randint(0, 4, (16,))) for _ in range(2)]
+    extended, reference = plan_both(lambda: (torch.manual_seed(0), Kinds())[1], loader, monkeypatch, target_batch=4096,
+                                    memory_limit="8MiB", loss_fn=mse)
+    assert any("traced the whole model" in n and "a block of another kind last in the deepest copy makes" in n for n in extended.notes), extended.notes
     assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
 
 
 def test_two_stacks_for_cuda_are_traced_whole_and_the_note_says_why():
     model = t5()
     work = SimpleNamespace(model=model, device=torch.device("cuda"))
-    assert len(depth.repeated_stacks(work)[0]) == 2
+    assert len(stacks.repeated_stacks(work)[0]) == 2
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     estimate.forget()
     made = estimate.estimator_for(estimate.Workload(model=model, optimizer=opt, loss_fn=lambda m, b: m(**b).loss, batch=seq2seq_batch(),

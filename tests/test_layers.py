@@ -18,7 +18,7 @@ WINGS = {
     # ranks: agreements for planning, the exchange of training
     "parallel": ["parallel", "parallel.ranks", "parallel.stops", "parallel.exchange", "parallel.lockstep"],
     # trials that change nothing, real and on fake tensors, and the search
-    "probe": ["probe", "probe.search", "probe.trial", "probe.compiled", "probe.cuda", "probe.experts", "probe.attention", "probe.fakes", "probe.traces", "probe.depth", "probe.estimate", "probe.priced", "probe.largest", "probe.partial"],
+    "probe": ["probe", "probe.search", "probe.trial", "probe.compiled", "probe.cuda", "probe.experts", "probe.attention", "probe.fakes", "probe.traces", "probe.stacks", "probe.depth", "probe.estimate", "probe.priced", "probe.largest", "probe.partial"],
     # the plan (pure) and the verbs that make plans
     "planning": ["planning", "planning.scaling", "planning.options", "planning.setting", "planning.recipe", "planning.plans", "planning.report", "planning.cache", "planning.offload",
                  "planning.whatif", "planning.collectives", "planning.times", "planning.sharding", "planning.advice", "planning.lengths", "planning.planner"],

@@ -57,7 +57,7 @@ from torch import nn
 from autotune.memory.optimizers import make_optimizer, rebuilt
 from autotune.memory.quantized import bitsandbytes, fsdp2_refused, quantize
 from autotune.probe.attention import supports
-from autotune.probe.depth import Stack, deepest_copy, repeated_stacks, truncated
+from autotune.probe.stacks import Stack, kept_blocks, repeated_stacks, truncated
 from autotune.probe.estimate import estimator_for
 from autotune.memory.timing import StepTime, predict, seconds
 from autotune.memory.work import along
@@ -247,7 +247,7 @@ def _adapted(work: Any, quantized: bool, *, shallow: bool = True) -> tuple[Any, 
     device (weights quantized to nf4 first when ``quantized``), its optimizer of the same class over the adapters;
     None where this is not a question for the model (not a Hugging Face model trained in full, or PEFT missing).
     With it, for a model of one stack of repeated blocks and ``shallow``, that stack in the copy cut to the blocks the
-    estimate traces (:func:`autotune.probe.depth.deepest_copy`) and the stack at its full depth, as the adapted
+    estimate traces (:func:`autotune.probe.stacks.kept_blocks`) and the stack at its full depth, as the adapted
     model names it: the estimate extends it as for the whole (else None: the copy is whole)."""
     model = work.model
     params = list(model.parameters())
@@ -277,7 +277,7 @@ def _adapted(work: Any, quantized: bool, *, shallow: bool = True) -> tuple[Any, 
         path = next((name for name, m in adapted.named_modules() if name.endswith("." + stack.path) and name.count(".") == stack.path.count(".") + 2), None)
         if path is None:
             return _adapted(work, quantized, shallow=False)
-        full = [Stack(path, stack.depth, stack.prefix)]
+        full = [Stack(path, stack.depth, stack.prefix, stack.kinds)]
     return made, full
 
 
@@ -293,10 +293,10 @@ def _with_model(work: Any, model: nn.Module) -> Any:
 def _meta_copy(work: Any, shallow: bool, *, trained: bool | None = None) -> tuple[nn.Module, Stack | None]:
     """A copy of ``work``'s model on the meta device (no byte of its weights copied; each parameter trained as
     ``trained`` says, else as it is), and, for a model of one stack of repeated blocks and ``shallow``, that stack cut in
-    the copy to the blocks the estimate traces (:func:`autotune.probe.depth.deepest_copy`) and returned (else None)."""
+    the copy to the blocks the estimate traces (:func:`autotune.probe.stacks.kept_blocks`) and returned (else None)."""
     stacks = repeated_stacks(work)[0] if shallow else []
     stack = stacks[0] if len(stacks) == 1 else None
-    source = truncated(work.model, {stack.path: deepest_copy(stack, work.device.type)}) if stack is not None else work.model
+    source = truncated(work.model, {stack.path: kept_blocks(stack, work.device.type)}) if stack is not None else work.model
     memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad if trained is None else trained)
                             for p in source.parameters()}
     memo.update({id(b): torch.empty_like(b, device="meta") for b in source.buffers()})

@@ -41,10 +41,15 @@ Where a check fails the whole model is traced instead, and a note says why. A mo
 stacks (T5's encoder and decoder) gets a copy with one more block for each (on the CPU; for a CUDA
 target it is traced whole). The cost is that of tracing ``3p + 9`` blocks (``3p + 12`` for CUDA),
 whatever the depth: 32 or 80 layers cost what 9 or 12 do; a stack of fewer blocks, or one whose blocks
-differ (mixed block types, a setting that differs block to block such as an attention type per layer),
-is traced whole.
+differ (mixed block types, a setting with many values block to block), is traced whole.
 
-Why this is long: :class:`DepthEstimator` is one class of about 300 lines: the Estimator's interface (the
+Blocks alike but for a setting that names their kind (Gemma-2's and Gemma-3's sliding and full attention layers,
+Qwen3's ``layer_types``; :mod:`autotune.probe.stacks`) are extended as one kind where they are measured to be one: a
+copy as deep as the deepest, with a block of each other kind last in place of its own, must make every figure the
+deepest copy makes (its pieces' points, its held bytes, for a CUDA target its allocator's replay), or the whole model is
+traced. The cost is one copy more for each other kind.
+
+Why this is long: :class:`DepthEstimator` is one class of about 370 lines: the Estimator's interface (the
 methods the probe, the what-if table, the shard plan and the shape model call) over the copies, with
 the fall-back to the whole model in each; split, each part would reach into the copies and the
 fall-back of the other.
@@ -52,170 +57,30 @@ fall-back of the other.
 
 from __future__ import annotations
 
-import copy
-import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
-
-from torch import nn
 
 from autotune.memory.allocator import AllocatorPeaks, cublas_workspace, expandable_segments, replay, scale_events, steady_state
 from autotune.memory.curve import MemoryCurve
 from autotune.memory.deeper import extended_micro_step, extended_runs
 from autotune.probe.fakes import template_key
 from autotune.probe.search import estimated_max, within_allocator
+from autotune.probe.stacks import Stack, base_depth, kind_words, stand_ins, truncated
 from autotune.probe.trial import Workload
 from autotune.step import min_micro_batch
 
-__all__ = ["DepthEstimator", "Stack", "deepest_copy", "repeated_stacks", "stacks_to_extend", "truncated"]
+__all__ = ["DepthEstimator"]
 
 # A figure the deepest copy traces must be the one predicted to within this fraction (and this many bytes).
 TOLERANCE = 1e-4
 TOLERANCE_BYTES = 4096
 
 
-@dataclass(frozen=True)
-class Stack:
-    """A list of blocks whose tail repeats one structure.
-
-    Attributes:
-        path: the ``nn.ModuleList``'s name in the model (``model.layers``).
-        depth: its number of blocks.
-        prefix: how many of its first blocks differ from the repeated ones (kept in every copy).
-    """
-
-    path: str
-    depth: int
-    prefix: int
-
-
-def _code(fn: Any) -> Any:
-    """A callable by the code it runs (a partial's function, a bound method's), not by its identity: the
-    closures one ``def`` makes, or one function bound to two modules, compare equal."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    return (code.co_filename, code.co_firstlineno, code.co_name) if code is not None else type(fn).__qualname__
-
-
-def _behaviour(module: nn.Module) -> tuple[Any, ...]:
-    """What a module runs beyond its class's code: a ``forward`` bound on the instance (checkpointing by
-    rebinding ``forward``, a common hand-written way), and its hooks."""
-    own = module.__dict__.get("forward")
-    hooks = tuple(
-        (kind, tuple(_code(h) for h in getattr(module, kind, {}).values()))
-        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-    )
-    return (None if own is None else _code(own), hooks)
-
-
-def _shapes(blocks: list[nn.Module]) -> list[tuple[Any, ...]]:
-    """What two blocks must share to add the same bytes: parameters, buffers, modules and their settings,
-    and what each module runs beyond its class's code (:func:`_behaviour`). A setting that counts the
-    blocks (its value the block's index plus a constant, as a layer index) is left out."""
-    settings: list[dict[tuple[str, str], Any]] = []
-    for block in blocks:
-        found: dict[tuple[str, str], Any] = {}
-        for name, module in block.named_modules():
-            found[(name, "<runs>")] = _behaviour(module)
-            for key, value in vars(module).items():
-                if key.startswith("_") or key == "training":
-                    continue
-                if isinstance(value, (bool, int, float, str)) or value is None:
-                    found[(name, key)] = value
-                elif isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, str, bool)) or v is None for v in value):
-                    found[(name, key)] = tuple(value)
-        settings.append(found)
-    counting = {
-        k for k, v in settings[0].items()
-        if type(v) is int and all(type(s.get(k)) is int and s[k] - v == i for i, s in enumerate(settings))
-    } if len(blocks) > 1 else set()
-    return [
-        (
-            repr(block),
-            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
-            tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
-            tuple(sorted((k, repr(v)) for k, v in s.items() if k not in counting)),
-        )
-        for block, s in zip(blocks, settings)
-    ]
-
-
-def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
-    """The stacks of repeated blocks of ``work``'s model worth extending, and, when a stack of blocks was
-    found but cannot be extended, why (for a note); ``([], None)`` for a model without one."""
-    stacks: list[Stack] = []
-    why = None
-    for path, module in work.model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2 or not path:
-            continue
-        if any(path.startswith(s.path + ".") for s in stacks):
-            continue  # a list inside a block of a stack already found
-        shapes = _shapes(list(module))
-        prefix = len(shapes) - 1
-        while prefix > 0 and shapes[prefix - 1] == shapes[-1]:
-            prefix -= 1
-        if 3 * prefix + (12 if work.device.type == "cuda" else 9) >= len(module):  # no fewer blocks traced than the whole stack
-            if prefix > len(module) // 2 and len(module) > 9:
-                differ = sum(s != shapes[-1] for s in shapes)
-                why = f"the blocks of {path} are not alike ({differ} of {len(module)} differ from the last)"
-            elif len(module) >= 8 and why is None:
-                why = (f"the {len(module)} blocks of {path} are too few to extend (the shallower copies would trace "
-                       f"as many{f', {prefix} of them unlike the rest' if prefix else ''})")
-            continue
-        stacks.append(Stack(path, len(module), prefix))
-    return stacks, why
-
-
-def stacks_to_extend(work: Workload, checkpointing: bool | int, given: list[Stack] | None = None) -> tuple[list[Stack], str | None]:
-    """The stacks an estimate of ``work`` extends (``given``: those of a model whose stack was cut short, at their full
-    depth; else :func:`repeated_stacks`), and why none are where a stack was found but cannot be extended."""
-    stacks, why = (list(given), None) if given is not None else repeated_stacks(work)
-    if checkpointing is not True and checkpointing and stacks:  # a count: its blocks differ, the first checkpointed, the rest not
-        return [], f"checkpointing {checkpointing} of the blocks, which copies with few blocks do not stand for"
-    if len(stacks) > 1 and work.device.type == "cuda":  # the caching allocator's events are made for one stack
-        why = f"its {len(stacks)} stacks of blocks ({', '.join(s.path for s in stacks)}) are extended for the CPU only, not for CUDA's allocator"
-        stacks = []
-    if checkpointing and stacks and not getattr(work.model, "supports_gradient_checkpointing", False) and len(stacks) > 1:
-        stacks, why = [], "checkpointing blocks autotune finds itself, in a model of several stacks"
-    return stacks, why
-
-
-def deepest_copy(stack: Stack, device_type: str) -> int:
-    """The blocks of ``stack`` the deepest of :class:`DepthEstimator`'s copies keeps: the base copy's (the prefix and
-    two more, three for a CUDA target) and two."""
-    return _base_depth(stack, device_type) + 2
-
-
-def _base_depth(stack: Stack, device_type: str) -> int:
-    return stack.prefix + (3 if device_type == "cuda" else 2)
-
-
-def truncated(model: nn.Module, depths: dict[str, int]) -> nn.Module:
-    """A shallow copy of ``model`` whose lists at ``depths``' paths keep their first blocks only: the same
-    parameters and buffers (shared, not copied), the modules on the way to each list copied."""
-
-    def cut(module: nn.Module, path: str) -> nn.Module:
-        made = copy.copy(module)
-        if path in depths:
-            made._modules = dict(list(module._modules.items())[: depths[path]])
-            return made
-        made._modules = dict(module._modules)
-        for name, child in module._modules.items():
-            inner = f"{path}.{name}" if path else name
-            if child is not None and any(p == inner or p.startswith(inner + ".") for p in depths):
-                made._modules[name] = cut(child, inner)
-        return made
-
-    return cut(model, "")
-
-
-def _variant(work: Workload, depths: dict[str, int]) -> Workload:
-    """``work`` with its model cut to ``depths`` and its optimizer over that model's parameters alone."""
-    model = truncated(work.model, depths)
+def _variant(work: Workload, depths: dict[str, int], last: dict[str, int] | None = None) -> Workload:
+    """``work`` with its model cut to ``depths`` (:func:`truncated`) and its optimizer over that model's parameters alone."""
+    model = truncated(work.model, depths, last)
     kept = {id(p) for p in model.parameters()}
     # A shallow copy of the optimizer's attributes, not ``copy.copy``: torch's ``Optimizer.__getstate__`` keeps only its
     # defaults, state and groups, and bitsandbytes keeps its state's bits, smallest 8-bit tensor and paging outside them
@@ -261,14 +126,19 @@ class DepthEstimator:
         self.full = {s.path: s.depth for s in stacks}
         # A CUDA target also makes the allocator's events of the full depth from the copies' blocks, which pairs
         # the block before the step copy's last with the one before it: two blocks past the prefix's own.
-        base = {s.path: _base_depth(s, work.device.type) for s in stacks}
+        base = {s.path: base_depth(s, work.device.type) for s in stacks}
         self._whole_maker = whole
         self._whole: Any = None
         self.base = make(_variant(work, base))
         self.steps = [make(_variant(work, {**base, s.path: base[s.path] + 1})) for s in stacks]
-        self.check = make(_variant(work, {p: d + 2 for p, d in base.items()}))
+        deepest = {p: d + 2 for p, d in base.items()}
+        self.check = make(_variant(work, deepest))
+        # Blocks of other kinds (sliding and full attention): the deepest copy with a block of each other kind last, in
+        # place of its own, must hold what the deepest copy holds, figure for figure (_extend, allocator)
+        swaps = [{s.path: i} for s in stacks for i in stand_ins(s, deepest[s.path])]
+        self.kinds = [make(_variant(work, deepest, swap)) for swap in swaps]
         self.reach = [self.full[s.path] - base[s.path] for s in stacks]  # blocks to add, per stack
-        depths = [base, *({**base, s.path: base[s.path] + 1} for s in stacks), {p: d + 2 for p, d in base.items()}]
+        depths = [base, *({**base, s.path: base[s.path] + 1} for s in stacks), deepest, *(deepest for _ in swaps)]
         for part, at in zip(self._parts, depths):
             part.mark([f"{path}.{d - 1}" for path, d in at.items()])
         self.lower = min_micro_batch(work.model)
@@ -277,6 +147,8 @@ class DepthEstimator:
         self.note: str | None = (
             f"the estimate traced {' and '.join(f'{s.path} at {base[s.path]}, {base[s.path] + 1} and {base[s.path] + 2} of its {s.depth} blocks' for s in stacks)}"
             " and extended the bytes each block adds to the full depth"
+            + "".join(f" ({len(s.kinds)} kinds of blocks, alike but for {kind_words(work.model, s)}: each checked to add the "
+                      "same bytes, on a copy with one of it last)" for s in stacks if s.kinds)
         )
         self._checked: set[Any] = set()  # sizes whose allocator events were checked on the deepest copy
         self._replays: dict[Any, AllocatorPeaks] = {}  # the full depth's replays, by template, size, cap and settings
@@ -302,7 +174,7 @@ class DepthEstimator:
 
     @property
     def _parts(self) -> list[Any]:
-        return [self.base, *self.steps, self.check]
+        return [self.base, *self.steps, self.check, *self.kinds]
 
     def _extend(self, figure: Callable[[Any], float]) -> float:
         """``figure`` of the full model from the copies', checked on the deepest copy."""
@@ -311,6 +183,10 @@ class DepthEstimator:
         predicted, traced = base + 2 * sum(adds), figure(self.check)
         if abs(predicted - traced) > max(TOLERANCE_BYTES, TOLERANCE * abs(traced)):
             raise Deviates(f"predicted {predicted:.0f} bytes for the deepest copy, traced {traced:.0f}")
+        for other in self.kinds:
+            there = figure(other)
+            if abs(there - traced) > max(TOLERANCE_BYTES, TOLERANCE * abs(traced)):
+                raise Deviates(f"a block of another kind last in the deepest copy makes {there:.0f} bytes of its {traced:.0f}")
         return base + sum(n * a for n, a in zip(self.reach, adds))
 
     def _fall_back(self, why: Deviates) -> Any:
@@ -372,12 +248,24 @@ class DepthEstimator:
         """Each piece of the full model's step (:func:`_pieces`), from the copies' pieces ``values(copy)``:
         a piece of the same operations in every copy point by point, any other its maximum (the points
         it holds, earlier blocks' forward or backward, are below the marked block's)."""
-        found = {id(e): values(e) for e in self._parts}
+        found = {id(e): values(e) for e in self._parts if e not in self.kinds}
+        for other in self.kinds:  # a block out of its place may not run (a layer index read against the copy's depth)
+            try:
+                found[id(other)] = values(other)
+            except Exception as exc:
+                raise Deviates(f"a block of another kind last in the deepest copy does not run there ({type(exc).__name__})") from None
         if len({len(v) for v in found.values()}) != 1:
             raise Deviates("the copies' steps do not run their blocks alike")
         out = []
+        alike = [e for e in self._parts if e not in self.kinds]
         for i in range(len(found[id(self.base)])):
-            if len({len(v[i]) for v in found.values()}) == 1:
+            deepest = found[id(self.check)][i]
+            for other in self.kinds:  # the same operations as the deepest copy's, or at least its highest point
+                there = found[id(other)][i]
+                if len(there) != len(deepest) and abs(max(there, default=0) - max(deepest, default=0)) > TOLERANCE_BYTES:
+                    raise Deviates(f"a block of another kind last in the deepest copy makes {max(there, default=0):.0f} bytes "
+                                   f"of its {max(deepest, default=0):.0f}")
+            if len({len(found[id(e)][i]) for e in alike}) == 1 and all(len(found[id(k)][i]) == len(deepest) for k in self.kinds):
                 out.append([self._extend(lambda e, i=i, j=j: found[id(e)][i][j]) for j in range(len(found[id(self.base)][i]))])
             else:
                 out.append([self._extend_below(lambda e, i=i: max(found[id(e)][i], default=0))])
@@ -524,6 +412,11 @@ class DepthEstimator:
                 if (again.reserved, again.allocated) != (own.reserved, own.allocated):
                     raise Deviates(f"the allocator's replay made for the deepest copy at micro-batch {b} reserves "
                                    f"{again.reserved} bytes, its own {own.reserved}")
+                for other in self.kinds:
+                    there = other.allocator(b, template=template)
+                    if (there.reserved, there.allocated) != (own.reserved, own.allocated):
+                        raise Deviates(f"a block of another kind last in the deepest copy reserves {there.reserved} bytes "
+                                       f"at micro-batch {b}, the deepest copy {own.reserved}")
                 self._checked.add(key)
             made = self._allocator_events(b, template, extra=self.reach[0] - 1)
         except Deviates as why:

@@ -80,7 +80,7 @@ from autotune.memory.ledger import TensorLedger, held_outside_parameters, held_t
 from autotune.memory.optimizers import rebuilt
 from autotune.memory.work import Work
 from autotune.probe.cuda import CudaAutocast, CudaKernels, cuda_attention_backend, recomputing
-from autotune.probe.depth import DepthEstimator, stacks_to_extend
+from autotune.probe.depth import DepthEstimator
 from autotune.probe.fakes import (
     Counter,
     FakeCopy,
@@ -98,6 +98,7 @@ from autotune.probe.fakes import (
     weak_function,
 )
 from autotune.probe.search import estimated_max, within_allocator
+from autotune.probe.stacks import stacks_to_extend
 from autotune.probe.traces import Trace
 from autotune.probe.trial import Workload
 from autotune.step import forward_backward, min_micro_batch, planning

@@ -229,6 +229,11 @@ def fingerprint(model: nn.Module) -> tuple[Any, ...]:
         # kernels the config chooses outside its repr: the attention and the experts' implementations
         getattr(getattr(model, "config", None), "_attn_implementation", None),
         getattr(getattr(model, "config", None), "_experts_implementation", None),
+        # each module's settings outside its repr (a layer's attention type, a flag its forward reads): a block of
+        # another kind swapped into a copy (autotune.probe.depth) is another model
+        tuple((name, tuple((k, v) for k, v in vars(m).items() if not k.startswith("_") and k != "training"
+                           and (v is None or isinstance(v, (bool, int, float, str)))))
+              for name, m in model.named_modules()),
     )
 
 
