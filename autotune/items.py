@@ -11,7 +11,8 @@ are not -100, a sequence classifier's over samples: weighting a token mean by sa
 each sample's own loss weighted by its samples, its labels or its shifted labels. One rule reproduces the
 pair's loss; it is the count. A batch that cannot tell (every sample with as many labels) leaves the
 next one to; where none can, or nothing may run (an estimate on the meta device, ranks that must run the
-same forwards), the model's kind decides (its ``loss_type``, e.g. ``ForCausalLM``). Nothing changes: no
+same forwards), the model's kind decides (its ``loss_type``, e.g. ``ForCausalLM``; ``ForConditionalGeneration`` is a
+vision-language model's causal LM loss, or an encoder-decoder's over its decoder's labels). Nothing changes: no
 gradient, every module's mode and the RNGs put back.
 
 For your own ``loss_fn`` nothing is assumed: ``count`` stays what you give, and where the measurement
@@ -156,6 +157,9 @@ def _own_rule(model: nn.Module, batch: Any) -> str | None:
     (integer targets) or mean squared error's samples."""
     kind = _kind(model)
     if isinstance(batch, Mapping):
+        if kind == "ForConditionalGeneration":  # a vision-language model's own loss is its causal LM's; an encoder-decoder's
+            # (T5, BART, Whisper) the mean over its decoder's labels, unshifted
+            return "labels" if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else "shifted labels"
         return _KINDS.get(kind) if kind is not None else None
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return "labels" if _labels(batch) is not None else "samples"
@@ -297,7 +301,7 @@ def _decide(own: bool, known: str | None, found: _Measure | None, candidates: se
             f"; weighted by samples, two samples of a first batch give {found.ratio:.6g} times their loss "
             f"({abs(found.ratio - 1):.1%} off)" if rule != "samples" else "")
     else:
-        source = f"by the model's kind, {kind}" if kind is not None and _KINDS.get(kind) == rule else "assumed"
+        source = f"by the model's kind, {kind}" if kind is not None and known == rule else "assumed"
         why = (f"{source}: the batches looked at could not tell, every sample holding as many label tokens" if tried else
                f"{source}: not measured, as nothing runs here (an estimate, or ranks that run every forward together)")
     held = ""

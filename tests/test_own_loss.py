@@ -258,3 +258,62 @@ def test_packed_rows_kept_apart_train(float64):
     model.config.use_cache = False  # the fix the refusal names: the restarts are read as boundaries
     result = autotune.fit(model, _packed_batches(False), target_batch=2, progress=False, max_steps=1)
     assert not any("attends across" in n for n in result.plan.notes)
+
+
+def _llava():
+    """A small LLaVA (a vision-language model: its loss_type ForConditionalGeneration, its loss a causal LM's)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
+                       vocab_size=VOCAB, max_position_embeddings=64)
+    tower = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    return LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=tower, image_token_index=VOCAB - 1)).double()
+
+
+def _with_images(batches):
+    """Each sample with an image after its first text token (4 placeholder tokens: (28 / 14)^2), its labels -100 there."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for b in batches:
+        text = b["input_ids"].masked_fill(b["input_ids"] == VOCAB - 1, 1)  # the placeholder marks images alone
+        ids = torch.cat([text[:, :1], torch.full((len(text), 4), VOCAB - 1), text[:, 1:]], dim=1)
+        mask = torch.cat([torch.ones(len(ids), 5, dtype=torch.long), b["attention_mask"][:, 1:]], dim=1)
+        labels = torch.cat([b["labels"][:, :1], torch.full((len(ids), 4), -100), b["labels"][:, 1:]], dim=1)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels,
+                    "pixel_values": torch.randn(len(ids), 3, 28, 28, generator=g, dtype=torch.float64)})
+    return out
+
+
+def test_a_vision_language_model_and_an_encoder_decoder_are_told_apart_where_nothing_is_measured(float64):
+    """Both have the loss_type ForConditionalGeneration: a vision-language model's own loss is its causal LM's, over shifted
+    labels; T5's the mean over its decoder's labels, unshifted. Where nothing runs (ranks that run every forward together,
+    an estimate) the kind decides, and it decides what the measurement finds; it used to fall to samples for both."""
+    from autotune.items import loss_items
+
+    t5 = _t5()
+    cases = [(_llava(), _with_images(_batches("causal")), "shifted labels"), (t5, _seq2seq_batches(), "labels")]
+    for model, batches, rule in cases:
+        assert model.loss_type == "ForConditionalGeneration"
+        measured = loss_items(model, None, batches, device=torch.device("cpu"))
+        assert measured.rule == rule and "measured" in measured.note, measured
+        told = loss_items(model, None, batches, device=torch.device("cpu"), measure=False)
+        assert told.rule == rule and "by the model's kind, ForConditionalGeneration: not measured" in told.note, told
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+                                               num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)).double()
+
+
+def _seq2seq_batches():
+    """Target lengths that differ from sample to sample (labels -100 past each)."""
+    out = []
+    for b in _batches("causal", seed=3):
+        lengths = b["attention_mask"].sum(1)
+        labels = b["input_ids"].masked_fill(torch.arange(b["input_ids"].shape[1])[None] >= (lengths[:, None] + 1) // 2, -100)
+        out.append({**b, "labels": labels})
+    return out
