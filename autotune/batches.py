@@ -132,11 +132,28 @@ def _size_of(leaves: list[torch.Tensor], batch: Batch) -> int:
             )
         sizes.append(t.shape[0])
     if len(set(sizes)) > 1:
+        named = f": {', '.join(f'{k} {n}' for k, n in _named_sizes(batch))}" if isinstance(batch, Mapping) else ""
+        patches = ("; a vision-language batch of every image's patches in one tensor (pixel_values beside image_grid_thw, as "
+                   "Qwen2-VL's processor makes it) has a row a patch, not a sample, and cannot be cut into micro-batches"
+                   if isinstance(batch, Mapping) and "image_grid_thw" in batch else "")
         raise ValueError(
-            f"Invalid batch: its tensors disagree on the batch size (dim 0 sizes {sizes}); "
-            "every tensor in a batch needs the same number of samples in dim 0"
+            f"Invalid batch: its tensors disagree on the batch size (dim 0 sizes {sizes}{named}); "
+            f"every tensor in a batch needs the same number of samples in dim 0{patches}"
         )
     return int(sizes[0])
+
+
+def _named_sizes(batch: Any, prefix: str = "") -> list[tuple[str, int]]:
+    """Each tensor of a dict batch by its key (``outer.inner`` where nested) and the size of its dim 0."""
+    out: list[tuple[str, int]] = []
+    items = batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else ()
+    for key, value in items:
+        name = f"{prefix}{key}" if isinstance(batch, Mapping) else f"{prefix.rstrip('.')}[{key}]"
+        if isinstance(value, torch.Tensor):
+            out.append((name, int(value.shape[0]) if value.dim() else 0))
+        else:
+            out.extend(_named_sizes(value, name + "."))
+    return out
 
 
 def per_sample_numel(batch: Batch) -> int:

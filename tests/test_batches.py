@@ -21,6 +21,20 @@ def test_batch_size_errors_name_the_problem():
         B.batch_size({"a": 1})
 
 
+def test_a_dict_batch_that_disagrees_names_each_tensor_by_its_key_and_says_why_image_patches_cannot_be_cut():
+    """A batch as Qwen2-VL's processor makes it: one image of 4x4 patches of 14 pixels, each a row of 3 x 2 x 14 x 14 values,
+    in one tensor beside its grid. The error names which tensor is off and why such a batch cannot be cut."""
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 8, dtype=torch.long),
+             "pixel_values": torch.zeros(16, 1176), "image_grid_thw": torch.tensor([[1, 4, 4]]), "labels": torch.zeros(1, 8, dtype=torch.long)}
+    with pytest.raises(ValueError) as raised:
+        B.batch_size(batch)
+    message = str(raised.value)
+    assert ("(dim 0 sizes [1, 1, 16, 1, 1]: input_ids 1, attention_mask 1, pixel_values 16, image_grid_thw 1, labels 1)" in message
+            and "a row a patch, not a sample, and cannot be cut into micro-batches" in message), message
+    with pytest.raises(ValueError, match=r"dim 0 sizes \[3, 2\]: x 3, more\.y\[0\] 2\)"):
+        B.batch_size({"x": torch.zeros(3), "more": {"y": [torch.zeros(2)]}})
+
+
 def test_repeat_to_takes_real_samples_cyclically():
     x = torch.arange(6).reshape(3, 2)
     y = torch.tensor([10, 11, 12])
