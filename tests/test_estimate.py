@@ -172,6 +172,28 @@ def test_cuda_attention_backend_rule():
     assert cuda_attention_backend(torch.bfloat16, 320, 320, has_mask=False) == "efficient"
     assert cuda_attention_backend(torch.float64, 64, 64, has_mask=False) == "math"
     assert cuda_attention_backend(torch.float32, 1024, 1024, has_mask=False) == "math"
+    # torch's check_head_dim_size_flash: flash takes a query, key and value of one head size; the memory-efficient kernel
+    # a value of its own (DeepSeek-V3's multi-head latent attention: 192 and 128)
+    assert cuda_attention_backend(torch.bfloat16, 192, 128, has_mask=False) == "efficient"
+
+
+def test_a_cuda_estimate_of_attention_whose_value_heads_are_narrower_runs_the_efficient_kernel():
+    """A DeepSeek-V3 shape in bf16 (query and key heads of 48, value heads of 32, no padding): its attention is not
+    flash's on CUDA, and the estimate stopped on the output flash's stand-in made, shaped as the query (the output
+    projection took 8 x 48 where it has 8 x 32)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=500, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                              first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                              num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                              qk_rope_head_dim=16, v_head_dim=32, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, 500, (2, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peak, est = estimated(model, opt, lambda m, b: m(**b).loss, batch, 2, precision="bf16", device="cuda")
+    assert set(est.backends) == {"efficient"} and peak > 0
 
 
 def test_a_cuda_target_models_the_fused_kernels_and_the_math_path():

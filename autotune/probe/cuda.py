@@ -55,9 +55,11 @@ def cuda_attention_backend(
 ) -> str:
     """The kernel CUDA's ``scaled_dot_product_attention`` picks (Ampere and newer): a pure rule.
 
-    - ``"flash"``: fp16/bf16, head size at most 256, no explicit mask;
+    - ``"flash"``: fp16/bf16, the query's, key's and value's heads of one size, at most 256, no explicit mask
+      (torch's ``check_head_dim_size_flash``: DeepSeek-V3's attention, 192 for the query and key and 128 for the
+      value, is not flash's);
     - ``"efficient"`` (memory-efficient attention): fp32/fp16/bf16, head size at most 512 for the
-      query and key (any mask is taken as an additive bias);
+      query and key, the value's its own (any mask is taken as an additive bias);
     - ``"math"`` otherwise (fp64, larger heads): materialises the B x H x L x L scores.
 
     Both fused kernels keep the output and a per-row log-sum-exp for the backward pass. ``dtype`` is
@@ -70,8 +72,10 @@ def cuda_attention_backend(
         'efficient'
         >>> cuda_attention_backend(torch.float64, 64, 64, has_mask=False)
         'math'
+        >>> cuda_attention_backend(torch.bfloat16, 192, 128, has_mask=False)
+        'efficient'
     """
-    if dtype in (torch.float16, torch.bfloat16) and max(head_dim, value_dim) <= 256 and not has_mask:
+    if dtype in (torch.float16, torch.bfloat16) and head_dim == value_dim <= 256 and not has_mask:
         return "flash"
     if dtype in (torch.float32, torch.float16, torch.bfloat16) and max(head_dim, value_dim) <= 512:
         return "efficient"
