@@ -170,7 +170,7 @@ def test_lora_on_mixtral_without_lora_modules_adapts_peft_s_default_for_it(capsy
       "shared_expert_intermediate_size": 64},
      ("--lora", "4"),
      r"Invalid --lora 4 without --lora-modules: PEFT has no default modules for 'qwen2_moe' models; name the modules to adapt "
-     r"with --lora-modules \(e\.g\. --lora-modules all-linear"),
+     r"with --lora-modules \(e\.g\. --lora-modules all-linear, or some of its linear layers: q_proj,k_proj,v_proj,o_proj,"),
     ({k: v for k, v in TINY.items() if k not in ("hidden_size", "num_hidden_layers")}, (),
      r"Invalid --hf-config '.*config0\.json': it has no hidden_size, num_hidden_layers \(the model's shape; LlamaConfig would fill "
      r"in its defaults, hidden_size=4096, num_hidden_layers=32, and estimate another model\); give the model's own config\.json, "

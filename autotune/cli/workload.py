@@ -397,6 +397,7 @@ def _default_lora_modules(args: argparse.Namespace, model: Any) -> Any:
     some mixture-of-experts models, such as Mixtral, before reading it); an architecture it has no default for, or whose
     default names no module of the model, refused with the fix."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+    from torch import nn
 
     kind = getattr(getattr(model, "config", None), "model_type", None)
     found = defaults.get(kind) if kind else None
@@ -404,8 +405,10 @@ def _default_lora_modules(args: argparse.Namespace, model: Any) -> Any:
     if found is None or (not isinstance(found, str) and not names & set(found)):
         which = f"{kind!r} models" if kind else f"{type(model).__name__} (not a Transformers model)"
         why = f"PEFT's default modules for {which} ({', '.join(found)}) are not in the model" if found else f"PEFT has no default modules for {which}"
+        linear = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)))
+        example = ",".join(n for n in linear if n not in ("lm_head", "score", "classifier"))[:80].rsplit(",", 1)[0] or "q_proj,v_proj"
         raise UsageError(f"Invalid --lora {args.lora} without --lora-modules: {why}; name the modules to adapt with --lora-modules "
-                         "(e.g. --lora-modules all-linear, or q_proj,v_proj)")
+                         f"(e.g. --lora-modules all-linear, or some of its linear layers: {example})")
     return found if isinstance(found, str) else list(found)
 
 
