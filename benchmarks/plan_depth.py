@@ -32,6 +32,14 @@ decides which of the micro-batches weighed are searched (:func:`autotune.probe.p
 
     python benchmarks/plan_depth.py            # about three minutes on 2 cores
     python benchmarks/plan_depth.py --auto     # about two minutes
+    python benchmarks/plan_depth.py --kinds    # about three minutes
+
+With ``--kinds``, layers of two attention types (:mod:`autotune.probe.stacks`): Gemma-2-2B (sliding and full layers
+alternating, eager attention) and Gemma-3-1B (five sliding to one full, SDPA) at 2048 tokens, bf16, AdamW, a budget of
+80 GiB, for the CPU (a CUDA target traces such stacks whole), extended from shallow copies against traced whole,
+alternated ``--repeat`` times: the medians, their ratio, and the answers (micro-batch and peak bytes), which must be the
+same. Gemma-3's full layers hold less than its sliding ones (no mask), so it is traced whole after the check: its ratio
+is the check's cost.
 """
 
 from __future__ import annotations
@@ -188,14 +196,72 @@ def auto_table(repeat: int) -> None:
         print(f"{f'Llama x{layers} @4096':<20}{plain:>8.2f}{auto:>8.2f}{auto / plain:>7.2f}{traces:>27}   {said}", flush=True)
 
 
+def gemma(name: str) -> torch.nn.Module:
+    """Gemma-2-2B and Gemma-3-1B, the shapes of their published config.json, on the meta device in bf16: sliding-window
+    and full-attention layers alternating (Gemma-2, eager attention, its default) or five to one (Gemma-3, SDPA)."""
+    import transformers
+
+    if name == "Gemma-2-2B":
+        config = transformers.Gemma2Config(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                                           num_key_value_heads=4, head_dim=256, vocab_size=256000, sliding_window=4096,
+                                           query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        config._attn_implementation, cls = "eager", transformers.Gemma2ForCausalLM
+    else:
+        config = transformers.Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                                               num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+                                               query_pre_attn_scalar=256, max_position_embeddings=32768)
+        config._attn_implementation, cls = "sdpa", transformers.Gemma3ForCausalLM
+    with torch.device("meta"):
+        return cls(config).to(torch.bfloat16)
+
+
+def kinds_table(repeat: int) -> None:
+    """Layers of two attention types extended from shallow copies (each kind checked on a copy) against the whole model
+    traced, alternated: the medians, their ratio, and the two answers, which must be one."""
+    import autotune.probe.stacks as stacks
+
+    print(f"{'model':<22}{'target':<8}{'whole s':>9}{'extended s':>12}{'ratio':>7}   answer (micro-batch, peak bytes)")
+    for name in ("Gemma-2-2B", "Gemma-3-1B"):
+        for device in ("cpu",):  # for a CUDA target such stacks are traced whole
+            model = gemma(name)
+            runs: dict[bool, list[float]] = {True: [], False: []}
+            answers: dict[bool, set[tuple[int, int]]] = {True: set(), False: set()}
+            for i in range(repeat):
+                for extend in ((True, False) if i % 2 == 0 else (False, True)):
+                    estimate.forget()
+                    gc.collect()
+                    with contextlib.ExitStack() as stack:
+                        if not extend:
+                            found = stacks.repeated_stacks
+                            stacks.repeated_stacks = lambda work: ([], None)  # type: ignore[assignment]
+                            stack.callback(setattr, stacks, "repeated_stacks", found)
+                        start = time.perf_counter()
+                        plan = autotune.plan(model, [tokens(2048, model.config.vocab_size)], target_batch=64, precision="bf16",
+                                             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), device=device,
+                                             memory_limit="80GiB", headroom=0, verify=False, progress=False)
+                        runs[extend].append(time.perf_counter() - start)
+                    answers[extend].add((plan.micro_batch, plan.peak_memory))
+                    if extend and not any("kinds of blocks" in n for n in plan.notes):
+                        print(f"  {name} {device}: not extended: {[n for n in plan.notes if 'traced' in n]}")
+            whole, extended = statistics.median(runs[False]), statistics.median(runs[True])
+            same = "the same" if answers[True] == answers[False] and len(answers[True]) == 1 else f"DIFFER: {answers}"
+            print(f"{name + ' @2048':<22}{device:<8}{whole:>9.2f}{extended:>12.2f}{extended / whole:>7.2f}   "
+                  f"{sorted(answers[True])[0]}, {same}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-cuda", action="store_true", help="the CPU target only")
     parser.add_argument("--repeat", type=int, default=5, help="runs of each plan, timed and untimed alternated (default 5)")
     parser.add_argument("--auto", action="store_true", help='checkpointing="auto" against True, for an H200, instead')
+    parser.add_argument("--kinds", action="store_true", help="layers of two attention types (Gemma-2, Gemma-3) extended "
+                        "against traced whole, instead")
     args = parser.parse_args()
     if args.auto:
         auto_table(args.repeat)
+        return 0
+    if args.kinds:
+        kinds_table(args.repeat)
         return 0
     cases = [(f"Llama x{n} @4096", lambda n=n: llama(n), 4096, 128256) for n in (8, 32, 80)]
     cases.append(("GPT-2 small @1024", gpt2_small, 1024, 50257))

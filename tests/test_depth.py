@@ -256,26 +256,50 @@ def gemma3_text(layers):
         vocab_size=500, max_position_embeddings=256, sliding_window=16))
 
 
-@pytest.mark.parametrize("make, layers, device, kinds", [
-    (qwen3_alternating, 12, "cpu", "self_attn.layer_type, self_attn.sliding_window"),
-    (qwen3_alternating, 18, "cuda", "self_attn.layer_type, self_attn.sliding_window"),
-    (gemma3_text, 18, "cuda", "self_attn.is_sliding, self_attn.layer_type, self_attn.sliding_window"),
-], ids=["qwen3-layer-types-cpu", "qwen3-layer-types-estimated-for-cuda", "gemma3-estimated-for-cuda"])
-def test_layers_of_two_attention_types_are_extended_where_each_kind_holds_the_same(make, layers, device, kinds, monkeypatch):
-    """Layers alike but for their attention type (sliding window or full): extended from copies of the first ones, with
-    a copy whose last block is one of the other kind checked to hold the same, figure for figure; the plan is the one
-    the whole model's trace gives, to the byte (for CUDA the allocator's reserved bytes). They used to be traced whole
-    ("not alike")."""
+def gemma2(layers):
+    """Gemma-2: sliding-window and full-attention layers alternating, eager attention (its default: both masks held)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, vocab_size=500, max_position_embeddings=256, sliding_window=16)
+    config._attn_implementation = "eager"
+    return Gemma2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("make, layers, kinds", [
+    (qwen3_alternating, 12, "self_attn.layer_type, self_attn.sliding_window"),
+    (gemma2, 16, "self_attn.layer_type, self_attn.sliding_window"),
+], ids=["qwen3-layer-types", "gemma2-eager"])
+def test_layers_of_two_attention_types_are_extended_where_each_kind_holds_the_same(make, layers, kinds, monkeypatch):
+    """Layers alike but for their attention type (sliding window or full), each holding a mask of one size (padded
+    batches; Gemma-2's eager attention): extended from copies of the first ones, with a copy whose last block is one of
+    the other kind (and the config's layer_types, which the model reads by the block's place, saying so) checked to hold
+    the same, figure for figure; the plan is the one the whole model's trace gives, to the byte. They used to be traced
+    whole ("not alike"); for a CUDA target they still are (said)."""
     loader = [text_batch(8, 64, seed=s) for s in range(2)]
     model = make(layers)
     types = {layer.self_attn.sliding_window is None for layer in model.model.layers}
     assert types == {True, False}  # both kinds in the stack, the test's premise
-    extended, reference = plan_both(lambda: make(layers), loader, monkeypatch, device=device, target_batch=4096,
-                                    memory_limit="100MiB" if device == "cpu" else "1GiB", **({"precision": "bf16"} if device == "cuda" else {}))
+    extended, reference = plan_both(lambda: make(layers), loader, monkeypatch, target_batch=4096, memory_limit="100MiB")
     note = next(n for n in extended.notes if n.startswith("the estimate traced model.layers"))
     assert f"(2 kinds of blocks, alike but for {kinds}: each checked to add the same bytes" in note, note
     assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
     assert 4 < extended.micro_batch < 4096
+    found, why = stacks.repeated_stacks(SimpleNamespace(model=model, device=torch.device("cuda")))
+    assert found == [] and f"the blocks of model.layers are not alike ({layers // 2} of {layers} differ from the last)" in why
+
+
+def test_gemma3_s_full_layers_hold_less_than_its_sliding_ones_so_it_is_traced_whole(monkeypatch):
+    """Gemma-3 without padding: a full-attention layer runs without a mask, a sliding one with its window's (the model
+    picks each layer's mask by its place in config.layer_types), so a copy with a full layer last holds less than the
+    deepest copy; the whole model is traced and the note says why. Extended as if every layer were sliding, the plan
+    held 2% more than the model does (the swapped layer had been given the sliding mask of the place it took)."""
+    ids = torch.randint(0, 500, (1, 128), generator=torch.Generator().manual_seed(0))
+    loader = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+    extended, reference = plan_both(lambda: gemma3_text(18), loader, monkeypatch, target_batch=4096, memory_limit="100MiB")
+    assert any("traced the whole model" in n and "a block of another kind last in the deepest copy makes" in n for n in extended.notes), extended.notes
+    assert (extended.micro_batch, extended.peak_memory) == (reference.micro_batch, reference.peak_memory)
 
 
 class Gated(nn.Module):

@@ -44,28 +44,25 @@ _tokens = _count_or("max", "the tokens of a sample (e.g. 2048)")
 _shard_count = _count_or("auto", "a number of devices (e.g. 8)")
 
 
-def _checkpointing(value: str) -> bool | int | str:
-    """An argparse type: ``--checkpointing`` alone (every block; see :class:`_ReportParser`), ``auto`` or a count of blocks."""
-    if value == "auto":
-        return value
+def _whole(value: str, what: str) -> int:
+    """``value`` as a count, 0 or more; else argparse's error, asking for ``what``."""
     try:
         count = int(value)
     except ValueError:
         count = -1
     if count < 0:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give auto, a number of blocks (e.g. 12, 0 for none), or nothing for every block")
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give {what}")
     return count
+
+
+def _checkpointing(value: str) -> bool | int | str:
+    """An argparse type: ``--checkpointing`` alone (every block; see :class:`_ReportParser`), ``auto`` or a count of blocks."""
+    return value if value == "auto" else _whole(value, "auto, a number of blocks (e.g. 12, 0 for none), or nothing for every block")
 
 
 def _images(value: str) -> int:
     """An argparse type: a count of images a sample, 0 or more."""
-    try:
-        count = int(value)
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: give the images of a sample (e.g. 1, 0 for text alone)")
-    return count
+    return _whole(value, "the images of a sample (e.g. 1, 0 for text alone)")
 
 
 class _ReportParser(argparse.ArgumentParser):

@@ -44,10 +44,11 @@ whatever the depth: 32 or 80 layers cost what 9 or 12 do; a stack of fewer block
 differ (mixed block types, a setting with many values block to block), is traced whole.
 
 Blocks alike but for a setting that names their kind (Gemma-2's and Gemma-3's sliding and full attention layers,
-Qwen3's ``layer_types``; :mod:`autotune.probe.stacks`) are extended as one kind where they are measured to be one: a
-copy as deep as the deepest, with a block of each other kind last in place of its own, must make every figure the
-deepest copy makes (its pieces' points, its held bytes, for a CUDA target its allocator's replay), or the whole model is
-traced. The cost is one copy more for each other kind.
+Qwen3's ``layer_types``; :mod:`autotune.probe.stacks`) are extended for the CPU as one kind where they are measured to
+be one: a copy as deep as the deepest, with a block of each other kind last in place of its own (and the config's
+``layer_types`` saying so), must make every figure the deepest copy makes (its pieces' points, its held bytes), or the
+whole model is traced; that copy is traced first, so a kind that differs costs two copies' traces. For a CUDA target
+such a stack is traced whole: the allocator's replay must hold to the byte, and the kinds differ by a few hundred bytes.
 
 Why this is long: :class:`DepthEstimator` is one class of about 370 lines: the Estimator's interface (the
 methods the probe, the what-if table, the shard plan and the shape model call) over the copies, with
@@ -248,23 +249,20 @@ class DepthEstimator:
         """Each piece of the full model's step (:func:`_pieces`), from the copies' pieces ``values(copy)``:
         a piece of the same operations in every copy point by point, any other its maximum (the points
         it holds, earlier blocks' forward or backward, are below the marked block's)."""
-        found = {id(e): values(e) for e in self._parts if e not in self.kinds}
-        for other in self.kinds:  # a block out of its place may not run (a layer index read against the copy's depth)
+        found = {id(self.check): values(self.check)}
+        for other in self.kinds:  # first: where a kind holds other bytes, the shallower copies are not traced
             try:
                 found[id(other)] = values(other)
-            except Exception as exc:
+            except Exception as exc:  # a block out of its place may not run (a layer index read against the copy's depth)
                 raise Deviates(f"a block of another kind last in the deepest copy does not run there ({type(exc).__name__})") from None
+            _same_kind(found[id(other)], found[id(self.check)])
+        found.update({id(e): values(e) for e in (self.base, *self.steps)})
         if len({len(v) for v in found.values()}) != 1:
             raise Deviates("the copies' steps do not run their blocks alike")
         out = []
         alike = [e for e in self._parts if e not in self.kinds]
         for i in range(len(found[id(self.base)])):
             deepest = found[id(self.check)][i]
-            for other in self.kinds:  # the same operations as the deepest copy's, or at least its highest point
-                there = found[id(other)][i]
-                if len(there) != len(deepest) and abs(max(there, default=0) - max(deepest, default=0)) > TOLERANCE_BYTES:
-                    raise Deviates(f"a block of another kind last in the deepest copy makes {max(there, default=0):.0f} bytes "
-                                   f"of its {max(deepest, default=0):.0f}")
             if len({len(found[id(e)][i]) for e in alike}) == 1 and all(len(found[id(k)][i]) == len(deepest) for k in self.kinds):
                 out.append([self._extend(lambda e, i=i, j=j: found[id(e)][i][j]) for j in range(len(found[id(self.base)][i]))])
             else:
@@ -412,11 +410,6 @@ class DepthEstimator:
                 if (again.reserved, again.allocated) != (own.reserved, own.allocated):
                     raise Deviates(f"the allocator's replay made for the deepest copy at micro-batch {b} reserves "
                                    f"{again.reserved} bytes, its own {own.reserved}")
-                for other in self.kinds:
-                    there = other.allocator(b, template=template)
-                    if (there.reserved, there.allocated) != (own.reserved, own.allocated):
-                        raise Deviates(f"a block of another kind last in the deepest copy reserves {there.reserved} bytes "
-                                       f"at micro-batch {b}, the deepest copy {own.reserved}")
                 self._checked.add(key)
             made = self._allocator_events(b, template, extra=self.reach[0] - 1)
         except Deviates as why:
@@ -480,6 +473,18 @@ class DepthEstimator:
         if self._whole is not None:
             return dict(self._whole.unlearned)
         return {k: v for part in self._parts for k, v in part.unlearned.items()}
+
+
+def _same_kind(there: list[list[float]], deepest: list[list[float]]) -> None:
+    """The pieces of the deepest copy with a block of another kind last (``there``) hold what the deepest copy's hold:
+    point by point where they run as many operations, else at their highest point; else :class:`Deviates`."""
+    if len(there) != len(deepest):
+        raise Deviates("a block of another kind last in the deepest copy does not run its step alike")
+    for ours, theirs in zip(deepest, there):
+        pairs = list(zip(ours, theirs)) if len(ours) == len(theirs) else [(max(ours, default=0), max(theirs, default=0))]
+        for a, b in pairs:
+            if abs(a - b) > max(TOLERANCE_BYTES, TOLERANCE * abs(a)):
+                raise Deviates(f"a block of another kind last in the deepest copy makes {b:.0f} bytes of its {a:.0f}")
 
 
 def _pieces(trace: Any) -> list[list[int]]:

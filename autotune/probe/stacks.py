@@ -120,13 +120,12 @@ def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
         prefix = _prefix(shapes)
         kinds: tuple[tuple[int, ...], ...] = ()
         least = 12 if work.device.type == "cuda" else 9  # blocks the copies trace past the prefix, three times over
-        if 3 * prefix + least >= len(module):  # blocks that may be alike but for their kind (checked on copies: DepthEstimator)
+        # Blocks that may be alike but for their kind, checked on copies (DepthEstimator). Not for a CUDA target: there the
+        # allocator's replay must hold to the byte, and kinds differ by a few hundred bytes (a mask's rounding)
+        if 3 * prefix + least >= len(module) and work.device.type != "cuda":
             loose = _shapes(list(module), _settings_that_vary(list(module)))
             if 3 * _prefix(loose) + least < len(module) and 1 < len(set(shapes[_prefix(loose):])) <= 3:  # a copy more for each kind
                 prefix = _prefix(loose)
-                if work.device.type == "cuda":  # kinds that alternate in the copies: the first of each but the last kept whole,
-                    # as a kind's first block may allocate what its later ones reuse, which the allocator's events show
-                    prefix = max(shapes.index(kind, prefix) for kind in set(shapes[prefix:prefix + 5]))
                 kinds = tuple(tuple(i for i in range(prefix, len(shapes)) if shapes[i] == kind)
                               for kind in dict.fromkeys(shapes[prefix:]))
         if 3 * prefix + least >= len(module):  # no fewer blocks traced than the whole stack
@@ -201,16 +200,23 @@ def base_depth(stack: Stack, device_type: str) -> int:
 def truncated(model: nn.Module, depths: dict[str, int], last: dict[str, int] | None = None) -> nn.Module:
     """A shallow copy of ``model`` whose lists at ``depths``' paths keep their first blocks only: the same
     parameters and buffers (shared, not copied), the modules on the way to each list copied. ``last``: for a list's
-    path, the index of the block put last in its copy, in place of the block there (a block of another kind)."""
+    path, the index of the block put last in its copy, in place of the block there (a block of another kind); a config
+    on the way to the list that holds a setting per block (Transformers' ``layer_types``, which the model reads by the
+    block's place: ``causal_mask_mapping[config.layer_types[i]]``) is copied with the swapped block's setting in its place."""
+    swaps = {path: (depths[path] - 1, i, len(model.get_submodule(path))) for path, i in (last or {}).items()}
 
     def cut(module: nn.Module, path: str) -> nn.Module:
         made = copy.copy(module)
         if path in depths:
             made._modules = dict(list(module._modules.items())[: depths[path]])
-            if last and path in last:
-                made._modules[str(depths[path] - 1)] = module._modules[str(last[path])]
+            if path in swaps:
+                made._modules[str(depths[path] - 1)] = module._modules[str(swaps[path][1])]
             return made
         made._modules = dict(module._modules)
+        config = vars(module).get("config")
+        for inner, (place, i, depth) in swaps.items():
+            if config is not None and (not path or inner.startswith(path + ".")):
+                made.config = config = _swapped(config, place, i, depth)
         for name, child in module._modules.items():
             inner = f"{path}.{name}" if path else name
             if child is not None and any(p == inner or p.startswith(inner + ".") for p in depths):
@@ -218,3 +224,16 @@ def truncated(model: nn.Module, depths: dict[str, int], last: dict[str, int] | N
         return made
 
     return cut(model, "")
+
+
+def _swapped(config: Any, place: int, i: int, depth: int) -> Any:
+    """A copy of ``config`` whose settings per block (lists of ``depth`` entries) hold block ``i``'s at ``place``."""
+    per_block = {k: v for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == depth}
+    if not per_block:
+        return config
+    made = copy.copy(config)
+    for key, value in per_block.items():
+        changed = list(value)
+        changed[place] = value[i]
+        setattr(made, key, type(value)(changed))
+    return made
