@@ -230,9 +230,9 @@ def test_the_config_path_refuses_bad_input_naming_the_fix(argv, message, capsys,
 
 _TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
 _TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
-# Small configs of three vision-language families, and the tokens an image of 56x56 becomes by each one's published rule:
+# Small configs of four vision-language families, and the tokens an image of 56x56 becomes by each one's published rule:
 # LLaVA, the tower's patches less its CLS token ((56 / 14)^2); Gemma-3, its mm_tokens_per_image; Mistral-3, Pixtral's
-# patches merged 2x2 ((56 / 14 / 2)^2).
+# patches merged 2x2 ((56 / 14 / 2)^2); PaliGemma, SigLIP's patches ((56 / 14)^2).
 VISION_LANGUAGE = {
     "llava": ({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 299, "torch_dtype": "float32",
                "text_config": {"model_type": "llama", **_TEXT}, "vision_config": {"model_type": "clip_vision_model", **_TOWER}}, 16),
@@ -241,6 +241,9 @@ VISION_LANGUAGE = {
                 "text_config": {"model_type": "gemma3_text", **_TEXT, "head_dim": 16}, "vision_config": {"model_type": "siglip_vision_model", **_TOWER}}, 4),
     "mistral3": ({"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "image_token_index": 299, "spatial_merge_size": 2,
                   "torch_dtype": "float32", "text_config": {"model_type": "mistral", **_TEXT}, "vision_config": {"model_type": "pixtral", **_TOWER}}, 4),
+    "paligemma": ({"architectures": ["PaliGemmaForConditionalGeneration"], "model_type": "paligemma", "image_token_index": 299, "projection_dim": 64,
+                   "hidden_size": 64, "vocab_size": 300, "torch_dtype": "float32", "text_config": {"model_type": "gemma", **_TEXT, "head_dim": 16},
+                   "vision_config": {"model_type": "siglip_vision_model", **_TOWER, "projection_dim": 64}}, 16),
 }
 
 
@@ -255,7 +258,7 @@ def _config_dir(tmp_path, name, config):
 
 @pytest.mark.parametrize("family", sorted(VISION_LANGUAGE))
 def test_the_cli_plans_a_vision_language_model_on_an_image_and_its_tokens_as_the_api_does(capsys, monkeypatch, tmp_path, family):
-    """A vision-language config (LLaVA, Gemma-3, Mistral-3): each sample holds an image of the tower's size, its tokens
+    """A vision-language config (LLaVA, Gemma-3, Mistral-3, PaliGemma): each sample holds an image of the tower's size, its tokens
     (by the family's own rule) among --tokens, where the command line planned text alone and said nothing; the plan is
     the API's for the model with weights on that batch, to the byte, and more than text alone holds. --images 0 plans
     the text alone."""
@@ -277,7 +280,7 @@ def test_the_cli_plans_a_vision_language_model_on_an_image_and_its_tokens_as_the
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(1, 3, 56, 56, generator=g), "labels": labels}
     if family == "mistral3":
         batch["image_sizes"] = torch.tensor([[56, 56]])
-    if family == "gemma3":
+    if family in ("gemma3", "paligemma"):
         batch["token_type_ids"] = (ids == 299).long()
     assert model(**batch).loss.isfinite()  # the batch is one the model takes
     reference = autotune.plan(model, [batch], target_batch=64, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),

@@ -96,7 +96,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokens", type=_tokens, metavar="N|max", help="with --hf-config: tokens per sample of the synthetic batch (default "
                    "2048, or the model's longest if less); max: the longest sample that fits at micro-batch 1, planned at it")
     r.add_argument("--images", type=_images, metavar="N", help="with --hf-config of a vision-language model (LLaVA, Gemma-3, "
-                   "PaliGemma, Mistral-3, Idefics-3): images per sample, of its vision tower's size, their tokens among --tokens "
+                   "PaliGemma, Mistral-3): images per sample, of its vision tower's size, their tokens among --tokens "
                    "(default 1; 0: text alone)")
     r.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R on the frozen model (PEFT) instead of every weight")
     r.add_argument("--lora-modules", metavar="NAMES", help="with --lora: the modules to adapt, comma-separated (e.g. q_proj,v_proj), or "
