@@ -1,12 +1,13 @@
 """The synthetic batches of ``--hf-config`` models that take images: an image classifier's (one image and a class) and
 a vision-language model's (a sample of ``--tokens`` tokens, an image's placeholder tokens among them, the image beside).
 
-A vision-language model (LLaVA, Gemma-3, PaliGemma, Mistral-3, Idefics-3 and their kin in Transformers) runs its vision
+A vision-language model (LLaVA, Gemma-3, PaliGemma, Mistral-3 and their kin in Transformers) runs its vision
 tower on each image, projects the features to the language model's width and puts them in place of the image's
 placeholder tokens, so an image costs the tower's activations and a run of the sample's tokens. How many tokens an image
 becomes is the model's own (Gemma-3's 256, LLaVA-1.5's 576, a Mistral-3 image's patches merged): it is read from the
-model itself, by running its ``get_image_features`` on an image of the vision tower's size (on the meta device for a
-model without weights: shapes alone). Its labels are -100 there, as the vision-language collators set them.
+model itself, by running its ``get_image_features`` on an image of the vision tower's size on fake tensors, as an
+estimate runs the model (a model without weights costs nothing). Its labels are -100 there, as the vision-language
+collators set them. Qwen2-VL and its kin, and Idefics-3 and SmolVLM, are not modelled (:func:`_unsupported` says why).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import inspect
 from typing import Any
 
 from autotune.cli.parser import UsageError
+from autotune.planning.setting import image_placeholder
 
 __all__ = ["classifier_batch", "tokens_per_image", "vision_language_batch"]
 
@@ -46,18 +48,18 @@ def classifier_batch(args: argparse.Namespace, model: Any) -> dict[str, Any] | N
 
 
 def vision_language_batch(args: argparse.Namespace, model: Any, batch: dict[str, Any],
-                          counted: tuple[int | None, str | None] | None = None) -> tuple[dict[str, Any], str | None]:
+                          counted: tuple[int | None, str | None]) -> tuple[dict[str, Any], str | None]:
     """``batch`` (one sample of token ids and labels) with an image in it (``--images``: 1, the default for a
     vision-language model, or 0): its placeholder tokens at the sample's start (labels -100) and its ``pixel_values`` of
-    the vision tower's size; and a note where the model takes images but the batch has none. A model without a vision tower gets ``batch``
-    as it was (``--images`` refused); a count the model's batches cannot hold is refused, with why and the fix. ``counted``:
-    :func:`tokens_per_image` of the model before it was quantized, else counted here."""
+    the vision tower's size; and a note where the model takes images but the batch has none. A model without a vision
+    tower gets ``batch`` as it was (``--images`` refused); a count the model's batches cannot hold is refused, with why and the fix. ``counted``:
+    :func:`tokens_per_image` of the model before it was quantized."""
     import torch
 
     base = getattr(model, "get_base_model", lambda: model)()  # under PEFT's wrapper
     name, config = type(base).__name__, base.config
     vision = getattr(config, "vision_config", None)
-    placeholder = next((v for v in (getattr(config, "image_token_id", None), getattr(config, "image_token_index", None)) if v is not None), None)
+    placeholder = image_placeholder(config)
     if vision is None:
         if args.images:
             raise UsageError(f"Invalid --images {args.images}: {name} takes no images (its config has no vision tower); leave --images out")
@@ -65,7 +67,7 @@ def vision_language_batch(args: argparse.Namespace, model: Any, batch: dict[str,
     if args.images == 0:
         return batch, None
     params = inspect.signature(base.forward).parameters
-    each, why = counted if counted is not None else tokens_per_image(model)
+    each, why = counted
     if why is None and placeholder is None:
         why = f"{name}'s config names no image placeholder token (image_token_id), which marks where an image's features go"
     if why is not None or each is None:

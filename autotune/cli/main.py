@@ -135,7 +135,8 @@ def _report(args: argparse.Namespace) -> int:
     if args.shard is not None:
         return _report_shards(args, model, loader, loss_fn, optimizer, device, on_device)
     facts, key_limit, limit_note = _device_facts(args, model, device, on_device)
-    notes = tuple(n for n in ("; ".join(n for n in (longest_note, limit_note) if n), described.get("note")) if n)
+    limit_note = "; ".join(n for n in (longest_note, limit_note) if n)
+    notes = tuple(n for n in (limit_note, described.get("note")) if n)
     key = _cache_key(args, model, described, lr=lr, facts=facts, key_limit=key_limit, base_batch=base_batch, lengths=lengths)
     try:
         plan, breakdown, cached = _plan_or_cached(args, key, model, loader, loss_fn, optimizer, device, on_device=on_device,

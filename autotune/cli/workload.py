@@ -176,9 +176,7 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     if args.precision is None and args.master_weights == "fp32" and dtype in (torch.bfloat16, torch.float16):
         args.precision = "bf16" if dtype == torch.bfloat16 else "fp16"  # fp32 master weights under the config's dtype's autocast
 
-    counted: dict[str, tuple[int | None, str | None]] = {}
-
-    def build() -> Any:
+    def build() -> tuple[Any, tuple[int | None, str | None]]:
         if "model_type" not in data:
             raise ValueError("the config has no model_type")
         fields = {k: v for k, v in data.items() if k != "quantization_config"}
@@ -192,18 +190,19 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
         with torch.device("meta"):
             model = cls(config).to(weights)
         model.config._attn_implementation = attention
-        if args.images != 0:  # an image's tokens, counted while every layer still runs on the meta device
-            counted["image"] = tokens_per_image(model)
+        # an image's tokens, counted while every layer still runs on the meta device
+        counted = tokens_per_image(model) if args.images != 0 else (None, None)
         if quantization is not None:
             from autotune.memory.quantized import quantize
 
             quantize(model, quantization)
-        return model
+        return model, counted
 
     from autotune.planning.lengths import max_length
     from autotune.planning.setting import attention_of
 
-    model = _checked_blocks(args, _with_lora(args, call_user(build, f"--hf-config {args.hf_config!r}", args.debug)))
+    model, counted = call_user(build, f"--hf-config {args.hf_config!r}", args.debug)
+    model = _checked_blocks(args, _with_lora(args, model))
     described = {"hf_config": data, "tokens": None, "lora": args.lora, "lora_modules": args.lora_modules, "quantize": args.quantize,
                  "master_weights": args.master_weights, "attention": attention_of(model), "fused_ce": args.fused_ce, "packing": args.packing}
     image = classifier_batch(args, model)
@@ -216,7 +215,7 @@ def _config_workload(args: argparse.Namespace) -> tuple[Any, Any, Callable[[Any,
     text = getattr(model.config, "get_text_config", lambda: model.config)()  # a vision-language model's: its language model's
     vocab = int(getattr(text, "vocab_size", None) or args.vocab_size)
     batch, loss_fn, head = _batch_for_head(model, tokens, vocab)
-    batch, note = vision_language_batch(args, model, batch, counted.get("image"))
+    batch, note = vision_language_batch(args, model, batch, counted)
     described = {**described, "images": args.images, "note": note}
     if args.fused_ce:
         if head != "causal LM":

@@ -115,12 +115,18 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torc
     return tuple(out)
 
 
+def image_placeholder(config: Any) -> int | None:
+    """The token id that marks an image's place among a vision-language model's tokens (its config's ``image_token_id``,
+    ``image_token_index`` in older configs), or None."""
+    return next((v for v in (getattr(config, "image_token_id", None), getattr(config, "image_token_index", None)) if v is not None), None)
+
+
 def _images_words(config: Any, batch: Any, tokens: int) -> str | None:
     """A vision-language batch's images, as ``"1 (3x896x896 pixels), 256 of the 1024 tokens"``: its ``pixel_values`` beside
     ``input_ids`` whose image placeholder (the config's ``image_token_id``) marks where each image's features go."""
     pixels = batch.get("pixel_values") if isinstance(batch, dict) else None
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
-    placeholder = next((v for v in (getattr(config, "image_token_id", None), getattr(config, "image_token_index", None)) if v is not None), None)
+    placeholder = image_placeholder(config)
     if not isinstance(pixels, torch.Tensor) or not isinstance(ids, torch.Tensor) or placeholder is None or pixels.dim() not in (4, 5) \
             or ids.device.type == "meta":
         return None

@@ -135,7 +135,7 @@ class DepthEstimator:
         deepest = {p: d + 2 for p, d in base.items()}
         self.check = make(_variant(work, deepest))
         # Blocks of other kinds (sliding and full attention): the deepest copy with a block of each other kind last, in
-        # place of its own, must hold what the deepest copy holds, figure for figure (_extend, allocator)
+        # place of its own, must hold what the deepest copy holds, figure for figure (_piecewise, _extend)
         swaps = [{s.path: i} for s in stacks for i in stand_ins(s, deepest[s.path])]
         self.kinds = [make(_variant(work, deepest, swap)) for swap in swaps]
         self.reach = [self.full[s.path] - base[s.path] for s in stacks]  # blocks to add, per stack
@@ -182,11 +182,11 @@ class DepthEstimator:
         base = figure(self.base)
         adds = [figure(s) - base for s in self.steps]
         predicted, traced = base + 2 * sum(adds), figure(self.check)
-        if abs(predicted - traced) > max(TOLERANCE_BYTES, TOLERANCE * abs(traced)):
+        if not _close(predicted, traced):
             raise Deviates(f"predicted {predicted:.0f} bytes for the deepest copy, traced {traced:.0f}")
         for other in self.kinds:
             there = figure(other)
-            if abs(there - traced) > max(TOLERANCE_BYTES, TOLERANCE * abs(traced)):
+            if not _close(there, traced):
                 raise Deviates(f"a block of another kind last in the deepest copy makes {there:.0f} bytes of its {traced:.0f}")
         return base + sum(n * a for n, a in zip(self.reach, adds))
 
@@ -260,7 +260,7 @@ class DepthEstimator:
         if len({len(v) for v in found.values()}) != 1:
             raise Deviates("the copies' steps do not run their blocks alike")
         out = []
-        alike = [e for e in self._parts if e not in self.kinds]
+        alike = [self.base, *self.steps, self.check]
         for i in range(len(found[id(self.base)])):
             deepest = found[id(self.check)][i]
             if len({len(found[id(e)][i]) for e in alike}) == 1 and all(len(found[id(k)][i]) == len(deepest) for k in self.kinds):
@@ -373,7 +373,7 @@ class DepthEstimator:
                 self.on_trace(_Extended(b, curve(b), sum(made)), not made)
             return True
         extended = self(b, template)
-        return abs(extended - curve(b)) <= max(TOLERANCE_BYTES, TOLERANCE * extended)
+        return _close(curve(b), extended)
 
     def _on_its_lines(self, b: int, template: Any) -> bool:
         """For a CUDA target: whether every allocation the deepest copy makes at ``b`` (its trace there) is the one its
@@ -475,6 +475,11 @@ class DepthEstimator:
         return {k: v for part in self._parts for k, v in part.unlearned.items()}
 
 
+def _close(figure: float, traced: float) -> bool:
+    """Whether ``figure`` is ``traced`` to within :data:`TOLERANCE` of it, or :data:`TOLERANCE_BYTES`."""
+    return abs(figure - traced) <= max(TOLERANCE_BYTES, TOLERANCE * abs(traced))
+
+
 def _same_kind(there: list[list[float]], deepest: list[list[float]]) -> None:
     """The pieces of the deepest copy with a block of another kind last (``there``) hold what the deepest copy's hold:
     point by point where they run as many operations, else at their highest point; else :class:`Deviates`."""
@@ -483,7 +488,7 @@ def _same_kind(there: list[list[float]], deepest: list[list[float]]) -> None:
     for ours, theirs in zip(deepest, there):
         pairs = list(zip(ours, theirs)) if len(ours) == len(theirs) else [(max(ours, default=0), max(theirs, default=0))]
         for a, b in pairs:
-            if abs(a - b) > max(TOLERANCE_BYTES, TOLERANCE * abs(a)):
+            if not _close(b, a):
                 raise Deviates(f"a block of another kind last in the deepest copy makes {b:.0f} bytes of its {a:.0f}")
 
 

@@ -31,7 +31,7 @@ from autotune.probe.attention import fused_attention
 from autotune.probe.compiled import run_eager
 from autotune.probe.experts import routed_experts
 
-__all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fake_state", "weak_function", "fingerprint", "forget_copies", "is_value", "keep_recent", "optimizer_for_device", "optimizer_signature",
+__all__ = ["KEEP", "Counter", "FakeCopy", "fake_copy", "fake_like", "fake_state", "weak_function", "fingerprint", "forget_copies", "is_value", "keep_recent", "optimizer_for_device", "optimizer_signature", "scalar_settings",
            "quiet_torch", "template_key"]
 
 # Operations on real integer tensors alone run for real when their results hold at most this many
@@ -231,10 +231,14 @@ def fingerprint(model: nn.Module) -> tuple[Any, ...]:
         getattr(getattr(model, "config", None), "_experts_implementation", None),
         # each module's settings outside its repr (a layer's attention type, a flag its forward reads): a block of
         # another kind swapped into a copy (autotune.probe.depth) is another model
-        tuple((name, tuple((k, v) for k, v in vars(m).items() if not k.startswith("_") and k != "training"
-                           and (v is None or isinstance(v, (bool, int, float, str)))))
-              for name, m in model.named_modules()),
+        tuple((name, tuple(scalar_settings(m).items())) for name, m in model.named_modules()),
     )
+
+
+def scalar_settings(module: nn.Module) -> dict[str, Any]:
+    """A module's own settings of one value (numbers, strings, flags, None), public ones, without ``training``."""
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and (v is None or isinstance(v, (bool, int, float, str)))}
 
 
 class FakeCopy:

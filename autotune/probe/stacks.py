@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from autotune.probe.fakes import scalar_settings
 from autotune.probe.trial import Workload
 
 __all__ = ["Stack", "base_depth", "deepest_copy", "kept_blocks", "kind_words", "repeated_stacks", "stacks_to_extend", "stand_ins", "truncated"]
@@ -30,7 +31,7 @@ class Stack:
         path: the ``nn.ModuleList``'s name in the model (``model.layers``).
         depth: its number of blocks.
         prefix: how many of its first blocks differ from the repeated ones (kept in every copy).
-        kinds: for blocks alike but for a few settings that take a value or two (an attention type per layer:
+        kinds: for blocks alike but for a few settings that take two or three values (an attention type per layer:
             Gemma-2's and Gemma-3's sliding and full layers, Qwen3's ``layer_types``), the indices of each kind's
             blocks; empty where every block is alike.
     """
@@ -100,9 +101,8 @@ def _settings_that_vary(blocks: list[nn.Module], most: int = 3) -> frozenset[tup
     seen: dict[tuple[str, str], set[str]] = defaultdict(set)
     for block in blocks:
         for name, module in block.named_modules():
-            for key, value in vars(module).items():
-                if not key.startswith("_") and key != "training" and (isinstance(value, (bool, int, float, str)) or value is None):
-                    seen[(name, key)].add(repr(value))
+            for key, value in scalar_settings(module).items():
+                seen[(name, key)].add(repr(value))
     return frozenset(k for k, values in seen.items() if 2 <= len(values) <= most)
 
 
@@ -121,11 +121,11 @@ def repeated_stacks(work: Workload) -> tuple[list[Stack], str | None]:
         kinds: tuple[tuple[int, ...], ...] = ()
         least = 12 if work.device.type == "cuda" else 9  # blocks the copies trace past the prefix, three times over
         # Blocks that may be alike but for their kind, checked on copies (DepthEstimator). Not for a CUDA target: there the
-        # allocator's replay must hold to the byte, and kinds differ by a few hundred bytes (a mask's rounding)
+        # allocator's replay must hold to the byte, and kinds differ by a few hundred bytes (512 on a small Gemma-2)
         if 3 * prefix + least >= len(module) and work.device.type != "cuda":
-            loose = _shapes(list(module), _settings_that_vary(list(module)))
-            if 3 * _prefix(loose) + least < len(module) and 1 < len(set(shapes[_prefix(loose):])) <= 3:  # a copy more for each kind
-                prefix = _prefix(loose)
+            loose = _prefix(_shapes(list(module), _settings_that_vary(list(module))))
+            if 3 * loose + least < len(module) and 1 < len(set(shapes[loose:])) <= 3:  # a copy more for each kind
+                prefix = loose
                 kinds = tuple(tuple(i for i in range(prefix, len(shapes)) if shapes[i] == kind)
                               for kind in dict.fromkeys(shapes[prefix:]))
         if 3 * prefix + least >= len(module):  # no fewer blocks traced than the whole stack
@@ -159,7 +159,7 @@ def kind_words(model: nn.Module, stack: Stack) -> str:
 
 def kept_blocks(stack: Stack, device_type: str) -> int:
     """The first blocks of ``stack`` a copy of the model must keep for :class:`DepthEstimator`'s copies: the deepest
-    copy's, and each block that stands for its kind in a copy (:func:`_stand_ins`)."""
+    copy's, and each block that stands for its kind in a copy (:func:`stand_ins`)."""
     deepest = deepest_copy(stack, device_type)
     return max([deepest, *(i + 1 for i in stand_ins(stack, deepest))])
 
